@@ -1,0 +1,1 @@
+"""session-backend: a vLLM-compatible inference server with an embedded, simulated engine core."""

@@ -1,0 +1,1 @@
+"""The embedded engine core: wire request, scheduler, prefix cache, per-session accounting."""

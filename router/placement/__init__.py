@@ -1,0 +1,1 @@
+"""Placement policies: one module per policy, chosen by name in the config."""
