@@ -55,3 +55,12 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):
     #: per-session Prometheus series are kept for this many most recently active sessions
     session_metrics_top_k: int = 50
     engine_index: int = 0
+    #: per-token probability that a sequence ends with eos_token_id (unless ignore_eos)
+    eos_probability: float = 0.01
+    #: P/D: this engine's id in kv_transfer_params (empty: "<model>-engine-<engine_index>")
+    kv_engine_id: str = ""
+    #: P/D: side-channel address reported as remote_host/remote_port (set by the server)
+    kv_host: str | None = None
+    kv_port: int | None = None
+    #: P/D: held blocks of a prefill-role request are freed after this long if never pulled
+    kv_hold_timeout_s: float = 480.0

@@ -1,1 +1,43 @@
 """Placement policies: one module per policy, chosen by name in the config."""
+
+from __future__ import annotations
+
+from router.errors import ConfigError
+from router.placement.base import Outcome, Placement, Policy, SessionPins
+from router.placement.least_loaded import LeastLoadedPolicy
+from router.placement.round_robin import RoundRobinPolicy
+from router.placement.session import SessionPolicy, check_load_settings, load_bound, session_score
+
+POLICY_NAMES = ("session", "round_robin", "least_loaded")
+
+__all__ = [
+    "POLICY_NAMES",
+    "LeastLoadedPolicy",
+    "Outcome",
+    "Placement",
+    "Policy",
+    "RoundRobinPolicy",
+    "SessionPins",
+    "SessionPolicy",
+    "check_load_settings",
+    "load_bound",
+    "make_policy",
+    "session_score",
+]
+
+
+def make_policy(name: str, *, load_factor: float, reported_load_weight: float) -> Policy:
+    """The policy called ``name`` (``session``, ``round_robin`` or ``least_loaded``).
+
+    Raises ``ConfigError`` for an unknown name or a bad ``load_factor`` (< 1) or
+    ``reported_load_weight`` (< 0); ``load_factor`` is checked for every policy so that a bad
+    config fails the same way whichever policy it names.
+    """
+    check_load_settings(load_factor, reported_load_weight)
+    if name == "session":
+        return SessionPolicy(load_factor=load_factor, reported_load_weight=reported_load_weight)
+    if name == "round_robin":
+        return RoundRobinPolicy()
+    if name == "least_loaded":
+        return LeastLoadedPolicy(reported_load_weight=reported_load_weight)
+    raise ConfigError(f"policy = {name!r}: unknown placement policy; choose one of {', '.join(POLICY_NAMES)}")

@@ -1,0 +1,93 @@
+"""Driving one engine request from a handler: to the end (non-stream) or frame by frame (SSE).
+
+Both paths close the engine stream in ``finally``: a client that disconnects (the handler is
+cancelled, a write fails, or the transport is gone when an output arrives) aborts the engine
+request at once, and so does a request whose choices all ended on a stop string.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import msgspec
+from aiohttp import web
+
+from backends.engine.outputs import RequestOutput
+from backends.engine.request import EngineCoreRequest
+from backends.serving import Choice, Frontend, GenerationRun
+from backends.sse import DONE, data_frame
+from router.errors import error_body
+
+log = logging.getLogger(__name__)
+
+
+class ClientDisconnected(Exception):
+    """The client went away while its request was running; nothing more is sent."""
+
+
+async def run_to_end(request: web.Request, fe: Frontend, ecr: EngineCoreRequest, run: GenerationRun) -> None:
+    """Consume the engine's outputs until the request finishes (non-streaming responses)."""
+    gen = fe.engine.generate(ecr)
+    fe.in_flight += 1
+    try:
+        async for out in gen:
+            run.apply(out)
+            if run.finished and not out.finished:
+                break  # every choice ended on a stop string: abort the rest
+            if request.transport is None:
+                raise ClientDisconnected
+    finally:
+        fe.in_flight -= 1
+        await gen.aclose()
+
+
+#: renders the frames of one engine step: (output, choices it moved) -> bytes to send (may be b"")
+StepRenderer = Callable[[RequestOutput, list[Choice]], bytes]
+#: renders what follows the last step (usage chunk, completion event, [DONE], ...)
+TailRenderer = Callable[[], bytes]
+
+
+async def stream_run(
+    resp: web.StreamResponse,
+    fe: Frontend,
+    ecr: EngineCoreRequest,
+    run: GenerationRun,
+    render_step: StepRenderer,
+    render_tail: TailRenderer,
+    done_marker: bool = True,
+) -> None:
+    """Write SSE frames as the engine produces them; end with the tail (and ``[DONE]``)."""
+    gen = fe.engine.generate(ecr)
+    fe.in_flight += 1
+    try:
+        async for out in gen:
+            frames = render_step(out, run.apply(out))
+            if frames:
+                await resp.write(frames)
+            if run.finished and not out.finished:
+                break  # every choice ended on a stop string: abort the rest
+        tail = render_tail()
+        if done_marker:
+            tail += DONE
+        await resp.write(tail)
+        await resp.write_eof()
+    except ConnectionResetError:
+        pass  # the client went away; ``finally`` aborts the engine request
+    except Exception:
+        log.exception("stream of %s failed", ecr.request_id)
+        try:
+            err = error_body(500, "The server failed while streaming this response; see its log.")
+            await resp.write(data_frame(err) + (DONE if done_marker else b""))
+        except ConnectionResetError:
+            pass
+    finally:
+        fe.in_flight -= 1
+        await gen.aclose()
+
+
+_json = msgspec.json.Encoder()
+
+
+def json_response(obj: object, headers: dict[str, str], status: int = 200) -> web.Response:
+    return web.Response(body=_json.encode(obj), status=status, content_type="application/json", headers=headers)

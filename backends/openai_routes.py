@@ -1,0 +1,418 @@
+"""``POST /v1/completions``, ``/v1/chat/completions`` and ``/inference/v1/generate``.
+
+Each handler decodes its body Struct, resolves the session (the shared contract: body >
+``X-Session-ID`` > ``vllm_xargs`` on the OpenAI routes; the header only on the tokens route),
+builds ONE ``EngineCoreRequest`` (``n`` children are fanned out by the engine) and answers in
+vLLM's shapes, streaming or not.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from backends.engine.outputs import RequestOutput
+from backends.generation import json_response, run_to_end, stream_run
+from backends.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamResponse,
+    ChatMessage,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamResponse,
+    DeltaMessage,
+    GenerateChoice,
+    GenerateRequest,
+    GenerateResponse,
+    GenerateStreamResponse,
+)
+from backends.serving import (
+    REQUEST_ID_HEADER,
+    Choice,
+    Frontend,
+    GenerationRun,
+    check_prompt_ids,
+    decode_body,
+    engine_request,
+    resolve_max_tokens,
+    sampling_params,
+    stop_list,
+)
+from backends.sse import data_frame, open_stream
+from backends.state import FRONTEND
+from backends.tokenizer import Tokenizer
+from router.errors import BadRequestError
+from router.session import SESSION_HEADER, resolve_session_id, session_from_headers
+
+_completion_decoder = msgspec.json.Decoder(CompletionRequest)
+_chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)
+_generate_decoder = msgspec.json.Decoder(GenerateRequest)
+_enc = msgspec.json.Encoder()
+
+
+def reply_headers(request_id: str, session_id: str | None) -> dict[str, str]:
+    if session_id is None:
+        return {REQUEST_ID_HEADER: request_id}
+    return {REQUEST_ID_HEADER: request_id, SESSION_HEADER: session_id}
+
+
+# ---- prompts -----------------------------------------------------------------------------------
+
+
+def completion_prompt(tokenizer: Tokenizer, prompt: str | list[Any] | None) -> tuple[list[int], str | None]:
+    """Token ids (and text, when given as text) of a completion ``prompt``."""
+    if prompt is None:
+        raise BadRequestError("Field required: prompt (a string or a list of token ids).", param="prompt")
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt, add_bos=True), prompt
+    if not prompt:
+        raise BadRequestError("The prompt cannot be empty; send a string or token ids.", param="prompt")
+    first = prompt[0]
+    if type(first) is int:
+        ids = prompt
+    elif len(prompt) != 1:
+        raise BadRequestError(
+            f"This backend takes one prompt per request; got a batch of {len(prompt)} prompts.",
+            param="prompt",
+        )
+    elif isinstance(first, str):
+        return tokenizer.encode(first, add_bos=True), first
+    elif isinstance(first, list):
+        ids = first
+    else:
+        ids = prompt  # reported below as not a token id
+    for t in ids:
+        if type(t) is not int:
+            raise BadRequestError(
+                "prompt must be a string, a list of token ids (integers) or a list holding one of these; "
+                f"found {msgspec.json.encode(t).decode()[:40]}.",
+                param="prompt",
+            )
+    check_prompt_ids(tokenizer, ids, "prompt")
+    return ids, None
+
+
+def message_text(message: ChatMessage, index: int, param: str = "messages") -> str:
+    content = message.content
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts: list[str] = []
+    for part in content:
+        if part.type not in ("text", "input_text", "output_text") or part.text is None:
+            raise BadRequestError(
+                f"{param}[{index}].content: only text parts are supported by this backend, got a "
+                f"part of type {part.type!r}.",
+                param=param,
+            )
+        texts.append(part.text)
+    return "\n".join(texts)
+
+
+def chat_prompt(
+    tokenizer: Tokenizer, messages: list[ChatMessage] | None, add_generation_prompt: bool = True
+) -> list[int]:
+    if not messages:
+        raise BadRequestError("messages must be a non-empty list of chat messages.", param="messages")
+    conversation = [(m.role, message_text(m, i)) for i, m in enumerate(messages)]
+    try:
+        return tokenizer.apply_chat_template(conversation, add_generation_prompt)
+    except ValueError as exc:
+        raise BadRequestError(f"messages: {exc}.", param="messages") from None
+
+
+# ---- /v1/completions --------------------------------------------------------------------------
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    fe = request.app[FRONTEND]
+    body: CompletionRequest = decode_body(await request.read(), _completion_decoder)
+    session = resolve_session_id(body.session_id, request.headers.getall(SESSION_HEADER, ()), body.vllm_xargs)
+    fe.check_model(body.model)
+    base = fe.base_request_id(request, body.request_id)
+    prompt_ids, prompt_text = completion_prompt(fe.tokenizer, body.prompt)
+    max_tokens = resolve_max_tokens(fe.config, len(prompt_ids), body.max_tokens, "max_tokens")
+    stops = stop_list(body.stop)
+    params = sampling_params(
+        fe.config, n=body.n, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+        seed=body.seed, max_tokens=max_tokens, min_tokens=body.min_tokens, stop=stops,
+        stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
+        kv_transfer_params=body.kv_transfer_params, final_only=not body.stream,
+    )
+    response_id = f"cmpl-{base}"
+    ecr = engine_request(fe, external_id=response_id, prompt_ids=prompt_ids, params=params,
+                         session_id=session, cache_salt=body.cache_salt, priority=body.priority)
+    run = GenerationRun(fe.tokenizer, body.n, stops)
+    headers = reply_headers(base, session)
+    created = int(time.time())
+    model = fe.config.model
+    want_ids = bool(body.return_token_ids)
+    echo = prompt_text if body.echo else None
+    if body.echo and prompt_text is None:
+        echo = fe.tokenizer.decode(prompt_ids)
+
+    if not body.stream:
+        await run_to_end(request, fe, ecr, run)
+        choices = [
+            CompletionChoice(
+                index=c.index,
+                text=(echo + run.final_text(c)) if echo is not None else run.final_text(c),
+                logprobs=None,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+                prompt_token_ids=prompt_ids if want_ids else msgspec.UNSET,
+                token_ids=c.token_ids if want_ids else msgspec.UNSET,
+            )
+            for c in run.choices
+        ]
+        return json_response(
+            CompletionResponse(id=response_id, created=created, model=model, choices=choices, usage=run.usage(),
+                               system_fingerprint=fe.fingerprint, kv_transfer_params=run.kv_transfer_params),
+            headers,
+        )
+
+    opts = body.stream_options
+    include_usage = bool(opts and opts.include_usage)
+    continuous = include_usage and bool(opts and opts.continuous_usage_stats)
+    started: set[int] = set()
+
+    def step(out: RequestOutput, moved: list[Choice]) -> bytes:
+        frames = b""
+        for c in moved:
+            text = run.stream_text(c)
+            first = c.index not in started
+            if first:
+                started.add(c.index)
+                if echo is not None:
+                    text = echo + text
+            if not text and not c.done and not want_ids:
+                continue
+            chunk = CompletionStreamResponse(
+                id=response_id, created=created, model=model,
+                choices=[CompletionChoice(
+                    index=c.index, text=text, logprobs=None,
+                    finish_reason=c.finish_reason if c.done else None,
+                    stop_reason=c.stop_reason if c.done else None,
+                    prompt_token_ids=prompt_ids if (want_ids and first) else msgspec.UNSET,
+                    token_ids=c.last_ids if want_ids else msgspec.UNSET,
+                )],
+                usage=run.usage() if continuous else msgspec.UNSET,
+            )
+            frames += data_frame(_enc.encode(chunk))
+        return frames
+
+    def tail() -> bytes:
+        if not include_usage:
+            return b""
+        chunk = CompletionStreamResponse(id=response_id, created=created, model=model, choices=[], usage=run.usage())
+        return data_frame(_enc.encode(chunk))
+
+    resp = await open_stream(request, headers)
+    await stream_run(resp, fe, ecr, run, step, tail)
+    return resp
+
+
+# ---- /v1/chat/completions ---------------------------------------------------------------------
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    fe = request.app[FRONTEND]
+    body: ChatCompletionRequest = decode_body(await request.read(), _chat_decoder)
+    session = resolve_session_id(body.session_id, request.headers.getall(SESSION_HEADER, ()), body.vllm_xargs)
+    fe.check_model(body.model)
+    base = fe.base_request_id(request, body.request_id)
+    prompt_ids = chat_prompt(fe.tokenizer, body.messages, body.add_generation_prompt)
+    if body.max_completion_tokens is not None:
+        max_tokens = resolve_max_tokens(fe.config, len(prompt_ids), body.max_completion_tokens, "max_completion_tokens")
+    else:
+        max_tokens = resolve_max_tokens(fe.config, len(prompt_ids), body.max_tokens, "max_tokens")
+    stops = stop_list(body.stop)
+    params = sampling_params(
+        fe.config, n=body.n, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+        seed=body.seed, max_tokens=max_tokens, min_tokens=body.min_tokens, stop=stops,
+        stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
+        kv_transfer_params=body.kv_transfer_params, final_only=not body.stream,
+    )
+    response_id = f"chatcmpl-{base}"
+    ecr = engine_request(fe, external_id=response_id, prompt_ids=prompt_ids, params=params,
+                         session_id=session, cache_salt=body.cache_salt, priority=body.priority)
+    run = GenerationRun(fe.tokenizer, body.n, stops)
+    headers = reply_headers(base, session)
+    created = int(time.time())
+    model = fe.config.model
+    want_ids = bool(body.return_token_ids)
+
+    if not body.stream:
+        await run_to_end(request, fe, ecr, run)
+        choices = [
+            ChatChoice(
+                index=c.index,
+                message=AssistantMessage(content=run.final_text(c)),
+                logprobs=None,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+                token_ids=c.token_ids if want_ids else msgspec.UNSET,
+            )
+            for c in run.choices
+        ]
+        return json_response(
+            ChatCompletionResponse(id=response_id, created=created, model=model, choices=choices,
+                                   usage=run.usage(), system_fingerprint=fe.fingerprint,
+                                   prompt_token_ids=prompt_ids if want_ids else msgspec.UNSET,
+                                   kv_transfer_params=run.kv_transfer_params),
+            headers,
+        )
+
+    opts = body.stream_options
+    include_usage = bool(opts and opts.include_usage)
+    continuous = include_usage and bool(opts and opts.continuous_usage_stats)
+    first_step = [True]
+
+    def chunk(choices: list[ChatStreamChoice], usage: bool = False, prompt: bool = False) -> bytes:
+        obj = ChatCompletionStreamResponse(
+            id=response_id, created=created, model=model, choices=choices,
+            usage=run.usage() if usage else msgspec.UNSET,
+            prompt_token_ids=prompt_ids if prompt else msgspec.UNSET,
+        )
+        return data_frame(_enc.encode(obj))
+
+    def step(out: RequestOutput, moved: list[Choice]) -> bytes:
+        frames = b""
+        if first_step[0]:  # vLLM sends each choice's role once the first output is there
+            first_step[0] = False
+            for i in range(body.n):
+                frames += chunk(
+                    [ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""),
+                                      logprobs=None, finish_reason=None)],
+                    usage=continuous, prompt=want_ids and i == 0,
+                )
+        for c in moved:
+            text = run.stream_text(c)
+            if not text and not c.done and not want_ids:
+                continue
+            frames += chunk(
+                [ChatStreamChoice(
+                    index=c.index, delta=DeltaMessage(content=text) if text else DeltaMessage(),
+                    logprobs=None,
+                    finish_reason=c.finish_reason if c.done else None,
+                    stop_reason=c.stop_reason if c.done else None,
+                    token_ids=c.last_ids if want_ids else msgspec.UNSET,
+                )],
+                usage=continuous,
+            )
+        return frames
+
+    def tail() -> bytes:
+        return chunk([], usage=True) if include_usage else b""
+
+    resp = await open_stream(request, headers)
+    await stream_run(resp, fe, ecr, run, step, tail)
+    return resp
+
+
+# ---- /inference/v1/generate (tokens in, tokens out) ----------------------------------------
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    """vLLM's scale-out route. Always enabled here; real vLLM needs ``--enable-scale-out``.
+
+    The session comes from the ``X-Session-ID`` header ONLY: ``GenerateRequest`` has no body field
+    (a body ``session_id`` is ignored, as in vLLM).
+    """
+    fe = request.app[FRONTEND]
+    body: GenerateRequest = decode_body(await request.read(), _generate_decoder)
+    session = session_from_headers(request.headers.getall(SESSION_HEADER, ()))
+    fe.check_model(body.model)
+    base = fe.base_request_id(request, body.request_id)
+    prompt_ids = body.token_ids
+    check_prompt_ids(fe.tokenizer, prompt_ids, "token_ids")
+    if body.cache_salt is not None and not 1 <= len(body.cache_salt) <= 1024:
+        raise BadRequestError("cache_salt must be 1 to 1024 characters long.", param="cache_salt")
+    sp = body.sampling_params
+    max_tokens = resolve_max_tokens(fe.config, len(prompt_ids), sp.max_tokens, "sampling_params.max_tokens")
+    stops = stop_list(sp.stop)
+    params = sampling_params(
+        fe.config, n=sp.n, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, seed=sp.seed,
+        max_tokens=max_tokens, min_tokens=sp.min_tokens, stop=stops, stop_token_ids=sp.stop_token_ids,
+        ignore_eos=sp.ignore_eos, kv_transfer_params=body.kv_transfer_params, final_only=not body.stream,
+    )
+    request_id = f"generate-tokens-{base}"
+    ecr = engine_request(fe, external_id=request_id, prompt_ids=prompt_ids, params=params,
+                         session_id=session, cache_salt=body.cache_salt, priority=body.priority)
+    run = GenerationRun(fe.tokenizer, sp.n, stops)
+    headers = reply_headers(base, session)
+    text_mode = body.output_mode == "text"
+    want_prompt = bool(body.return_token_ids)
+
+    if not body.stream:
+        await run_to_end(request, fe, ecr, run)
+        choices = [
+            GenerateChoice(
+                index=c.index, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                token_ids=c.token_ids,
+                text=run.final_text(c) if text_mode else msgspec.UNSET,
+            )
+            for c in run.choices
+        ]
+        return json_response(
+            GenerateResponse(request_id=request_id, model=fe.config.model, created=int(time.time()),
+                             usage=run.usage(), choices=choices, output_mode=body.output_mode,
+                             prompt_token_ids=prompt_ids if want_prompt else None,
+                             kv_transfer_params=run.kv_transfer_params),
+            headers,
+        )
+
+    opts = body.stream_options
+    include_usage = bool(opts and opts.include_usage)
+    continuous = include_usage and bool(opts and opts.continuous_usage_stats)
+    first = [True]
+
+    def step(out: RequestOutput, moved: list[Choice]) -> bytes:
+        choices = []
+        for c in moved:
+            text = run.stream_text(c) if text_mode else ""
+            if not c.last_ids and not c.done:
+                continue  # chunks with no new tokens are skipped
+            choices.append(GenerateChoice(
+                index=c.index, finish_reason=c.finish_reason if c.done else None,
+                stop_reason=c.stop_reason if c.done else None, token_ids=c.last_ids,
+                text=text if text_mode else msgspec.UNSET,
+            ))
+        if not choices:
+            return b""
+        obj = GenerateStreamResponse(
+            request_id=request_id, choices=choices, output_mode=body.output_mode,
+            usage=run.usage() if continuous else None,
+            prompt_token_ids=prompt_ids if (want_prompt and first[0]) else msgspec.UNSET,
+        )
+        first[0] = False
+        return data_frame(_enc.encode(obj))
+
+    def tail() -> bytes:
+        if not include_usage:
+            return b""
+        obj = GenerateStreamResponse(request_id=request_id, choices=[], output_mode=body.output_mode,
+                                     usage=run.usage())
+        return data_frame(_enc.encode(obj))
+
+    resp = await open_stream(request, headers)
+    await stream_run(resp, fe, ecr, run, step, tail)
+    return resp
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/inference/v1/generate", generate)
+
+
+__all__ = ["add_routes", "completion_prompt", "chat_prompt", "message_text", "reply_headers"]

@@ -1,0 +1,268 @@
+"""The aiohttp application of session-backend: app factory, error middleware, small routes.
+
+Routes (vLLM's, where a client or router can see them):
+
+- ``POST /v1/completions``, ``/v1/chat/completions``, ``/inference/v1/generate``  (``openai_routes``)
+- ``POST /v1/responses``, ``GET /v1/responses/{id}``                               (``responses_api``)
+- ``POST /tokenize``, ``/detokenize``; ``GET /v1/models``, ``/health``, ``/load``, ``/version``,
+  ``/metrics``, ``/v1/sessions``, ``/v1/sessions/{id}``                              (here)
+
+Every error is vLLM's JSON ``{"error": {"message", "type", "param", "code"}}``, produced in ONE
+place (``error_middleware``): the ``router.errors`` tree, aiohttp's 404/405/413, and anything
+unexpected (500, logged, no traceback in the body). Every response carries ``X-Request-Id``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import msgspec
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from backends import openai_routes, responses_api
+from backends.engine.outputs import EngineConfig
+from backends.generation import ClientDisconnected, json_response
+from backends.openai_routes import chat_prompt
+from backends.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    SessionEntry,
+    SessionList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from backends.responses_store import DEFAULT_MAX_ENTRIES, ResponseStore
+from backends.serving import REQUEST_ID_HEADER, REQUEST_ID_KEY, Frontend, decode_body
+from backends.state import ENGINE, FRONTEND
+from backends.tokenizer import Tokenizer
+from router.errors import BadRequestError, NotFoundError, SessionRouterError, error_body
+
+log = logging.getLogger(__name__)
+
+#: request bodies above this are a 413 (prompts of a long context fit easily)
+MAX_BODY_BYTES = 64 * 1024 * 1024
+DEFAULT_SESSIONS_LIMIT = 100
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+EngineFactory = Callable[[EngineConfig, CollectorRegistry], Any]
+
+
+def _error_response(status: int, body: bytes, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(body=body, status=status, content_type="application/json", headers=headers)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        resp = await handler(request)
+    except SessionRouterError as exc:
+        resp = _error_response(exc.status, exc.body())
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        resp = _http_error(request, exc)
+    except ClientDisconnected:
+        resp = web.Response(status=499)  # never sent: the client is gone
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        log.exception("unexpected error serving %s %s", request.method, request.path)
+        resp = _error_response(
+            500, error_body(500, "The server had an unexpected error while processing the request; see its log.")
+        )
+    if not resp.prepared and REQUEST_ID_HEADER not in resp.headers:
+        rid = request.get(REQUEST_ID_KEY) or request.headers.get(REQUEST_ID_HEADER)
+        if rid is None:
+            rid = request.app[FRONTEND].ids.next()
+        resp.headers[REQUEST_ID_HEADER] = rid
+    return resp
+
+
+def _http_error(request: web.Request, exc: web.HTTPException) -> web.Response:
+    status = exc.status
+    headers: dict[str, str] = {}
+    if status == 404:
+        message = f"Not Found: no route for {request.method} {request.path}."
+    elif status == 405:
+        allowed = sorted(getattr(exc, "allowed_methods", ()) or ())
+        message = f"Method Not Allowed: {request.method} {request.path}; use {', '.join(allowed) or 'another method'}."
+        if allowed:
+            headers["Allow"] = ", ".join(allowed)
+    elif status == 413:
+        message = f"Request body too large: the limit is {MAX_BODY_BYTES} bytes."
+    else:
+        message = exc.reason or exc.text or "HTTP error"
+    return _error_response(status, error_body(status, message), headers)
+
+
+# ---- small routes ---------------------------------------------------------------------------
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.Response(status=200)
+
+
+async def load(request: web.Request) -> web.Response:
+    return json_response({"server_load": request.app[FRONTEND].in_flight}, {})
+
+
+async def version(request: web.Request) -> web.Response:
+    return json_response({"version": request.app[FRONTEND].version}, {})
+
+
+async def models(request: web.Request) -> web.Response:
+    fe = request.app[FRONTEND]
+    card = ModelCard(id=fe.config.model, created=fe.created, root=fe.config.model,
+                     max_model_len=fe.config.max_model_len)
+    return json_response(ModelList(data=[card]), {})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    data = generate_latest(request.app[FRONTEND].registry)
+    return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def list_sessions(request: web.Request) -> web.Response:
+    fe = request.app[FRONTEND]
+    raw = request.query.get("limit")
+    limit = DEFAULT_SESSIONS_LIMIT
+    if raw is not None:
+        try:
+            limit = int(raw)
+        except ValueError:
+            limit = 0
+        if limit < 1:
+            raise BadRequestError(f"limit must be a positive integer, got {raw!r}.", param="limit")
+    limit = min(limit, fe.config.max_tracked_sessions)
+    data = [
+        SessionEntry(session_id=sid, requests=s.requests, prompt_tokens=s.prompt_tokens,
+                     cached_tokens=s.cached_tokens, generated_tokens=s.generated_tokens)
+        for sid, s in fe.engine.sessions.recent(limit)
+    ]
+    return json_response(SessionList(data=data, limit=limit, max_tracked_sessions=fe.config.max_tracked_sessions), {})
+
+
+async def get_session(request: web.Request) -> web.Response:
+    fe = request.app[FRONTEND]
+    session_id = request.match_info["session_id"]
+    stats = fe.engine.sessions.get(session_id)
+    if stats is None:
+        raise NotFoundError(
+            f"Session '{session_id}' is unknown to this backend (no finished request carried it, "
+            f"or it left the table of the {fe.config.max_tracked_sessions} most recently active sessions).",
+            param="session_id",
+        )
+    return json_response(
+        {"requests": stats.requests, "prompt_tokens": stats.prompt_tokens,
+         "cached_tokens": stats.cached_tokens, "generated_tokens": stats.generated_tokens},
+        {},
+    )
+
+
+_tokenize_decoder = msgspec.json.Decoder(TokenizeRequest)
+_detokenize_decoder = msgspec.json.Decoder(DetokenizeRequest)
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    fe = request.app[FRONTEND]
+    body: TokenizeRequest = decode_body(await request.read(), _tokenize_decoder)
+    fe.check_model(body.model)
+    tok = fe.tokenizer
+    if body.messages is not None:
+        # the chat form's add_special_tokens is moot: the template itself starts with <s>
+        ids = chat_prompt(tok, body.messages, body.add_generation_prompt)
+    elif body.prompt is not None:
+        ids = tok.encode(body.prompt, add_bos=body.add_special_tokens is not False)
+    else:
+        raise BadRequestError("Send either prompt (a string) or messages (a chat).", param="prompt")
+    return json_response(
+        TokenizeResponse(
+            count=len(ids), max_model_len=fe.config.max_model_len, tokens=ids,
+            token_strs=[tok.token_str(i) for i in ids] if body.return_token_strs else msgspec.UNSET,
+        ),
+        {},
+    )
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    fe = request.app[FRONTEND]
+    body: DetokenizeRequest = decode_body(await request.read(), _detokenize_decoder)
+    fe.check_model(body.model)
+    try:
+        text = fe.tokenizer.decode(body.tokens)
+    except ValueError as exc:
+        raise BadRequestError(f"tokens: {exc}.", param="tokens") from None
+    return json_response(DetokenizeResponse(prompt=text), {})
+
+
+# ---- the app factory ------------------------------------------------------------------------
+
+
+def engine_config_for(config: EngineConfig, tokenizer: Tokenizer) -> EngineConfig:
+    """``config`` with the generated-token range and eos taken from the tokenizer."""
+    return msgspec.structs.replace(
+        config,
+        gen_token_min=tokenizer.gen_token_min,
+        gen_token_max=tokenizer.gen_token_max,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+
+
+def _default_engine(config: EngineConfig, registry: CollectorRegistry) -> Any:
+    from backends.engine.client import AsyncEngine
+
+    return AsyncEngine(config, registry)
+
+
+def create_app(
+    config: EngineConfig,
+    *,
+    registry: CollectorRegistry | None = None,
+    max_stored_responses: int = DEFAULT_MAX_ENTRIES,
+    engine_factory: EngineFactory | None = None,
+) -> web.Application:
+    """Build a backend app; the engine starts and stops with the app (``cleanup_ctx``).
+
+    The generated-token range of ``config`` is replaced by the tokenizer's (every generated id
+    decodes to a readable word). ``registry`` defaults to a fresh one (never the global registry).
+    """
+    tokenizer = Tokenizer()
+    config = engine_config_for(config, tokenizer)
+    registry = registry if registry is not None else CollectorRegistry()
+    engine = (engine_factory or _default_engine)(config, registry)
+    app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
+    app[FRONTEND] = Frontend(config=config, tokenizer=tokenizer, engine=engine, registry=registry,
+                             store=ResponseStore(max_stored_responses))
+    app[ENGINE] = engine
+    app.cleanup_ctx.append(_engine_lifecycle)
+
+    openai_routes.add_routes(app)
+    responses_api.add_routes(app)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/load", load)
+    app.router.add_get("/version", version)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/v1/sessions", list_sessions)
+    app.router.add_get("/v1/sessions/{session_id}", get_session)
+    return app
+
+
+async def _engine_lifecycle(app: web.Application) -> AsyncIterator[None]:
+    engine = app[ENGINE]
+    await engine.start()
+    try:
+        yield
+    finally:
+        await engine.stop()
+
+
+__all__ = ["create_app", "engine_config_for", "error_middleware", "ENGINE", "FRONTEND", "Frontend"]

@@ -1,0 +1,112 @@
+"""The router's own read-only endpoints: /health, /v1/models, /metrics, /v1/sessions."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import aiohttp
+import msgspec
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from router.errors import BadRequestError, NotFoundError, SessionRouterError
+from router.pool import POOL_DECODE, POOL_DEFAULT
+from router.state import ROUTER_STATE, RouterState
+
+log = logging.getLogger(__name__)
+_json = msgspec.json.Encoder()
+
+
+def json_response(payload: Any, status: int = 200) -> web.Response:
+    return web.Response(body=_json.encode(payload), status=status, content_type="application/json")
+
+
+def error_response(exc: SessionRouterError) -> web.Response:
+    return web.Response(body=exc.body(), status=exc.status, content_type="application/json")
+
+
+def serving_pool(state: RouterState) -> str:
+    return POOL_DECODE if POOL_DECODE in state.pools else POOL_DEFAULT
+
+
+async def health(request: web.Request) -> web.Response:
+    state = request.app[ROUTER_STATE]
+    pool = state.pools[serving_pool(state)]
+    available = len(pool.available())
+    payload = {
+        "status": "ok" if available else "unavailable",
+        "pools": {name: {"healthy": len(p.available()), "total": len(p)} for name, p in state.pools.items()},
+    }
+    return json_response(payload, 200 if available else 503)
+
+
+async def models(request: web.Request) -> web.Response:
+    """The union of the healthy backends' model cards."""
+    state = request.app[ROUTER_STATE]
+    assert state.http is not None
+    backends = [b for pool in state.pools.values() for b in pool.available()]
+    timeout = aiohttp.ClientTimeout(total=state.config.health_timeout_s * 2)
+
+    async def fetch(url: str) -> list[dict[str, Any]]:
+        try:
+            async with state.http.get(url + "/v1/models", timeout=timeout) as resp:  # type: ignore[union-attr]
+                if resp.status != 200:
+                    return []
+                data = msgspec.json.decode(await resp.read())
+                cards = data.get("data") if isinstance(data, dict) else None
+                return [c for c in cards if isinstance(c, dict)] if isinstance(cards, list) else []
+        except (aiohttp.ClientError, asyncio.TimeoutError, msgspec.DecodeError):
+            return []
+
+    merged: dict[str, dict[str, Any]] = {}
+    for cards in await asyncio.gather(*(fetch(b.url) for b in backends)):
+        for card in cards:
+            model_id = card.get("id")
+            if isinstance(model_id, str) and model_id not in merged:
+                merged[model_id] = card
+    return json_response({"object": "list", "data": list(merged.values())})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    state = request.app[ROUTER_STATE]
+    state.sessions.sweep()
+    return web.Response(body=generate_latest(state.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def list_sessions(request: web.Request) -> web.Response:
+    state = request.app[ROUTER_STATE]
+    try:
+        limit = int(request.query.get("limit", "100"))
+        offset = int(request.query.get("offset", "0"))
+        if limit < 1 or offset < 0:
+            raise ValueError
+    except ValueError:
+        return error_response(BadRequestError("limit must be a positive integer and offset a non-negative one"))
+    state.sessions.sweep()
+    entries = state.sessions.recent(min(limit, 10_000), offset)
+    return json_response({
+        "object": "list",
+        "data": [e.to_json() for e in entries],
+        "total": len(state.sessions),
+        "offset": offset,
+        "limit": limit,
+    })
+
+
+async def get_session(request: web.Request) -> web.Response:
+    state = request.app[ROUTER_STATE]
+    session_id = request.match_info["session_id"]
+    entry = state.sessions.get(session_id)
+    if entry is None:
+        return error_response(NotFoundError(f"session {session_id!r} is not in the router's session table"))
+    return json_response(entry.to_json())
+
+
+async def delete_session(request: web.Request) -> web.Response:
+    state = request.app[ROUTER_STATE]
+    session_id = request.match_info["session_id"]
+    if not state.sessions.delete(session_id):
+        return error_response(NotFoundError(f"session {session_id!r} is not in the router's session table"))
+    return json_response({"id": session_id, "object": "session", "deleted": True})

@@ -1,0 +1,120 @@
+"""The router's app factory: state, lifecycle (``cleanup_ctx``) and routes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+
+from router import admin, api
+from router.config import RouterConfig
+from router.errors import error_body
+from router.health import HealthChecker
+from router.metrics import RouterMetrics
+from router.placement import make_policy
+from router.pool import POOL_DECODE, POOL_DEFAULT, POOL_PREFILL, Backend, BackendPool
+from router.proxy import ROUTES, Proxy
+from router.responses import ResponseIndex
+from router.sessions import SessionTable
+from router.state import ROUTER_STATE, RouterState
+from router.upstream import UpstreamLimits, UpstreamPool, UpstreamTimeouts
+
+
+def build_pools(config: RouterConfig) -> dict[str, BackendPool]:
+    if config.pd_mode:
+        return {
+            POOL_PREFILL: BackendPool(POOL_PREFILL, [Backend(b.url, name=b.name) for b in config.prefill]),
+            POOL_DECODE: BackendPool(POOL_DECODE, [Backend(b.url, name=b.name) for b in config.decode]),
+        }
+    return {POOL_DEFAULT: BackendPool(POOL_DEFAULT, [Backend(b.url, name=b.name) for b in config.backends])}
+
+
+def build_state(config: RouterConfig, registry: CollectorRegistry | None = None) -> RouterState:
+    metrics = RouterMetrics(registry or CollectorRegistry(), top_k=config.session_metrics_top_k)
+    sessions = SessionTable(config.max_sessions, config.session_ttl_s)
+    sessions.on_evict = metrics.session_evicted
+    state = RouterState(
+        config=config,
+        pools=build_pools(config),
+        policy=make_policy(config.policy, load_factor=config.load_factor,
+                           reported_load_weight=config.reported_load_weight),
+        sessions=sessions,
+        responses=ResponseIndex(config.max_response_ids),
+        metrics=metrics,
+        upstream=UpstreamPool(UpstreamTimeouts(config.connect_timeout_s, config.first_byte_timeout_s,
+                                               config.total_timeout_s), UpstreamLimits()),
+    )
+    metrics.attach_live(state.all_pools, lambda: len(sessions))
+    return state
+
+
+async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
+    state = app[ROUTER_STATE]
+    config = state.config
+    state.http = aiohttp.ClientSession(auto_decompress=False)
+    state.health = HealthChecker(
+        state.all_pools(), interval_s=config.health_interval_s, timeout_s=config.health_timeout_s,
+        eject_after_failures=config.eject_after_failures, eject_s=config.eject_s, session=state.http,
+        on_change=lambda backend, healthy: state.metrics.health_transitions.labels(
+            backend.name, "healthy" if healthy else "unhealthy").inc(),
+    )
+    state.health.start()
+    sweeper = asyncio.create_task(_sweep_sessions(state))
+    try:
+        yield
+    finally:
+        sweeper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sweeper
+        await state.health.stop()
+        await state.upstream.close()
+        await state.http.close()
+
+
+async def _sweep_sessions(state: RouterState) -> None:
+    interval = max(0.5, min(60.0, state.config.session_ttl_s / 10))
+    while True:
+        await asyncio.sleep(interval)
+        state.sessions.sweep()
+
+
+async def _not_found(request: web.Request) -> web.Response:
+    known = {r.path for r in ROUTES} | {"/health", "/metrics", "/v1/models", "/v1/sessions"}
+    if request.path in known:
+        status, message = 405, f"method {request.method} is not allowed on {request.path}"
+    else:
+        status, message = 404, f"no route {request.method} {request.path}; see the README for the router's routes"
+    return web.Response(status=status, body=error_body(status, message), content_type="application/json")
+
+
+def create_app(config: RouterConfig, *, registry: CollectorRegistry | None = None) -> web.Application:
+    app = web.Application(client_max_size=config.max_body_bytes)
+    state = build_state(config, registry)
+    app[ROUTER_STATE] = state
+    app.cleanup_ctx.append(_lifecycle)
+    proxy = Proxy(state)
+    for route in ROUTES:
+        app.router.add_post(route.path, proxy.handler(route))
+    app.router.add_get("/health", api.health)
+    app.router.add_get("/v1/models", api.models)
+    app.router.add_get("/metrics", api.metrics)
+    app.router.add_get("/v1/sessions", api.list_sessions)
+    app.router.add_get("/v1/sessions/{session_id}", api.get_session)
+    app.router.add_delete("/v1/sessions/{session_id}", api.delete_session)
+    if config.admin_port == 0:
+        admin.add_admin_routes(app)
+    app.router.add_route("*", "/{tail:.*}", _not_found)
+    return app
+
+
+def create_admin_app(main_app: web.Application) -> web.Application:
+    """The admin API on its own app, sharing the main app's state (for ``admin_port``)."""
+    app = web.Application()
+    app[ROUTER_STATE] = main_app[ROUTER_STATE]
+    admin.add_admin_routes(app)
+    app.router.add_route("*", "/{tail:.*}", _not_found)
+    return app

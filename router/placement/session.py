@@ -1,0 +1,192 @@
+"""The ``session`` policy: rendezvous hashing with bounded loads, and pins (DESIGN.md §5).
+
+Score of a backend for a session = the first 8 bytes (little-endian) of
+``blake2b(url + b"\\0" + session_id, digest_size=8)``: stable across processes and machines, so
+router replicas with the same backends rank them identically (Python's salted ``hash()`` is never
+used). Only backends that are available and not excluded take part. Candidates are ranked by score,
+highest first (ties, practically impossible, by URL).
+
+Bounded loads: with ``total`` the summed load of the participating backends and ``n`` their number,
+a backend may take a request when ``load + 1 <= ceil(c * (total + 1) / n)`` (c = load factor ≥ 1).
+With integer loads and c ≥ 1 some backend always qualifies; otherwise the least loaded is taken.
+
+Pins (``entry.pins[pool.name]``, a backend URL) decide the outcome:
+
+- no pin: the first qualifying candidate, pinned -> NEW
+- pin available, not excluded, within the bound -> STICKY
+- pin over the bound: the first other qualifying candidate, pin kept -> SPILL
+- pin present but unavailable (unhealthy by a health check, or by a failed connection, which the
+  proxy reports before retrying; or draining): re-placed and re-pinned -> REPIN_UNHEALTHY
+- pin available but in ``exclude`` (this request already failed there without the backend being
+  marked down, e.g. a 503 or a timeout): this request elsewhere, pin kept -> SPILL
+- pin no longer in the pool: re-placed and re-pinned -> REPIN_REMOVED
+- no session id or no entry: the least-loaded backend -> NO_SESSION
+
+The sticky path costs one pass over the pool (the load total) and no hashing; hashing happens only
+for NEW, SPILL and re-pins, from per-backend hash states cached per ``pool.version``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import TYPE_CHECKING
+
+from router.errors import ConfigError
+from router.placement.base import Outcome, Placement, SessionPins
+from router.placement.least_loaded import NOTHING_EXCLUDED, LeastLoaded, no_available_backend
+from router.pool import Backend, BackendPool
+
+if TYPE_CHECKING:
+    from hashlib import _Hash
+
+# Absorbs float rounding in ``c * (total + 1) / n`` (e.g. 1.1 * 10 = 11.000000000000002), far
+# below the smallest true fractional part (1/n for integer loads).
+_BOUND_EPSILON = 1e-9
+
+
+def load_bound(load_factor: float, total_load: float, available: int) -> int:
+    """Most load a backend may carry after taking one more request: ``ceil(c * (total + 1) / n)``."""
+    return math.ceil(load_factor * (total_load + 1) / available - _BOUND_EPSILON)
+
+
+def check_load_settings(load_factor: float, reported_load_weight: float) -> None:
+    """Raise ``ConfigError`` unless ``load_factor >= 1`` and ``reported_load_weight >= 0`` (finite)."""
+    if not math.isfinite(load_factor) or load_factor < 1.0:
+        raise ConfigError(f"load_factor = {load_factor!r}: must be a number >= 1.0 (default 1.25)")
+    if not math.isfinite(reported_load_weight) or reported_load_weight < 0.0:
+        raise ConfigError(
+            f"reported_load_weight = {reported_load_weight!r}: must be a number >= 0 (0 = in-flight only)"
+        )
+
+
+def session_score(url: str, session_id: str) -> int:
+    """The rendezvous score of ``url`` for ``session_id`` (the definition; ``place`` uses a faster
+    equivalent from cached hash states)."""
+    digest = hashlib.blake2b(url.encode() + b"\0" + session_id.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+class _Ring:
+    """Per-membership work of one pool: each backend with its URL already absorbed by blake2b."""
+
+    __slots__ = ("version", "states")
+
+    def __init__(self, pool: BackendPool) -> None:
+        self.version = pool.version
+        self.states: list[tuple[Backend, _Hash]] = [
+            (backend, hashlib.blake2b(backend.url.encode() + b"\0", digest_size=8))
+            for backend in pool.members
+        ]
+
+
+class SessionPolicy:
+    """``session``: sticky, load-bounded placement; see the module docstring."""
+
+    name = "session"
+
+    def __init__(self, *, load_factor: float = 1.25, reported_load_weight: float = 0.0) -> None:
+        check_load_settings(load_factor, reported_load_weight)
+        self.load_factor = load_factor
+        self._weight = reported_load_weight
+        self._least = LeastLoaded(reported_load_weight)
+        self._rings: dict[BackendPool, _Ring] = {}
+
+    # -- the hot path -------------------------------------------------------------------------
+
+    def place(
+        self,
+        pool: BackendPool,
+        session_id: str | None,
+        entry: SessionPins | None,
+        exclude: frozenset[str] = NOTHING_EXCLUDED,
+    ) -> Placement:
+        if session_id is None or entry is None:
+            return Placement(self._least.pick(pool, exclude), Outcome.NO_SESSION)
+        weight = self._weight
+        total = 0.0
+        count = 0
+        for backend in pool.members:
+            if backend.available and not (exclude and backend.url in exclude):
+                total += backend.in_flight + weight * backend.reported_load if weight else backend.in_flight
+                count += 1
+        if count == 0:
+            raise no_available_backend(pool)
+        bound = load_bound(self.load_factor, total, count)
+
+        pins = entry.pins
+        pin = pins.get(pool.name)
+        if pin is None:
+            outcome = Outcome.NEW
+        else:
+            pinned = pool.get(pin)
+            if pinned is None:
+                outcome = Outcome.REPIN_REMOVED
+            elif not pinned.available:
+                outcome = Outcome.REPIN_UNHEALTHY
+            elif exclude and pin in exclude:
+                # Already tried for this request and failed without being marked down (a 503, a
+                # timeout): this request goes elsewhere, the pin stays.
+                return Placement(self._choose(pool, session_id, exclude, bound), Outcome.SPILL)
+            else:
+                load = pinned.in_flight + weight * pinned.reported_load if weight else pinned.in_flight
+                if load + 1 <= bound:
+                    return Placement(pinned, Outcome.STICKY)
+                # The pin is over the bound, so the first candidate within it is another backend.
+                target = self._choose(pool, session_id, exclude, bound)
+                return Placement(target, Outcome.STICKY if target is pinned else Outcome.SPILL)
+        target = self._choose(pool, session_id, exclude, bound)
+        pins[pool.name] = target.url
+        return Placement(target, outcome)
+
+    # -- ranking ------------------------------------------------------------------------------
+
+    def candidates(
+        self, pool: BackendPool, session_id: str, exclude: frozenset[str] = NOTHING_EXCLUDED
+    ) -> list[Backend]:
+        """The available, non-excluded backends of ``pool`` in score order for ``session_id``."""
+        return [backend for _, _, backend in self._ranked(pool, session_id, exclude)]
+
+    def _ranked(
+        self, pool: BackendPool, session_id: str, exclude: frozenset[str]
+    ) -> list[tuple[int, str, Backend]]:
+        ring = self._rings.get(pool)
+        if ring is None or ring.version != pool.version:
+            ring = self._rings[pool] = _Ring(pool)
+        key = session_id.encode()
+        ranked: list[tuple[int, str, Backend]] = []
+        for backend, state in ring.states:
+            if not backend.available or (exclude and backend.url in exclude):
+                continue
+            h = state.copy()
+            h.update(key)
+            ranked.append((int.from_bytes(h.digest(), "little"), backend.url, backend))
+        ranked.sort(key=_rank_key, reverse=True)
+        return ranked
+
+    def _choose(
+        self,
+        pool: BackendPool,
+        session_id: str,
+        exclude: frozenset[str],
+        bound: int,
+    ) -> Backend:
+        """The first candidate in score order within ``bound``; when none is (only possible with
+        fractional loads), the least loaded, the earliest in score order among equals."""
+        ranked = self._ranked(pool, session_id, exclude)
+        weight = self._weight
+        least: Backend | None = None
+        least_load = 0.0
+        for _, _, backend in ranked:
+            load = backend.in_flight + weight * backend.reported_load if weight else backend.in_flight
+            if load + 1 <= bound:
+                return backend
+            if least is None or load < least_load:
+                least, least_load = backend, load
+        if least is None:  # unreachable: place() checked that a backend is available
+            raise no_available_backend(pool)
+        return least
+
+
+def _rank_key(item: tuple[int, str, Backend]) -> tuple[int, str]:
+    return item[0], item[1]

@@ -1,0 +1,407 @@
+"""The data path: session -> placement -> upstream -> client, for every proxied route.
+
+Read top to bottom: ``Proxy.handle`` resolves the session (the shared contract), stamps one
+when none resolves, places the request with the configured policy, sends the original body
+bytes to the chosen backend over the pooled raw upstream client, retries on another
+candidate while nothing has reached the client yet, then relays the response (streams chunk
+by chunk) and accounts it to the session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import socket
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+from multidict import CIMultiDict
+
+from router import inspect
+from router.errors import (
+    NoHealthyBackendError,
+    PayloadTooLargeError,
+    SessionRouterError,
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamStatusError,
+    UpstreamTimeoutError,
+    error_body,
+)
+from router.placement.base import Outcome, Placement
+from router.pool import POOL_DEFAULT, Backend, BackendPool
+from router.session import SESSION_HEADER, resolve_session_id, session_from_headers
+from router.upstream import UpstreamResponse, build_request_head
+
+if TYPE_CHECKING:
+    from router.sessions import SessionEntry
+    from router.state import RouterState
+
+log = logging.getLogger(__name__)
+
+REQUEST_ID_HEADER = "X-Request-Id"
+JSON_CONTENT_TYPE = "application/json"
+RETRY_STATUSES = frozenset((502, 503, 504))
+
+# Request headers never forwarded as received: hop-by-hop ones, and the ones the router sets.
+_DROP_REQUEST = frozenset(
+    h.lower()
+    for h in (
+        "Host", "Content-Length", "Connection", "Keep-Alive", "Proxy-Authenticate", "Proxy-Authorization",
+        "TE", "Trailer", "Transfer-Encoding", "Upgrade", "Expect", SESSION_HEADER, REQUEST_ID_HEADER,
+    )
+)
+# Response headers the router sets itself (or aiohttp does) instead of relaying.
+_DROP_RESPONSE = frozenset(
+    h.lower()
+    for h in (
+        "Content-Length", "Connection", "Keep-Alive", "Transfer-Encoding", "Upgrade", "Trailer",
+        "Date", "Server", SESSION_HEADER, REQUEST_ID_HEADER,
+    )
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """A proxied route and how the router reads its body."""
+
+    name: str  # metric label
+    path: str
+    #: chat | completion | responses | generate | plain
+    kind: str
+
+    @property
+    def session_aware(self) -> bool:
+        return self.kind != "plain"
+
+
+ROUTES: tuple[Route, ...] = (
+    Route("chat", "/v1/chat/completions", "chat"),
+    Route("completions", "/v1/completions", "completion"),
+    Route("responses", "/v1/responses", "responses"),
+    Route("generate", "/inference/v1/generate", "generate"),
+    Route("tokenize", "/tokenize", "plain"),
+    Route("detokenize", "/detokenize", "plain"),
+)
+
+
+class Attempt:
+    """One request's journey: what it resolved to and where it went."""
+
+    __slots__ = ("route", "request_id", "session_id", "entry", "started", "backend", "status", "first_byte")
+
+    def __init__(self, route: Route, request_id: str, started: float) -> None:
+        self.route = route
+        self.request_id = request_id
+        self.session_id: str | None = None
+        self.entry: SessionEntry | None = None
+        self.started = started
+        self.backend: Backend | None = None
+        self.status = 0
+        self.first_byte = 0.0
+
+
+class Proxy:
+    def __init__(self, state: "RouterState") -> None:
+        self.state = state
+        self.config = state.config
+        self._pool_name = POOL_DEFAULT
+
+    # ------------------------------------------------------------------ entry point
+    def handler(self, route: Route):  # type: ignore[no-untyped-def]
+        async def handle(request: web.Request) -> web.StreamResponse:
+            return await self.handle(request, route)
+
+        return handle
+
+    async def handle(self, request: web.Request, route: Route) -> web.StreamResponse:
+        loop = asyncio.get_running_loop()
+        state = self.state
+        attempt = Attempt(route, request.headers.get(REQUEST_ID_HEADER) or state.request_ids.next(), loop.time())
+        try:
+            body = await self._read_body(request)
+            fields = self._resolve(request, route, body, attempt)
+            response = await self._dispatch(request, route, body, fields, attempt)
+        except SessionRouterError as exc:
+            response = self._error(exc.status, exc.body(), attempt)
+        except asyncio.CancelledError:
+            # client went away: the upstream connection was closed in _relay/_dispatch
+            attempt.status = 499
+            self._finish(attempt, loop.time())
+            raise
+        except Exception:  # never a traceback to the client; keep serving
+            log.exception("unexpected error on %s", route.path)
+            response = self._error(500, error_body(500, "internal router error; see the router's log"), attempt)
+        self._finish(attempt, loop.time())
+        return response
+
+    # ------------------------------------------------------------------ session
+    async def _read_body(self, request: web.Request) -> bytes:
+        length = request.content_length
+        if length is not None and length > self.config.max_body_bytes:
+            raise PayloadTooLargeError(
+                f"request body is {length} bytes; the limit is {self.config.max_body_bytes} (max_body_bytes)"
+            )
+        try:
+            return await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise PayloadTooLargeError(
+                f"request body exceeds the limit of {self.config.max_body_bytes} bytes (max_body_bytes)"
+            ) from None
+
+    def _resolve(self, request: web.Request, route: Route, body: bytes, attempt: Attempt) -> inspect.RoutingFields | None:
+        if route.kind == "plain":
+            return None
+        headers = request.headers.getall(SESSION_HEADER, ())
+        if route.kind == "generate":
+            # tokens-in: the header is the only channel (vLLM's behaviour); the body is still checked
+            fields = inspect.decode_routing_fields(body)
+            session_id = session_from_headers(headers)
+        else:
+            fields = inspect.decode_routing_fields(body)
+            session_id = resolve_session_id(fields.session_id, headers, fields.vllm_xargs)
+        if session_id is None:
+            session_id = self._stamp(route, fields)
+        attempt.session_id = session_id
+        if session_id is not None:
+            entry = self.state.sessions.touch(session_id)
+            entry.requests += 1
+            attempt.entry = entry
+        return fields
+
+    def _stamp(self, route: Route, fields: inspect.RoutingFields) -> str | None:
+        mode = self.config.stamp
+        if mode == "none":
+            return None
+        if mode == "derive":
+            derived: str | None = None
+            if route.kind == "chat":
+                derived = inspect.derive_chat_session(fields.messages)
+            elif route.kind == "responses":
+                known = self._previous_response(fields)
+                if known is not None and known[1] is not None:
+                    derived = known[1]
+                else:
+                    derived = inspect.derive_responses_session(fields.input)
+            if derived is not None:
+                return derived
+        return inspect.mint_session()
+
+    def _previous_response(self, fields: inspect.RoutingFields | None) -> tuple[str, str | None] | None:
+        if fields is None or not isinstance(fields.previous_response_id, str):
+            return None
+        return self.state.responses.lookup(fields.previous_response_id)
+
+    # ------------------------------------------------------------------ placement + upstream
+    def _place(self, pool: BackendPool, attempt: Attempt, fields: inspect.RoutingFields | None,
+               exclude: frozenset[str]) -> Placement:
+        state = self.state
+        if attempt.route.kind == "responses" and not exclude:
+            known = self._previous_response(fields)
+            if known is not None:
+                backend = pool.get(known[0])
+                if backend is not None and backend.available:
+                    return Placement(backend, Outcome.STICKY)
+        placement = state.policy.place(pool, attempt.session_id, attempt.entry, exclude)
+        if attempt.route.session_aware:
+            state.metrics.placement(state.policy.name, placement.outcome.value)
+        return placement
+
+    def _pool_for(self, route: Route) -> BackendPool:
+        return self.state.pools[self._pool_name]
+
+    async def _dispatch(self, request: web.Request, route: Route, body: bytes,
+                        fields: inspect.RoutingFields | None, attempt: Attempt) -> web.StreamResponse:
+        pool = self._pool_for(route)
+        headers = self.forward_headers(request, attempt)
+        upstream, backend = await self.send(pool, route, request.method, request.path_qs, headers, body, fields, attempt)
+        try:
+            return await self._relay(request, route, fields, upstream, backend, attempt)
+        finally:
+            upstream.close()
+            backend.in_flight -= 1
+
+    def forward_headers(self, request: web.Request, attempt: Attempt) -> list[tuple[str, str]]:
+        out = [(k, v) for k, v in request.headers.items() if k.lower() not in _DROP_REQUEST]
+        out.append((REQUEST_ID_HEADER, attempt.request_id))
+        if attempt.session_id is not None:
+            out.append((SESSION_HEADER, attempt.session_id))
+        return out
+
+    async def send(self, pool: BackendPool, route: Route, method: str, path: str, headers: list[tuple[str, str]],
+                   body: bytes, fields: inspect.RoutingFields | None, attempt: Attempt,
+                   ) -> tuple[UpstreamResponse, Backend]:
+        """Send to a placed backend, retrying on the next candidate before any byte reached the client.
+
+        Returns with ``backend.in_flight`` incremented; the caller decrements it when done.
+        """
+        state = self.state
+        loop = asyncio.get_running_loop()
+        exclude: set[str] = set()
+        retries_left = self.config.retries
+        while True:
+            placement = self._place(pool, attempt, fields, frozenset(exclude))
+            backend = placement.backend
+            attempt.backend = backend
+            if attempt.entry is not None:
+                attempt.entry.last_backend = backend.name
+            head = build_request_head(method, path, f"{backend.host}:{backend.port}", headers, len(body))
+            backend.in_flight += 1
+            try:
+                upstream = await state.upstream.request(backend.host, backend.port, head, body)
+            except UpstreamError as exc:
+                backend.in_flight -= 1
+                reason = _failure_reason(exc)
+                self._record_failure(backend, reason, connect_error=isinstance(exc, UpstreamConnectError))
+                if retries_left <= 0 or not exc.retryable:
+                    raise
+            else:
+                if upstream.status not in RETRY_STATUSES or retries_left <= 0:
+                    if upstream.status < 500 and state.health is not None:
+                        state.health.record_success(backend)
+                    attempt.first_byte = loop.time()
+                    state.metrics.first_byte(route.name, attempt.first_byte - attempt.started)
+                    return upstream, backend
+                upstream.close()
+                backend.in_flight -= 1
+                reason = f"status_{upstream.status}"
+                self._record_failure(backend, reason, connect_error=False)
+            retries_left -= 1
+            exclude.add(backend.url)
+            state.metrics.retries.labels(reason).inc()
+            if len(exclude) >= len(pool):
+                exclude.clear()  # every backend tried once: allow another round on the healthy ones
+            await asyncio.sleep(self.config.retry_backoff_s * (0.5 + random.random()))
+
+    def _record_failure(self, backend: Backend, reason: str, *, connect_error: bool) -> None:
+        state = self.state
+        state.metrics.upstream_errors.labels(backend.name, reason).inc()
+        if state.health is not None:
+            state.health.record_failure(backend, connect_error=connect_error)
+        elif connect_error:
+            backend.healthy = False
+
+    # ------------------------------------------------------------------ relay
+    async def _relay(self, request: web.Request, route: Route, fields: inspect.RoutingFields | None,
+                     upstream: UpstreamResponse, backend: Backend, attempt: Attempt) -> web.StreamResponse:
+        attempt.status = upstream.status
+        headers = self._response_headers(upstream, attempt)
+        if not upstream.content_type.startswith("text/event-stream"):
+            data = await upstream.read()
+            if upstream.status == 200 and route.session_aware:
+                usage, response_id = inspect.usage_from_json(data)
+                self._account(attempt, usage)
+                if route.kind == "responses" and response_id is not None:
+                    self.state.responses.remember(response_id, backend.url, attempt.session_id)
+            elif upstream.status >= 400:
+                self._account_error(attempt)
+            return web.Response(status=upstream.status, body=data, headers=headers)
+        return await self._relay_stream(request, route, fields, upstream, backend, attempt, headers)
+
+    async def _relay_stream(self, request: web.Request, route: Route, fields: inspect.RoutingFields | None,
+                            upstream: UpstreamResponse, backend: Backend, attempt: Attempt,
+                            headers: CIMultiDict[str]) -> web.StreamResponse:
+        response = web.StreamResponse(status=upstream.status, headers=headers)
+        await response.prepare(request)
+        _nodelay(request)
+        track_usage = route.session_aware and fields is not None and (
+            route.kind == "responses" or inspect.wants_stream_usage(fields)
+        )
+        want_id = route.kind == "responses"
+        last: deque[bytes] = deque(maxlen=3)
+        try:
+            async for chunk in upstream:
+                await response.write(chunk)
+                if track_usage:
+                    last.append(chunk)
+                if want_id:
+                    response_id = inspect.response_id_from_sse(chunk)
+                    if response_id is not None:
+                        self.state.responses.remember(response_id, backend.url, attempt.session_id)
+                        want_id = False
+        except UpstreamError as exc:
+            # bytes already reached the client: end the stream with an error event, never hang
+            self._record_failure(backend, _failure_reason(exc), connect_error=False)
+            attempt.status = exc.status
+            self._account_error(attempt)
+            await response.write(b"data: " + exc.body() + b"\n\ndata: [DONE]\n\n")
+            await response.write_eof()
+            return response
+        if track_usage:
+            self._account(attempt, inspect.usage_from_sse_tail(b"".join(last)))
+        else:
+            self._account(attempt, None)
+        await response.write_eof()
+        return response
+
+    def _response_headers(self, upstream: UpstreamResponse, attempt: Attempt) -> CIMultiDict[str]:
+        headers: CIMultiDict[str] = CIMultiDict()
+        for name, value in upstream.headers:
+            if name.lower() not in _DROP_RESPONSE:
+                headers.add(name, value)
+        headers[REQUEST_ID_HEADER] = attempt.request_id
+        if attempt.session_id is not None:
+            headers[SESSION_HEADER] = attempt.session_id
+        return headers
+
+    # ------------------------------------------------------------------ accounting
+    def _account(self, attempt: Attempt, usage: inspect.Usage | None) -> None:
+        entry = attempt.entry
+        prompt = completion = cached = 0
+        if usage is not None:
+            prompt, completion, cached = usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens
+            self.state.metrics.usage(prompt, completion, cached)
+        if entry is not None and attempt.backend is not None:
+            entry.prompt_tokens += prompt
+            entry.completion_tokens += completion
+            entry.cached_tokens += cached
+            self.state.metrics.session_request(entry, attempt.backend.name, prompt=prompt,
+                                               completion=completion, cached=cached)
+
+    def _account_error(self, attempt: Attempt) -> None:
+        entry = attempt.entry
+        if entry is not None:
+            entry.errors += 1
+            self.state.metrics.session_request(
+                entry, attempt.backend.name if attempt.backend is not None else "none", error=True
+            )
+
+    def _error(self, status: int, body: bytes, attempt: Attempt) -> web.Response:
+        attempt.status = status
+        headers = {REQUEST_ID_HEADER: attempt.request_id}
+        if attempt.session_id is not None:
+            headers[SESSION_HEADER] = attempt.session_id
+        if status >= 500 or attempt.backend is not None:
+            self._account_error(attempt)
+        return web.Response(status=status, body=body, content_type=JSON_CONTENT_TYPE, headers=headers)
+
+    def _finish(self, attempt: Attempt, now: float) -> None:
+        backend = attempt.backend.name if attempt.backend is not None else "none"
+        self.state.metrics.request_done(attempt.route.name, backend, attempt.status, now - attempt.started)
+
+
+def _failure_reason(exc: UpstreamError) -> str:
+    if isinstance(exc, UpstreamConnectError):
+        return "connect"
+    if isinstance(exc, UpstreamTimeoutError):
+        return "timeout"
+    if isinstance(exc, UpstreamStatusError):
+        return f"status_{exc.upstream_status}"
+    if isinstance(exc, NoHealthyBackendError):
+        return "no_backend"
+    return "protocol"
+
+
+def _nodelay(request: web.Request) -> None:
+    transport = request.transport
+    if transport is None:
+        return
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:
+            pass

@@ -1,0 +1,522 @@
+"""One keep-alive upstream connection (an asyncio ``Protocol``) and the response it delivers.
+
+The connection parses only what the proxy needs with ``httptools`` (llhttp, in C): the status
+line and headers, then it relays body bytes (de-chunked) as they arrive. It carries one request
+at a time. It holds no timers: the pool's sweeper calls ``check`` periodically.
+
+Life of an exchange::
+
+    send() ──> [waiting for head] ──on_headers_complete──> UpstreamResponse handed to the caller
+                      │                                      │ on_body: buffer (pause reading above high water)
+                      │                                      │ on_message_complete: back to the pool
+                      └─ close/garbage/timeout: error        └─ close/timeout mid-body: error in the response
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+import httptools
+
+from router.errors import UpstreamProtocolError, UpstreamTimeoutError
+from router.upstream.head import HOP_BY_HOP
+
+if TYPE_CHECKING:
+    from router.upstream.pool import UpstreamPool
+
+_HOP_BY_HOP_B = frozenset(h.encode() for h in HOP_BY_HOP)
+
+
+class StaleConnectionError(UpstreamProtocolError):
+    """A reused keep-alive connection was closed by the backend before any response byte.
+
+    Internal: the pool retries once on a fresh connection; callers never see it.
+    """
+
+
+class UpstreamResponse:
+    """A response whose head has been parsed; the body arrives through ``read`` or iteration.
+
+    ``headers`` are as received minus hop-by-hop headers and ``Content-Length`` (framing is in
+    ``content_length`` / ``chunked``; the proxy frames its own response). Names and values are
+    decoded as latin-1.
+    """
+
+    __slots__ = (
+        "status",
+        "headers",
+        "content_type",
+        "content_length",
+        "chunked",
+        "_conn",
+        "_loop",
+        "_chunks",
+        "_buffered",
+        "_eof",
+        "_exc",
+        "_waiter",
+        "_read_all",
+        "_label",
+    )
+
+    def __init__(
+        self,
+        conn: "UpstreamConnection",
+        status: int,
+        headers: list[tuple[str, str]],
+        content_type: str,
+        content_length: int | None,
+        chunked: bool,
+    ) -> None:
+        self.status = status
+        self.headers = headers
+        self.content_type = content_type
+        self.content_length = content_length
+        self.chunked = chunked
+        #: the connection while the body is incomplete; None once complete, failed or closed
+        self._conn: UpstreamConnection | None = conn
+        self._loop = conn.loop
+        self._label = conn.label
+        self._chunks: list[bytes] = []
+        self._buffered = 0
+        self._eof = False
+        self._exc: BaseException | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._read_all = False
+
+    # ------------------------------------------------------------------ consumer side
+    @property
+    def buffered(self) -> int:
+        """Body bytes received and not yet consumed."""
+        return self._buffered
+
+    @property
+    def reading_paused(self) -> bool:
+        """Whether the socket is paused because the consumer is behind (back-pressure)."""
+        conn = self._conn
+        return conn is not None and conn.paused
+
+    @property
+    def complete(self) -> bool:
+        """The whole body has arrived (it may still be buffered here)."""
+        return self._eof
+
+    def header(self, name: str, default: str | None = None) -> str | None:
+        """First value of a header, case-insensitive (a scan: for occasional look-ups)."""
+        lname = name.lower()
+        for key, value in self.headers:
+            if key.lower() == lname:
+                return value
+        return default
+
+    async def read(self) -> bytes:
+        """The whole body. Raises ``UpstreamProtocolError`` if the backend broke off mid-body and
+        ``UpstreamTimeoutError`` past the total timeout. Cancelling it aborts the connection."""
+        if not self._eof and self._exc is None:
+            self._read_all = True
+            conn = self._conn
+            if conn is not None and conn.paused:
+                conn.resume()
+            while not self._eof and self._exc is None:
+                await self._wait()
+        if self._exc is not None:
+            raise self._exc
+        chunks = self._chunks
+        if not chunks:
+            return b""
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        self._buffered = 0
+        return data
+
+    def iter_chunks(self) -> AsyncIterator[bytes]:
+        """Body bytes as they arrive (de-chunked; all bytes buffered so far are joined into one)."""
+        return self
+
+    def __aiter__(self) -> "UpstreamResponse":
+        return self
+
+    async def __anext__(self) -> bytes:
+        while True:
+            chunks = self._chunks
+            if chunks:
+                data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+                chunks.clear()
+                self._buffered = 0
+                conn = self._conn
+                if conn is not None and conn.paused:
+                    conn.consumed(0)
+                return data
+            if self._exc is not None:
+                raise self._exc
+            if self._eof:
+                raise StopAsyncIteration
+            await self._wait()
+
+    async def _wait(self) -> None:
+        waiter = self._waiter = self._loop.create_future()
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            self.close()
+            raise
+        finally:
+            self._waiter = None
+
+    def close(self) -> None:
+        """Abort: if the body is not complete, close the connection now (the backend sees the
+        disconnect and aborts its request). Idempotent; a no-op after a complete body."""
+        conn = self._conn
+        if conn is not None:
+            self._conn = None
+            conn.abort()
+        if not self._eof and self._exc is None:
+            self._exc = UpstreamProtocolError(f"response from backend {self._label} was closed before its end")
+            self._wake()
+        self._chunks.clear()
+        self._buffered = 0
+
+    async def __aenter__(self) -> "UpstreamResponse":
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<UpstreamResponse {self.status} from {self._label} eof={self._eof} buffered={self._buffered}>"
+
+    # ------------------------------------------------------------------ producer side (the connection)
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _fail(self, exc: BaseException) -> None:
+        self._conn = None
+        if not self._eof and self._exc is None:
+            self._exc = exc
+        self._wake()
+
+
+class UpstreamConnection(asyncio.Protocol):
+    """One TCP connection to one backend; created by ``UpstreamPool``."""
+
+    __slots__ = (
+        "pool",
+        "key",
+        "label",
+        "loop",
+        "transport",
+        "closed",
+        "busy",
+        "reused",
+        "paused",
+        "idle_since",
+        "_parser",
+        "_high",
+        "_low",
+        "_head_waiter",
+        "_raw",
+        "_resp",
+        "_got_data",
+        "_complete",
+        "_informational",
+        "_until_close",
+        "_keep_alive",
+        "_poisoned",
+        "_fb_deadline",
+        "_total_deadline",
+        "_fb_s",
+        "_total_s",
+        "_lost_waiter",
+    )
+
+    def __init__(self, pool: "UpstreamPool", key: tuple[str, int], loop: asyncio.AbstractEventLoop) -> None:
+        self.pool = pool
+        self.key = key
+        self.label = f"{key[0]}:{key[1]}"
+        self.loop = loop
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self.busy = False
+        #: has completed an exchange before (so a silent close may be the keep-alive race)
+        self.reused = False
+        self.paused = False
+        self.idle_since = 0.0
+        self._parser = httptools.HttpResponseParser(self)
+        limits = pool.limits
+        self._high = limits.read_high_water
+        self._low = limits.read_low_water
+        self._head_waiter: asyncio.Future[UpstreamResponse] | None = None
+        self._raw: list[tuple[bytes, bytes]] = []
+        self._resp: UpstreamResponse | None = None
+        self._got_data = False
+        self._complete = False
+        self._informational = False
+        self._until_close = False
+        self._keep_alive = False
+        self._poisoned = False
+        self._fb_deadline = 0.0
+        self._total_deadline = 0.0
+        self._fb_s = 0.0
+        self._total_s = 0.0
+        self._lost_waiter: asyncio.Future[None] | None = None
+
+    # ------------------------------------------------------------------ the exchange
+    def send(
+        self, data: bytes, fb_deadline: float, total_deadline: float, fb_s: float, total_s: float
+    ) -> "asyncio.Future[UpstreamResponse]":
+        """Write one request; the future resolves with the response once its head is parsed."""
+        waiter: asyncio.Future[UpstreamResponse] = self.loop.create_future()
+        if self.closed or self.transport is None or self.transport.is_closing():
+            if self.reused:
+                waiter.set_exception(StaleConnectionError(f"backend {self.label} closed the idle connection"))
+            else:
+                waiter.set_exception(
+                    UpstreamProtocolError(f"backend {self.label} closed the connection right after accepting it")
+                )
+            return waiter
+        self.busy = True
+        self._head_waiter = waiter
+        self._raw = []
+        self._resp = None
+        self._got_data = False
+        self._complete = False
+        self._informational = False
+        self._poisoned = False
+        self._fb_deadline = fb_deadline
+        self._total_deadline = total_deadline
+        self._fb_s = fb_s
+        self._total_s = total_s
+        self.transport.write(data)
+        return waiter
+
+    def abort(self) -> None:
+        """Close the socket at once (no flush); the exchange in progress, if any, fails."""
+        if self.busy:
+            self._fail(UpstreamProtocolError(f"request to backend {self.label} was aborted"))
+        elif not self.closed:
+            self.closed = True
+            if self.transport is not None:
+                self.transport.abort()
+
+    def consumed(self, buffered: int) -> None:
+        """The consumer took bytes; ``buffered`` remain. Resume reading at or below low water."""
+        if self.paused and buffered <= self._low:
+            self.resume()
+
+    def resume(self) -> None:
+        if self.paused:
+            self.paused = False
+            if self.transport is not None and not self.closed:
+                self.transport.resume_reading()
+
+    def check(self, now: float, idle_timeout_s: float) -> None:
+        """Called by the pool's sweeper: enforce deadlines and the idle timeout."""
+        if self.busy:
+            waiter = self._head_waiter
+            if waiter is not None and not waiter.done() and now >= self._fb_deadline:
+                self._fail(
+                    UpstreamTimeoutError(f"backend {self.label} sent no response head within {self._fb_s:g} s")
+                )
+            elif now >= self._total_deadline:
+                self._fail(
+                    UpstreamTimeoutError(f"backend {self.label} did not finish its response within {self._total_s:g} s")
+                )
+        elif not self.closed and now - self.idle_since >= idle_timeout_s:
+            self.closed = True
+            if self.transport is not None:
+                self.transport.close()
+
+    def _fail(self, exc: BaseException) -> None:
+        """End the current exchange with ``exc`` and drop the connection."""
+        self.busy = False
+        waiter = self._head_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(exc)
+        resp = self._resp
+        if resp is not None:
+            self._resp = None
+            resp._fail(exc)
+        self.closed = True
+        if self.transport is not None:
+            self.transport.abort()
+
+    def _release(self) -> None:
+        """A clean end of message: hand the connection back to the pool (or close it)."""
+        self.busy = False
+        self._resp = None
+        self._head_waiter = None
+        if self.paused:
+            self.resume()
+        if self._keep_alive and not self._poisoned and not self.closed:
+            self.reused = True
+            self.pool._put_idle(self)
+        else:
+            self.closed = True
+            if self.transport is not None:
+                self.transport.close()
+
+    # ------------------------------------------------------------------ asyncio.Protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's transports are not asyncio.Transport subclasses
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except (OSError, AttributeError):  # not TCP (tests with unix sockets) or unsupported
+                pass
+
+    def data_received(self, data: bytes) -> None:
+        if not self.busy:
+            # bytes on an idle connection: the backend is confused; never reuse this connection
+            self.closed = True
+            if self.transport is not None:
+                self.transport.abort()
+            return
+        self._got_data = True
+        try:
+            self._parser.feed_data(data)
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
+            if isinstance(exc, httptools.HttpParserUpgrade):
+                exc = httptools.HttpParserError("the backend switched protocols, which the router does not support")
+            if self._complete:  # junk after a complete response: keep the response, drop the connection
+                self._poisoned = True
+            else:
+                self._fail(UpstreamProtocolError(f"backend {self.label} sent an invalid HTTP response: {exc}"))
+                return
+        if self._complete:
+            self._release()
+
+    def eof_received(self) -> bool:
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.pool._forget(self)
+        lost = self._lost_waiter
+        if lost is not None and not lost.done():
+            lost.set_result(None)
+        if not self.busy:
+            return
+        self.busy = False
+        waiter = self._head_waiter
+        if waiter is not None and not waiter.done():
+            if self.reused and not self._got_data:
+                err: UpstreamProtocolError = StaleConnectionError(
+                    f"backend {self.label} closed the reused connection before answering"
+                )
+            else:
+                err = UpstreamProtocolError(
+                    f"backend {self.label} closed the connection before sending a complete response head"
+                )
+            waiter.set_exception(err)
+            return
+        resp = self._resp
+        if resp is None:
+            return
+        self._resp = None
+        if self._until_close and not self._complete:
+            # a response framed by connection close: this is its clean end
+            resp._conn = None
+            resp._eof = True
+            resp._wake()
+        else:
+            resp._fail(
+                UpstreamProtocolError(
+                    f"backend {self.label} closed the connection in the middle of the response body"
+                    + (f" ({exc})" if exc is not None else "")
+                )
+            )
+
+    def pause_writing(self) -> None:  # request bodies are in memory already; nothing to throttle
+        pass
+
+    def resume_writing(self) -> None:
+        pass
+
+    # ------------------------------------------------------------------ httptools callbacks
+    def on_message_begin(self) -> None:
+        if self._complete:
+            # a second response to one request: never reuse this connection
+            self._poisoned = True
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._raw.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        if self._complete:
+            return
+        status = self._parser.get_status_code()
+        if status < 200:  # 1xx: skip it, the real response follows
+            self._informational = True
+            self._raw = []
+            return
+        headers: list[tuple[str, str]] = []
+        content_type = ""
+        content_length: int | None = None
+        chunked = False
+        named: list[bytes] | None = None
+        for name, value in self._raw:
+            lname = name.lower()
+            if lname in _HOP_BY_HOP_B:
+                if lname == b"transfer-encoding":
+                    chunked = value.rsplit(b",", 1)[-1].strip().lower() == b"chunked"
+                elif lname == b"connection":
+                    tokens = [t.strip() for t in value.lower().split(b",")]
+                    extra = [t for t in tokens if t not in (b"keep-alive", b"close", b"")]
+                    if extra:
+                        named = (named or []) + extra
+                continue
+            if lname == b"content-length":
+                content_length = int(value)  # llhttp validated it
+                continue
+            if lname == b"content-type":
+                content_type = value.decode("latin-1")
+            headers.append((name.decode("latin-1"), value.decode("latin-1")))
+        if named:
+            drop = {n.decode("latin-1") for n in named}
+            headers = [h for h in headers if h[0].lower() not in drop]
+        self._raw = []
+        self._until_close = content_length is None and not chunked
+        resp = UpstreamResponse(self, status, headers, content_type, content_length, chunked)
+        self._resp = resp
+        waiter = self._head_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(resp)
+
+    def on_body(self, body: bytes) -> None:
+        resp = self._resp
+        if resp is None:
+            return
+        resp._chunks.append(body)
+        resp._buffered += len(body)
+        if resp._read_all:
+            return
+        waiter = resp._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+        if resp._buffered > self._high and not self.paused and not self.closed:
+            self.paused = True
+            self.transport.pause_reading()  # type: ignore[union-attr]
+
+    def on_message_complete(self) -> None:
+        if self._informational:
+            self._informational = False
+            return
+        if self._complete:
+            return
+        self._complete = True
+        self._keep_alive = self._parser.should_keep_alive()
+        resp = self._resp
+        if resp is not None:
+            self._resp = None  # bytes after this message are not its body
+            resp._conn = None
+            resp._eof = True
+            resp._wake()

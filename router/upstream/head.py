@@ -1,0 +1,88 @@
+"""Building upstream request heads: HTTP/1.1, keep-alive, no hop-by-hop headers, no smuggling.
+
+The head is built once per upstream leg from the client's headers; the body is never touched.
+Header strings are encoded with UTF-8 + ``surrogateescape``, which gives back the exact bytes
+aiohttp's server decoded them from.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+from router.errors import BadRequestError
+
+#: hop-by-hop headers (RFC 9110 §7.6.1, plus the non-standard Proxy-Connection); never forwarded
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
+#: request headers the pool sets itself
+_DROP = HOP_BY_HOP | {"host", "content-length"}
+#: Connection tokens that name no header worth a second pass
+_PLAIN_CONNECTION_TOKENS = frozenset({"keep-alive", "close", ""}) | _DROP
+
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_BAD_IN_VALUE = re.compile(r"[\r\n\x00]")
+#: request-target in origin form: starts with "/", no whitespace or control characters
+_TARGET = re.compile(r"/[^\x00-\x20\x7f]*")
+
+
+def build_request_head(
+    method: str,
+    path: str,
+    host_header: str,
+    headers: Iterable[tuple[str, str]],
+    content_length: int,
+) -> bytes:
+    """Return the complete request head (request line, headers, blank line) as bytes.
+
+    Drops hop-by-hop headers, the headers named in ``Connection``, ``Host`` and ``Content-Length``
+    from ``headers``; sets ``Host: host_header`` and ``Content-Length: content_length`` (omitted for
+    a body-less GET/HEAD). Raises ``BadRequestError`` for a method that is not a token, a path that
+    is not origin-form, or a header name/value that could split the head (CR, LF, NUL, bad name).
+    """
+    if _TOKEN.fullmatch(method) is None:
+        raise BadRequestError(f"invalid HTTP method {method!r}: use a token such as POST or GET")
+    if _TARGET.fullmatch(path) is None:
+        raise BadRequestError(
+            f"invalid request path {path!r}: it must start with '/' and contain no spaces or control characters"
+        )
+    if _BAD_IN_VALUE.search(host_header) is not None:
+        raise BadRequestError("invalid Host value: it contains CR, LF or NUL")
+    parts = [f"{method} {path} HTTP/1.1\r\nHost: {host_header}\r\n"]
+    named: set[str] | None = None
+    for name, value in headers:
+        lname = name.lower()
+        if lname in _DROP:
+            if lname == "connection":
+                for token in value.lower().split(","):
+                    token = token.strip()
+                    if token not in _PLAIN_CONNECTION_TOKENS:
+                        if named is None:
+                            named = set()
+                        named.add(token)
+            continue
+        if _TOKEN.fullmatch(name) is None:
+            raise BadRequestError(f"invalid header name {name!r}: remove it or use letters, digits and '-' only")
+        if _BAD_IN_VALUE.search(value) is not None:
+            raise BadRequestError(f"header {name} contains CR, LF or NUL: remove those characters")
+        parts.append(f"{name}: {value}\r\n")
+    if named:
+        # rare: the client's Connection header names end-to-end headers as hop-by-hop
+        parts = [parts[0]] + [p for p in parts[1:] if p.split(":", 1)[0].lower() not in named]
+    if content_length or method not in ("GET", "HEAD"):
+        if content_length < 0:
+            raise BadRequestError(f"invalid content length {content_length}")
+        parts.append(f"Content-Length: {content_length}\r\n")
+    parts.append("\r\n")
+    return "".join(parts).encode("utf-8", "surrogateescape")
