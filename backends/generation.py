@@ -8,7 +8,8 @@ request at once, and so does a request whose choices all ended on a stop string.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Callable
+from typing import cast
 
 import msgspec
 from aiohttp import web
@@ -17,9 +18,14 @@ from backends.engine.outputs import RequestOutput
 from backends.engine.request import EngineCoreRequest
 from backends.serving import Choice, Frontend, GenerationRun
 from backends.sse import DONE, data_frame
-from router.errors import error_body
+from router.errors import SessionRouterError, error_body
 
 log = logging.getLogger(__name__)
+
+
+def _start(fe: Frontend, ecr: EngineCoreRequest) -> AsyncGenerator[RequestOutput, None]:
+    # AsyncEngine.generate is an async generator (it has aclose), though annotated AsyncIterator
+    return cast(AsyncGenerator[RequestOutput, None], fe.engine.generate(ecr))
 
 
 class ClientDisconnected(Exception):
@@ -28,7 +34,7 @@ class ClientDisconnected(Exception):
 
 async def run_to_end(request: web.Request, fe: Frontend, ecr: EngineCoreRequest, run: GenerationRun) -> None:
     """Consume the engine's outputs until the request finishes (non-streaming responses)."""
-    gen = fe.engine.generate(ecr)
+    gen = _start(fe, ecr)
     fe.in_flight += 1
     try:
         async for out in gen:
@@ -58,7 +64,7 @@ async def stream_run(
     done_marker: bool = True,
 ) -> None:
     """Write SSE frames as the engine produces them; end with the tail (and ``[DONE]``)."""
-    gen = fe.engine.generate(ecr)
+    gen = _start(fe, ecr)
     fe.in_flight += 1
     try:
         async for out in gen:
@@ -74,10 +80,14 @@ async def stream_run(
         await resp.write_eof()
     except ConnectionResetError:
         pass  # the client went away; ``finally`` aborts the engine request
-    except Exception:
-        log.exception("stream of %s failed", ecr.request_id)
-        try:
+    except Exception as exc:
+        # the headers are out: the error goes in the stream, in vLLM's shape (``data: {error}``)
+        if isinstance(exc, SessionRouterError):
+            err = exc.body()
+        else:
+            log.exception("stream of %s failed", ecr.request_id)
             err = error_body(500, "The server failed while streaming this response; see its log.")
+        try:
             await resp.write(data_frame(err) + (DONE if done_marker else b""))
         except ConnectionResetError:
             pass

@@ -197,7 +197,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
             if not text and not c.done and not want_ids:
                 continue
             chunk = CompletionStreamResponse(
-                id=response_id, created=created, model=model,
+                id=response_id, created=created, model=model, system_fingerprint=fe.fingerprint,
                 choices=[CompletionChoice(
                     index=c.index, text=text, logprobs=None,
                     finish_reason=c.finish_reason if c.done else None,
@@ -213,9 +213,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
     def tail() -> bytes:
         if not include_usage:
             return b""
-        chunk = CompletionStreamResponse(id=response_id, created=created, model=model, choices=[], usage=run.usage())
+        chunk = CompletionStreamResponse(id=response_id, created=created, model=model, choices=[],
+                                         system_fingerprint=fe.fingerprint, usage=run.usage())
         return data_frame(_enc.encode(chunk))
 
+    fe.check_engine()
     resp = await open_stream(request, headers)
     await stream_run(resp, fe, ecr, run, step, tail)
     return resp
@@ -279,7 +281,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
     def chunk(choices: list[ChatStreamChoice], usage: bool = False, prompt: bool = False) -> bytes:
         obj = ChatCompletionStreamResponse(
-            id=response_id, created=created, model=model, choices=choices,
+            id=response_id, created=created, model=model, choices=choices, system_fingerprint=fe.fingerprint,
             usage=run.usage() if usage else msgspec.UNSET,
             prompt_token_ids=prompt_ids if prompt else msgspec.UNSET,
         )
@@ -314,6 +316,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     def tail() -> bytes:
         return chunk([], usage=True) if include_usage else b""
 
+    fe.check_engine()
     resp = await open_stream(request, headers)
     await stream_run(resp, fe, ecr, run, step, tail)
     return resp
@@ -404,6 +407,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
                                      usage=run.usage())
         return data_frame(_enc.encode(obj))
 
+    fe.check_engine()
     resp = await open_stream(request, headers)
     await stream_run(resp, fe, ecr, run, step, tail)
     return resp

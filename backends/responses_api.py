@@ -190,6 +190,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
             + event("response.completed", response=final)
         )
 
+    fe.check_engine()
     resp = await open_stream(request, headers)
     await stream_run(resp, fe, ecr, run, step, tail, done_marker=False)
     return resp

@@ -17,13 +17,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
 
 import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from backends import openai_routes, responses_api
+from backends.engine.client import AsyncEngine
 from backends.engine.outputs import EngineConfig
 from backends.generation import ClientDisconnected, json_response
 from backends.openai_routes import chat_prompt
@@ -50,7 +50,7 @@ MAX_BODY_BYTES = 64 * 1024 * 1024
 DEFAULT_SESSIONS_LIMIT = 100
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-EngineFactory = Callable[[EngineConfig, CollectorRegistry], Any]
+EngineFactory = Callable[[EngineConfig, CollectorRegistry], AsyncEngine]
 
 
 def _error_response(status: int, body: bytes, headers: dict[str, str] | None = None) -> web.Response:
@@ -95,7 +95,7 @@ def _http_error(request: web.Request, exc: web.HTTPException) -> web.Response:
         if allowed:
             headers["Allow"] = ", ".join(allowed)
     elif status == 413:
-        message = f"Request body too large: the limit is {MAX_BODY_BYTES} bytes."
+        message = f"Request body too large. {exc.text} Send a smaller body."
     else:
         message = exc.reason or exc.text or "HTTP error"
     return _error_response(status, error_body(status, message), headers)
@@ -105,7 +105,8 @@ def _http_error(request: web.Request, exc: web.HTTPException) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    return web.Response(status=200)
+    """200 with an empty body while the engine loop runs; 503 once it is dead (as vLLM)."""
+    return web.Response(status=200 if request.app[ENGINE].is_running else 503)
 
 
 async def load(request: web.Request) -> web.Response:
@@ -205,19 +206,22 @@ async def detokenize(request: web.Request) -> web.Response:
 
 
 def engine_config_for(config: EngineConfig, tokenizer: Tokenizer) -> EngineConfig:
-    """``config`` with the generated-token range and eos taken from the tokenizer."""
+    """``config`` with the generated-token range and eos taken from the tokenizer, and
+    ``max_model_len`` lowered to the KV-cache capacity when that cannot hold one full sequence
+    (vLLM refuses to start then; here the served context shrinks, with a warning)."""
+    capacity = config.num_blocks * config.block_size
+    max_model_len = config.max_model_len
+    if capacity < max_model_len:
+        log.warning("KV cache holds %d tokens (%d blocks of %d), less than max_model_len %d: serving "
+                    "max_model_len %d", capacity, config.num_blocks, config.block_size, max_model_len, capacity)
+        max_model_len = capacity
     return msgspec.structs.replace(
         config,
+        max_model_len=max_model_len,
         gen_token_min=tokenizer.gen_token_min,
         gen_token_max=tokenizer.gen_token_max,
         eos_token_id=tokenizer.eos_token_id,
     )
-
-
-def _default_engine(config: EngineConfig, registry: CollectorRegistry) -> Any:
-    from backends.engine.client import AsyncEngine
-
-    return AsyncEngine(config, registry)
 
 
 def create_app(
@@ -225,6 +229,7 @@ def create_app(
     *,
     registry: CollectorRegistry | None = None,
     max_stored_responses: int = DEFAULT_MAX_ENTRIES,
+    max_body_bytes: int = MAX_BODY_BYTES,
     engine_factory: EngineFactory | None = None,
 ) -> web.Application:
     """Build a backend app; the engine starts and stops with the app (``cleanup_ctx``).
@@ -235,8 +240,8 @@ def create_app(
     tokenizer = Tokenizer()
     config = engine_config_for(config, tokenizer)
     registry = registry if registry is not None else CollectorRegistry()
-    engine = (engine_factory or _default_engine)(config, registry)
-    app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
+    engine = (engine_factory or AsyncEngine)(config, registry)
+    app = web.Application(middlewares=[error_middleware], client_max_size=max_body_bytes)
     app[FRONTEND] = Frontend(config=config, tokenizer=tokenizer, engine=engine, registry=registry,
                              store=ResponseStore(max_stored_responses))
     app[ENGINE] = engine

@@ -19,6 +19,7 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from backends.engine.client import AsyncEngine, EngineDeadError
 from backends.engine.outputs import EngineConfig, RequestOutput
 from backends.engine.request import EngineCoreRequest, SamplingParams
 from backends.protocol import PromptTokensDetails, Usage
@@ -59,7 +60,7 @@ class Frontend:
 
     config: EngineConfig
     tokenizer: Tokenizer
-    engine: Any  # backends.engine.client.AsyncEngine (imported lazily by the app factory)
+    engine: AsyncEngine
     registry: CollectorRegistry
     store: ResponseStore
     ids: IdGenerator = field(default_factory=IdGenerator)
@@ -75,6 +76,11 @@ class Frontend:
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.config.model:
             raise NotFoundError(f"The model `{model}` does not exist.", param="model")
+
+    def check_engine(self) -> None:
+        """Fail with a 503 before a stream starts when the engine loop is not running."""
+        if not self.engine.is_running:
+            raise EngineDeadError("The engine is not running; this backend cannot generate. Try another backend.")
 
     def base_request_id(self, request: web.Request, body_request_id: str | None) -> str:
         """vLLM's order: the X-Request-Id header, else the body's request_id, else a fresh id."""

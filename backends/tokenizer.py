@@ -105,6 +105,7 @@ WORDS: tuple[str, ...] = tuple(
 ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool", "developer")
 
 _CHUNK = re.compile(r" ?[A-Za-z]+|.", re.DOTALL)
+_CHUNK_CACHE_SIZE = 65536
 
 
 class Tokenizer:
@@ -135,29 +136,26 @@ class Tokenizer:
             self._word_ids.setdefault(w, self.bare_base + i)
         self._role_ids = {r: self.role_base + i for i, r in enumerate(ROLES)}
         self._newline = [BYTE_BASE + 0x0A]
-        # per-character cache of byte ids for the non-word chunks (bounded: one entry per char seen)
-        self._char_ids: dict[str, list[int]] = {}
+        # byte ids of the non-word chunks seen so far (bounded; a pure cache)
+        self._chunk_ids: dict[str, list[int]] = {}
 
     # ---- text <-> ids -------------------------------------------------------------------
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
         ids: list[int] = [BOS_ID] if add_bos else []
         word_ids = self._word_ids
-        char_ids = self._char_ids
+        chunk_ids = self._chunk_ids
         for chunk in _CHUNK.findall(text):
             wid = word_ids.get(chunk)
             if wid is not None:
                 ids.append(wid)
                 continue
-            cached = char_ids.get(chunk)
+            cached = chunk_ids.get(chunk)
             if cached is None:
-                if len(chunk) == 1:
-                    cached = [BYTE_BASE + b for b in chunk.encode("utf-8", errors="surrogatepass")]
-                    if len(char_ids) < 65536:
-                        char_ids[chunk] = cached
-                else:  # an unknown word: its leading space (if any) and letters, byte by byte
-                    ids.extend(BYTE_BASE + b for b in chunk.encode("utf-8"))
-                    continue
-            ids.extend(cached)
+                # an unknown word (with its leading space) or any other character: its UTF-8 bytes
+                cached = [BYTE_BASE + b for b in chunk.encode("utf-8", errors="surrogatepass")]
+                if len(chunk) <= 32 and len(chunk_ids) < _CHUNK_CACHE_SIZE:
+                    chunk_ids[chunk] = cached
+            ids += cached
         return ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:

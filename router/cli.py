@@ -11,7 +11,10 @@ Process model:
   worker processes that each listen on that port with SO_REUSEPORT (the kernel spreads new
   connections over them), prints the listening line once all are up, forwards SIGTERM/SIGINT
   to them and exits 0 when every worker drained and exited 0. A worker that dies after it was
-  up is restarted; one that fails to start stops the whole group.
+  up is restarted; one that fails to start stops the whole group. Workers leave the
+  supervisor's process group (a terminal's Ctrl-C or a group-wide kill reaches the supervisor
+  alone, which forwards exactly one SIGTERM) and hold a lifeline pipe to it: if the supervisor
+  is killed outright, they drain and exit instead of living on as orphans.
 
 Placement across workers: the session policy's rendezvous hash depends only on the session id
 and the configured backends, so every worker sends a session's first request to the same
@@ -90,7 +93,7 @@ def run(
     """
     if config.workers > 1:
         return supervise(config, app_factory=app_factory, admin_factory=admin_factory)
-    return run_worker(config, app_factory=app_factory, admin_factory=admin_factory)
+    return run_worker(config, app_factory=app_factory, admin_factory=admin_factory, ignore_late_signals=True)
 
 
 def configure_logging(level: str) -> None:
@@ -117,11 +120,14 @@ def run_worker(
     admin_factory: str = DEFAULT_ADMIN_FACTORY,
     reuse_port: bool = False,
     on_ready: Callable[[int], None] | None = None,
+    lifeline: int | None = None,
+    ignore_late_signals: bool = False,
 ) -> int:
     """Build the app and serve it in this process until SIGTERM/SIGINT; return the exit code.
 
     With ``config.admin_port`` set, ``admin_factory(main_app)`` is served on that port too.
     ``on_ready(port)`` is called once listening (default: print the listening line).
+    ``lifeline`` and ``ignore_late_signals``: see ``serve``.
     """
     factory = load_factory(app_factory)
     if on_ready is None:
@@ -142,6 +148,8 @@ def run_worker(
             reuse_port=reuse_port,
             on_ready=on_ready,
             admin=admin,
+            lifeline=lifeline,
+            ignore_late_signals=ignore_late_signals,
         )
 
     try:
@@ -164,23 +172,34 @@ async def serve(
     reuse_port: bool = False,
     on_ready: Callable[[int], None] | None = None,
     admin: tuple[web.Application, int] | None = None,
+    lifeline: int | None = None,
+    ignore_late_signals: bool = False,
 ) -> None:
     """Serve ``app`` on ``host:port`` (and ``admin = (app, port)`` beside it) until SIGTERM/SIGINT,
     then drain and clean up.
 
     Draining: the listening sockets close at once, in-flight requests (streams included) get up
     to ``drain_timeout_s`` to finish, then are cancelled; the app's cleanup runs last.
+    ``lifeline``: a file descriptor that turns readable (EOF) when the supervisor dies; it
+    stops the server like a signal. ``ignore_late_signals``: once drained, ignore SIGTERM and
+    SIGINT for the rest of the process instead of restoring their default action, so that a
+    duplicate signal (the supervisor's forward racing a process-group or cgroup-wide one)
+    cannot turn a clean exit into a death by signal. Only for a process that exits next.
     """
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     signals = (signal.SIGTERM, signal.SIGINT)
     for signum in signals:  # before anything else: a signal during start-up also drains
         loop.add_signal_handler(signum, stop.set)
+    if lifeline is not None:
+        loop.add_reader(lifeline, stop.set)
+    # aiohttp reads a shutdown timeout of 0 as "no timeout": 0 here means "do not wait"
+    shutdown_timeout = max(drain_timeout_s, 0.001)
     runners: list[web.AppRunner] = []
     try:
         bound_port = port
         for served, served_port in [(app, port)] + ([admin] if admin is not None else []):
-            runner = web.AppRunner(served, access_log=None, handle_signals=False, shutdown_timeout=drain_timeout_s)
+            runner = web.AppRunner(served, access_log=None, handle_signals=False, shutdown_timeout=shutdown_timeout)
             await runner.setup()
             runners.append(runner)
             site = web.TCPSite(runner, host, served_port, backlog=LISTEN_BACKLOG, reuse_port=reuse_port or None)
@@ -204,8 +223,12 @@ async def serve(
             for runner in reversed(runners):
                 await runner.cleanup()
         finally:
+            if lifeline is not None:
+                loop.remove_reader(lifeline)
             for signum in signals:
                 loop.remove_signal_handler(signum)
+                if ignore_late_signals:
+                    signal.signal(signum, signal.SIG_IGN)
 
 
 def run_async(coro: Coroutine[Any, Any, None]) -> None:
@@ -236,6 +259,8 @@ class _Worker:
     process: multiprocessing.process.BaseProcess
     #: the worker sends its port here once it listens
     ready_conn: multiprocessing.connection.Connection | None
+    #: held open by this process only: the worker stops when it reads EOF (we died)
+    lifeline: multiprocessing.connection.Connection
     ready: bool = False
     signalled: bool = False
     started_at: float = field(default_factory=time.monotonic)
@@ -259,14 +284,16 @@ def supervise(
 
     def start(index: int) -> _Worker:
         reader, writer = ctx.Pipe(duplex=False)
+        life_r, life_w = ctx.Pipe(duplex=False)
         process = ctx.Process(
             target=_worker_entry,
-            args=(worker_config, app_factory, admin_factory, writer),
+            args=(worker_config, app_factory, admin_factory, writer, life_r),
             name=f"{PROG}-worker-{index}",
         )
         process.start()
         writer.close()  # the worker holds the only writer: its death means EOF here
-        return _Worker(index, process, reader)
+        life_r.close()  # and the only lifeline reader: our death means EOF there
+        return _Worker(index, process, reader, life_w)
 
     stopping = False
     exit_code = 0
@@ -289,32 +316,50 @@ def supervise(
         for index in range(config.workers):
             workers.append(start(index))
         while True:
+            # One liveness snapshot per turn: a worker that dies after it is still in `alive`,
+            # so its sentinel wakes the wait below (checking twice would race with its death).
+            alive = [w for w in workers if w.process.is_alive()]
             now = time.monotonic()
+            if not stopping:
+                for slot, worker in enumerate(workers):
+                    if worker in alive:
+                        continue
+                    code = worker.process.exitcode
+                    if not worker.ready:
+                        logger.error("worker %d exited with code %s while starting; stopping", worker.index, code)
+                        exit_code, stopping = (code if code and code > 0 else 1), True
+                        break
+                    restarts = [t for t in restarts if now - t < RESTART_WINDOW_S] + [now]
+                    if len(restarts) > MAX_RESTARTS:
+                        logger.error("workers keep dying (%d restarts in %gs); stopping", len(restarts), RESTART_WINDOW_S)
+                        exit_code, stopping = 1, True
+                        break
+                    logger.warning("worker %d exited with code %s; restarting it", worker.index, code)
+                    workers[slot] = replacement = start(worker.index)
+                    replacement.ready = True  # the group is already up; it joins when it listens
+                    alive.append(replacement)
+            if not stopping and not announced and now >= start_deadline:
+                logger.error("workers did not start within %gs; stopping", WORKER_START_TIMEOUT_S)
+                exit_code, stopping = 1, True
             if stopping:
                 if stop_deadline is None:
                     # aiohttp waits up to the drain timeout for handlers, then as long again
                     # for their cancellation; the app's cleanup comes on top.
                     stop_deadline = now + 2 * config.drain_timeout_s + 10.0
-                for worker in workers:
-                    if not worker.signalled and worker.process.is_alive():
+                for worker in alive:
+                    if not worker.signalled:
                         _signal(worker.process, signal.SIGTERM)
                         worker.signalled = True
-                if not any(w.process.is_alive() for w in workers):
+                if not alive:
                     break
                 if now >= stop_deadline:
-                    for worker in workers:
-                        if worker.process.is_alive():
-                            logger.error("worker %d did not stop in time; killing it", worker.index)
-                            _signal(worker.process, signal.SIGKILL)
+                    for worker in alive:
+                        logger.error("worker %d did not stop in time; killing it", worker.index)
+                        _signal(worker.process, signal.SIGKILL)
                     exit_code = exit_code or 1
                     break
-            elif not announced and now >= start_deadline:
-                logger.error("workers did not start within %gs; stopping", WORKER_START_TIMEOUT_S)
-                exit_code, stopping = 1, True
-                continue
 
-            waitables: list[Any] = [wake_r]
-            waitables += [w.process.sentinel for w in workers if w.process.is_alive()]
+            waitables: list[Any] = [wake_r, *(w.process.sentinel for w in alive)]
             waitables += [w.ready_conn for w in workers if w.ready_conn is not None]
             deadline = stop_deadline if stopping else (None if announced else start_deadline)
             timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -327,33 +372,13 @@ def supervise(
                     try:
                         conn.recv()
                         worker.ready = True
-                    except EOFError:
+                    except EOFError:  # died before it listened
                         pass
                     conn.close()
                     worker.ready_conn = None
             if not announced and not stopping and all(w.ready for w in workers):
                 print(listening_line(config.host, port), flush=True)
                 announced = True
-
-            if stopping:
-                continue
-            for slot, worker in enumerate(workers):
-                if worker.process.is_alive():
-                    continue
-                code = worker.process.exitcode
-                if not worker.ready:
-                    logger.error("worker %d exited with code %s while starting; stopping", worker.index, code)
-                    exit_code, stopping = (code if code and code > 0 else 1), True
-                    break
-                now = time.monotonic()
-                restarts = [t for t in restarts if now - t < RESTART_WINDOW_S] + [now]
-                if len(restarts) > MAX_RESTARTS:
-                    logger.error("workers keep dying (%d restarts in %gs); stopping", len(restarts), RESTART_WINDOW_S)
-                    exit_code, stopping = 1, True
-                    break
-                logger.warning("worker %d exited with code %s; restarting it", worker.index, code)
-                workers[slot] = replacement = start(worker.index)
-                replacement.ready = True  # the group is already announced; it joins when it listens
     finally:
         for signum, handler in old_handlers.items():
             signal.signal(signum, handler)
@@ -366,9 +391,12 @@ def supervise(
             worker.process.join(5.0)
             if worker.ready_conn is not None:
                 worker.ready_conn.close()
+            worker.lifeline.close()
         reservation.close()
-    if exit_code == 0 and any(w.process.exitcode != 0 for w in workers):
-        exit_code = 1
+    failed = [(w.index, w.process.exitcode) for w in workers if w.process.exitcode != 0]
+    if failed:
+        logger.error("workers exited with non-zero codes (worker, code): %s", failed)
+        exit_code = exit_code or 1
     return exit_code
 
 
@@ -377,8 +405,15 @@ def _worker_entry(
     app_factory: str,
     admin_factory: str,
     ready: multiprocessing.connection.Connection,
+    lifeline: multiprocessing.connection.Connection,
 ) -> None:
-    """Body of one worker process (spawned: a fresh interpreter)."""
+    """Body of one worker process (spawned: a fresh interpreter).
+
+    It leaves the supervisor's process group, so a terminal's Ctrl-C or a group-wide kill
+    reaches the supervisor alone, which forwards one SIGTERM; the lifeline stops it if the
+    supervisor dies without doing so.
+    """
+    os.setpgid(0, 0)
     configure_logging(config.log_level)
 
     def on_ready(port: int) -> None:
@@ -386,7 +421,15 @@ def _worker_entry(
         ready.close()
 
     sys.exit(
-        run_worker(config, app_factory=app_factory, admin_factory=admin_factory, reuse_port=True, on_ready=on_ready)
+        run_worker(
+            config,
+            app_factory=app_factory,
+            admin_factory=admin_factory,
+            reuse_port=True,
+            on_ready=on_ready,
+            lifeline=lifeline.fileno(),
+            ignore_late_signals=True,
+        )
     )
 
 

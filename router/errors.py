@@ -96,22 +96,26 @@ class UpstreamError(SessionRouterError):
     error_type = "BadGatewayError"
     #: whether another backend may be tried for the same request
     retryable: bool = True
+    #: metric label for this kind of failure
+    reason: str = "protocol"
 
 
 class NoHealthyBackendError(UpstreamError):
     status = 503
     error_type = "ServiceUnavailableError"
     retryable = False
+    reason = "no_backend"
 
 
 class UpstreamConnectError(UpstreamError):
-    pass
+    reason = "connect"
 
 
 class UpstreamStatusError(UpstreamError):
     def __init__(self, message: str, *, upstream_status: int, param: str | None = None) -> None:
         super().__init__(message, param=param)
         self.upstream_status = upstream_status
+        self.reason = f"status_{upstream_status}"
 
 
 class UpstreamProtocolError(UpstreamError):
@@ -121,6 +125,7 @@ class UpstreamProtocolError(UpstreamError):
 class UpstreamTimeoutError(UpstreamError):
     status = 504
     error_type = "GatewayTimeoutError"
+    reason = "timeout"
 
 
 class ConfigError(SessionRouterError):

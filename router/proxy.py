@@ -21,18 +21,10 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from router import inspect
-from router.errors import (
-    NoHealthyBackendError,
-    PayloadTooLargeError,
-    SessionRouterError,
-    UpstreamConnectError,
-    UpstreamError,
-    UpstreamStatusError,
-    UpstreamTimeoutError,
-    error_body,
-)
+from router.errors import PayloadTooLargeError, SessionRouterError, UpstreamConnectError, UpstreamError, error_body
 from router.placement.base import Outcome, Placement
-from router.pool import POOL_DEFAULT, Backend, BackendPool
+from router.pd import PD_ROUTE_KINDS, PDHandoff
+from router.pool import POOL_DECODE, POOL_DEFAULT, Backend, BackendPool
 from router.session import SESSION_HEADER, resolve_session_id, session_from_headers
 from router.upstream import UpstreamResponse, build_request_head
 
@@ -108,7 +100,9 @@ class Proxy:
     def __init__(self, state: "RouterState") -> None:
         self.state = state
         self.config = state.config
-        self._pool_name = POOL_DEFAULT
+        self.pd = PDHandoff(state) if state.config.pd_mode else None
+        #: where requests go: the decode pool in P/D mode (prefill legs are the hand-off's business)
+        self.pool = state.pools[POOL_DECODE if self.pd is not None else POOL_DEFAULT]
 
     # ------------------------------------------------------------------ entry point
     def handler(self, route: Route):  # type: ignore[no-untyped-def]
@@ -210,14 +204,16 @@ class Proxy:
             state.metrics.placement(state.policy.name, placement.outcome.value)
         return placement
 
-    def _pool_for(self, route: Route) -> BackendPool:
-        return self.state.pools[self._pool_name]
-
     async def _dispatch(self, request: web.Request, route: Route, body: bytes,
                         fields: inspect.RoutingFields | None, attempt: Attempt) -> web.StreamResponse:
-        pool = self._pool_for(route)
+        pool = self.pool
         headers = self.forward_headers(request, attempt)
-        upstream, backend = await self.send(pool, route, request.method, request.path_qs, headers, body, fields, attempt)
+        first: Placement | None = None
+        if self.pd is not None and route.kind in PD_ROUTE_KINDS:
+            first = self._place(pool, attempt, fields, frozenset())  # decode first, then prefill
+            body = await self.pd.prefill(route, body, attempt, headers, request.path_qs)
+        upstream, backend = await self.send(pool, route, request.method, request.path_qs, headers, body, fields,
+                                            attempt, first)
         try:
             return await self._relay(request, route, fields, upstream, backend, attempt)
         finally:
@@ -233,7 +229,7 @@ class Proxy:
 
     async def send(self, pool: BackendPool, route: Route, method: str, path: str, headers: list[tuple[str, str]],
                    body: bytes, fields: inspect.RoutingFields | None, attempt: Attempt,
-                   ) -> tuple[UpstreamResponse, Backend]:
+                   first: Placement | None = None) -> tuple[UpstreamResponse, Backend]:
         """Send to a placed backend, retrying on the next candidate before any byte reached the client.
 
         Returns with ``backend.in_flight`` incremented; the caller decrements it when done.
@@ -243,7 +239,8 @@ class Proxy:
         exclude: set[str] = set()
         retries_left = self.config.retries
         while True:
-            placement = self._place(pool, attempt, fields, frozenset(exclude))
+            placement = first if first is not None else self._place(pool, attempt, fields, frozenset(exclude))
+            first = None
             backend = placement.backend
             attempt.backend = backend
             if attempt.entry is not None:
@@ -254,10 +251,13 @@ class Proxy:
                 upstream = await state.upstream.request(backend.host, backend.port, head, body)
             except UpstreamError as exc:
                 backend.in_flight -= 1
-                reason = _failure_reason(exc)
+                reason = exc.reason
                 self._record_failure(backend, reason, connect_error=isinstance(exc, UpstreamConnectError))
                 if retries_left <= 0 or not exc.retryable:
                     raise
+            except BaseException:  # cancelled (client gone): the pool closed the connection
+                backend.in_flight -= 1
+                raise
             else:
                 if upstream.status not in RETRY_STATUSES or retries_left <= 0:
                     if upstream.status < 500 and state.health is not None:
@@ -324,7 +324,7 @@ class Proxy:
                         want_id = False
         except UpstreamError as exc:
             # bytes already reached the client: end the stream with an error event, never hang
-            self._record_failure(backend, _failure_reason(exc), connect_error=False)
+            self._record_failure(backend, exc.reason, connect_error=False)
             attempt.status = exc.status
             self._account_error(attempt)
             await response.write(b"data: " + exc.body() + b"\n\ndata: [DONE]\n\n")
@@ -381,18 +381,6 @@ class Proxy:
     def _finish(self, attempt: Attempt, now: float) -> None:
         backend = attempt.backend.name if attempt.backend is not None else "none"
         self.state.metrics.request_done(attempt.route.name, backend, attempt.status, now - attempt.started)
-
-
-def _failure_reason(exc: UpstreamError) -> str:
-    if isinstance(exc, UpstreamConnectError):
-        return "connect"
-    if isinstance(exc, UpstreamTimeoutError):
-        return "timeout"
-    if isinstance(exc, UpstreamStatusError):
-        return f"status_{exc.upstream_status}"
-    if isinstance(exc, NoHealthyBackendError):
-        return "no_backend"
-    return "protocol"
 
 
 def _nodelay(request: web.Request) -> None:

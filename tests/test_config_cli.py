@@ -289,8 +289,9 @@ def test_sigterm_stops_accepting_lets_the_stream_finish_and_exits_0(tmp_path: Pa
 
 
 @pytest.mark.slow
-def test_the_drain_is_bounded_by_drain_timeout(tmp_path: Path, children: list[Child]) -> None:
-    child = start_fixture_router(children, tmp_path, "drain_app", config="drain_timeout_s = 0.3\n")
+@pytest.mark.parametrize("drain_timeout_s", [0.3, 0])
+def test_the_drain_is_bounded_by_drain_timeout(tmp_path: Path, children: list[Child], drain_timeout_s: float) -> None:
+    child = start_fixture_router(children, tmp_path, "drain_app", config=f"drain_timeout_s = {drain_timeout_s}\n")
     port = child.read_port()
     conn, resp = open_stream(port)
     started = time.monotonic()
@@ -309,15 +310,7 @@ def test_workers_share_the_port_restart_and_drain(tmp_path: Path, children: list
     port = child.read_port()
     assert child.popen.poll() is None
 
-    pids: set[int] = set()
-
-    def saw_two_workers() -> bool:
-        status, body = get(port, "/pid")
-        assert status == 200
-        pids.add(int(body))
-        return len(pids) == 2
-
-    wait_until(saw_two_workers, what="answers from two worker processes")
+    pids = worker_pids(port)
     assert all(parent_of(pid) == child.pid for pid in pids)
 
     # a worker that dies is replaced
@@ -348,6 +341,40 @@ def test_workers_share_the_port_restart_and_drain(tmp_path: Path, children: list
     assert "stream-done" in " ".join(events(tmp_path))
     for pid in pids | {replacement}:
         assert not os.path.exists(f"/proc/{pid}")
+
+
+def gone(pid: int) -> bool:
+    """Exited: no /proc entry, or a zombie waiting for a reaper we do not control."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def worker_pids(port: int) -> set[int]:
+    pids: set[int] = set()
+
+    def saw_two() -> bool:
+        pids.add(int(get(port, "/pid")[1]))
+        return len(pids) == 2
+
+    wait_until(saw_two, what="answers from two worker processes")
+    return pids
+
+
+@pytest.mark.slow
+def test_workers_leave_the_group_and_stop_when_the_supervisor_dies(tmp_path: Path, children: list[Child]) -> None:
+    child = start_fixture_router(children, tmp_path, "drain_app", config="workers = 2\n")
+    port = child.read_port()
+    pids = worker_pids(port)
+    # a group-wide signal (Ctrl-C in a terminal, `timeout`, killpg) reaches the supervisor only
+    assert all(os.getpgid(pid) == pid != os.getpgid(child.pid) for pid in pids)
+    os.kill(child.pid, signal.SIGKILL)
+    child.wait()
+    wait_until(lambda: all(gone(pid) for pid in pids), what="orphaned workers to stop")
+    assert all(f"{pid} cleanup" in events(tmp_path) for pid in pids)  # they drained, not died
+    wait_until(lambda: refused(port), what="the port to close")
 
 
 @pytest.mark.slow

@@ -280,10 +280,20 @@ async def test_client_disconnect_closes_upstream(router: Factory) -> None:
 async def test_client_disconnect_while_waiting_for_a_non_stream(router: Factory) -> None:
     client, fakes, _ = await router(n=1)
     fakes[0].stall = True
-    task = asyncio.create_task(client.post("/v1/completions", json={"prompt": "x", "session_id": "w"}))
+    body = b'{"prompt": "x", "session_id": "w"}'
+    reader, writer = await asyncio.open_connection("127.0.0.1", client.server.port)
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    await writer.drain()
     await asyncio.wait_for(fakes[0].stalled.wait(), 5)
-    task.cancel()
+    writer.close()  # the client goes away before any response byte
     await asyncio.wait_for(fakes[0].cancelled.wait(), 5)
+    state = client.server.app[ROUTER_STATE]
+    for _ in range(500):
+        if state.pools["default"].members[0].in_flight == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert state.pools["default"].members[0].in_flight == 0
 
 
 async def test_bad_input(router: Factory) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import struct
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -63,8 +64,6 @@ class RawServer:
     def __init__(self, handler: Handler) -> None:
         self.handler = handler
         self.connections = 0
-        self.requests = 0
-        self.peer_closed = 0
         self.port = 0
         self.conns: list[Conn] = []
         self._server: asyncio.Server | None = None
@@ -129,16 +128,6 @@ async def _until(pred: Callable[[], bool], timeout: float = 5.0) -> None:
         await asyncio.sleep(0.005)
 
 
-def _counting(handler: Handler) -> Callable[[RawServer], Handler]:
-    def bind(server: RawServer) -> Handler:
-        async def run(conn: Conn) -> None:
-            await handler(conn)
-
-        return run
-
-    return bind
-
-
 # ---------------------------------------------------------------------- timeouts
 async def scenario_first_byte_timeout() -> None:
     closed = asyncio.Event()
@@ -154,7 +143,7 @@ async def scenario_first_byte_timeout() -> None:
         with pytest.raises(UpstreamTimeoutError) as info:
             await pool.request("127.0.0.1", server.port, _post(server.port, b"{}"), b"{}")
         elapsed = time.monotonic() - start
-        assert 0.2 <= elapsed < 2.0
+        assert 0.15 <= elapsed < 2.0
         assert f"127.0.0.1:{server.port}" in info.value.message and "head" in info.value.message
         assert info.value.status == 504
         # the connection was closed, so the backend can abort the request
@@ -198,7 +187,7 @@ async def scenario_total_timeout_cuts_a_stalled_stream() -> None:
             async for chunk in resp:
                 chunks.append(chunk)
         assert b"".join(chunks) == b"data: first\n\n"
-        assert 0.4 <= time.monotonic() - start < 2.5
+        assert 0.35 <= time.monotonic() - start < 2.5
         assert "0.4 s" in info.value.message and f"127.0.0.1:{server.port}" in info.value.message
         await asyncio.wait_for(closed.wait(), 2.0)
 
@@ -250,7 +239,7 @@ async def scenario_close_mid_body_chunked_stream() -> None:
             b"c\r\ndata: a\n\n\r\n\r\n"
         )
         await conn.send(b"c\r\ndata: b\n\n\r\n")
-        conn.writer.transport.abort()  # reset, not a clean end of message
+        conn.close()  # no terminating 0-chunk: not a clean end of message
 
     async with _setup(broken_stream) as (server, pool):
         resp = await pool.request("127.0.0.1", server.port, _get(server.port), b"")
@@ -388,6 +377,18 @@ async def scenario_body_until_close_and_connection_close() -> None:
     async with _setup(http10) as (server, pool):
         resp = await pool.request("127.0.0.1", server.port, _get(server.port), b"")
         assert [c async for c in resp] == [b"old"]
+
+    async def until_reset(conn: Conn) -> None:
+        await conn.read_request()
+        await conn.send(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\ntrunc")
+        sock = conn.writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        conn.writer.transport.abort()  # a reset: the body may be cut, so it is not a clean end
+
+    async with _setup(until_reset) as (server, pool):
+        with pytest.raises(UpstreamProtocolError):  # mid-body, or before the head if the reset won the race
+            resp = await pool.request("127.0.0.1", server.port, _get(server.port), b"")
+            await resp.read()
 
 
 async def scenario_connection_close_with_length_is_not_reused() -> None:
@@ -569,7 +570,7 @@ async def scenario_connect_timeout_with_full_backlog() -> None:
         start = time.monotonic()
         with pytest.raises(UpstreamConnectError) as info:
             await pool.request("127.0.0.1", port, _get(port), b"")
-        assert 0.3 <= time.monotonic() - start < 2.0
+        assert 0.25 <= time.monotonic() - start < 2.0
         assert f"127.0.0.1:{port}" in info.value.message and "0.3 s" in info.value.message
     finally:
         await pool.close()

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import httptools
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from router.errors import BadRequestError
+from router.errors import BadRequestError, ConfigError
 from router.upstream import UpstreamLimits, UpstreamTimeouts, build_request_head
-from router.errors import ConfigError
 
 
 class _Parsed:
@@ -144,3 +145,27 @@ def test_config_structs_validate() -> None:
         UpstreamLimits(read_high_water=10, read_low_water=20)
     with pytest.raises(ConfigError):
         UpstreamLimits(max_idle_per_host=-1)
+
+
+_names = st.from_regex(r"[A-Za-z][A-Za-z0-9\-]{0,20}", fullmatch=True).filter(
+    lambda n: n.lower() not in {"host", "content-length", "connection", "keep-alive", "proxy-authenticate",
+                                "proxy-authorization", "proxy-connection", "te", "trailer", "transfer-encoding",
+                                "upgrade"}
+)
+_safe_values = st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=40).map(str.strip)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(_names, _safe_values), max_size=8), st.binary(max_size=64))
+def test_property_safe_headers_round_trip(headers: list[tuple[str, str]], body: bytes) -> None:
+    head = build_request_head("POST", "/v1/completions", "127.0.0.1:8100", headers, len(body))
+    parsed = _Parsed(head + body)
+    assert parsed.complete
+    assert [(n, v) for n, v in parsed.headers if n.lower() not in ("host", "content-length")] == headers
+
+
+@settings(max_examples=200, deadline=None)
+@given(_names, _safe_values, st.sampled_from(["\r", "\n", "\x00", "\r\n"]), _safe_values)
+def test_property_control_characters_never_reach_the_wire(name: str, left: str, bad: str, right: str) -> None:
+    with pytest.raises(BadRequestError):
+        build_request_head("POST", "/x", "h:1", [(name, left + bad + right)], 0)

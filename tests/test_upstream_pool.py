@@ -268,10 +268,10 @@ async def scenario_client_close_mid_stream_closes_upstream() -> None:
         first = await resp.iter_chunks().__anext__()
         assert first.startswith(b"data: tick")
         resp.close()
-        assert pool.stats().get(f"127.0.0.1:{server.port}", {"open": 0})["idle"] == 0
+        assert f"127.0.0.1:{server.port}" not in pool.stats()  # closed at once, never pooled
         # the backend sees the disconnect (its next write fails) promptly
         await asyncio.wait_for(state.disconnected.wait(), 2.0)
-        await _until(lambda: f"127.0.0.1:{server.port}" not in pool.stats())
+        await _until(lambda: not pool._conns)
         # a new request gets a fresh connection and works
         resp = await pool.request("127.0.0.1", server.port, _head("GET", "/empty", server), b"")
         assert await resp.read() == b""
@@ -299,8 +299,52 @@ async def scenario_tcp_nodelay_is_set() -> None:
         assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
 
 
+async def scenario_concurrent_requests_get_their_own_responses() -> None:
+    async with _server_and_pool() as (server, state, pool):
+
+        async def one(i: int) -> None:
+            body = f'{{"i": {i}, "pad": "{"x" * (i * 37 % 3000)}"}}'.encode()
+            if i % 3 == 0:
+                resp = await pool.request("127.0.0.1", server.port, _head("POST", f"/sse?n={i % 7}", server, b"{}"), b"{}")
+                got = b"".join([c async for c in resp])
+                assert got.endswith(b"data: [DONE]\n\n") and got.count(b"data: ") == i % 7 + 1
+            else:
+                head = _head("POST", f"/echo?i={i}", server, body, [("X-Request-Id", f"r-{i}")])
+                resp = await pool.request("127.0.0.1", server.port, head, body)
+                assert resp.header("X-Request-Id") == f"r-{i}"
+                data = json.loads(await resp.read())
+                assert data["path"] == f"/echo?i={i}" and data["body"] == body.decode()
+
+        sem = asyncio.Semaphore(32)
+
+        async def bounded(i: int) -> None:
+            async with sem:
+                await one(i)
+
+        await asyncio.gather(*(bounded(i) for i in range(400)))
+        # one request per connection, connections reused: never more than the concurrency
+        assert pool.connects <= 32 and len(state.peers) == pool.connects
+        stats = pool.stats()[f"127.0.0.1:{server.port}"]
+        assert stats["busy"] == 0 and stats["idle"] == stats["open"] == pool.connects
+
+
+async def scenario_read_after_partial_iteration_of_paused_body() -> None:
+    total = 4 * 1024 * 1024
+    limits = UpstreamLimits(read_high_water=64 * 1024, read_low_water=16 * 1024, sweep_interval_s=0.02)
+    async with _server_and_pool(limits) as (server, _, pool):
+        resp = await pool.request("127.0.0.1", server.port, _head("GET", f"/big?bytes={total}", server), b"")
+        first = await resp.__anext__()
+        await _until(lambda: resp.reading_paused)
+        rest = await resp.read()  # read() lifts the back-pressure: it wants the whole body
+        assert len(first) + len(rest) == total
+        assert (first + rest)[:len(PATTERN)] == PATTERN and (first + rest)[-len(PATTERN):] == PATTERN
+        assert pool.stats()[f"127.0.0.1:{server.port}"]["idle"] == 1
+
+
 SCENARIOS = [
     scenario_json_round_trip,
+    scenario_concurrent_requests_get_their_own_responses,
+    scenario_read_after_partial_iteration_of_paused_body,
     scenario_sse_stream_then_reuse,
     scenario_sequential_requests_reuse_one_connection,
     scenario_concurrency_opens_connections_and_keeps_max_idle,

@@ -52,7 +52,11 @@ _RUNNING = SeqStatus.RUNNING
 _FINISHED = SeqStatus.FINISHED
 
 
-class DuplicateRequestError(ValueError):
+class InvalidRequestError(ValueError):
+    """A wire request the core refuses (the frontend validates first; this is the last guard)."""
+
+
+class DuplicateRequestError(InvalidRequestError):
     """A request id that is already in the engine."""
 
 
@@ -120,7 +124,8 @@ class EngineCore:
         """Add one request from its wire bytes (``encode_request`` output of any compatible peer).
 
         Raises ``msgspec.ValidationError``/``DecodeError`` for bytes that are not an
-        EngineCoreRequest and ``DuplicateRequestError`` for an id already in the engine.
+        EngineCoreRequest, ``DuplicateRequestError`` for an id already in the engine and
+        ``InvalidRequestError`` for ``n > max_num_seqs``.
         """
         self._add(decode_request(data))
 
@@ -133,6 +138,8 @@ class EngineCore:
         prompt = list(ecr.prompt_token_ids or ())
         num_prompt = len(prompt)
         n = sp.n if sp.n >= 1 else 1
+        if n > config.max_num_seqs:
+            raise InvalidRequestError(f"n must be at most max_num_seqs ({config.max_num_seqs}), got {n}")
         kvp = None
         if sp.extra_args:
             raw = sp.extra_args.get("kv_transfer_params")
@@ -140,9 +147,11 @@ class EngineCore:
         remote_decode = bool(kvp and kvp.get("do_remote_decode")) and config.role != "decode"
         room = self.max_seq_len - num_prompt
         max_output = room if sp.max_tokens is None else min(max(sp.max_tokens, 1), room)
-        if remote_decode:
-            max_output = 1
         max_output = max(max_output, 1)
+        stop_ids = frozenset(sp.stop_token_ids) if sp.stop_token_ids else None
+        eos = None if sp.ignore_eos else config.eos_token_id
+        if remote_decode:  # one token, always "length" (what the NixlConnector hands off on)
+            max_output, stop_ids, eos = 1, None, None
         req = Request(
             rid,
             prompt,
@@ -150,8 +159,8 @@ class EngineCore:
             n=n,
             max_tokens=max_output,
             min_tokens=max(sp.min_tokens, 0),
-            stop_token_ids=frozenset(sp.stop_token_ids) if sp.stop_token_ids else None,
-            eos_token_id=None if sp.ignore_eos else config.eos_token_id,
+            stop_token_ids=stop_ids,
+            eos_token_id=eos,
             seed=sp.seed,
             arrival_time=ecr.arrival_time,
             added_at=_monotonic(),
@@ -159,6 +168,7 @@ class EngineCore:
             cache_salt=ecr.cache_salt,
             kv_transfer_params=kvp if remote_decode else None,
             final_only=sp.output_kind == OUTPUT_KIND_FINAL_ONLY,
+            sampling_params=sp,
         )
         self.requests[rid] = req
         req.num_unfinished = n

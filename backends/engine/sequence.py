@@ -18,6 +18,7 @@ import random
 from typing import Any
 
 from backends.engine.kv_cache import hash_block, token_bytes
+from backends.engine.request import SamplingParams
 
 
 class SeqStatus(enum.IntEnum):
@@ -55,6 +56,7 @@ class Request:
         "prompt_block_hashes",
         "prompt_digest",
         "accounted",
+        "sampling_params",
     )
 
     def __init__(
@@ -75,6 +77,7 @@ class Request:
         cache_salt: str | None = None,
         kv_transfer_params: dict[str, Any] | None = None,
         final_only: bool = False,
+        sampling_params: SamplingParams | None = None,
     ) -> None:
         self.request_id = request_id
         self.session_id = session_id
@@ -98,6 +101,8 @@ class Request:
         self.prompt_digest = b""
         #: counted in the per-session accounting when it finishes (False for abort notifications)
         self.accounted = True
+        #: the wire sampling parameters as received (the fields above are the effective values)
+        self.sampling_params = sampling_params
 
     @property
     def num_cached_tokens(self) -> int:

@@ -344,9 +344,10 @@ class UpstreamConnection(asyncio.Protocol):
         if resp is not None:
             self._resp = None
             resp._fail(exc)
-        self.closed = True
-        if self.transport is not None:
-            self.transport.abort()
+        if not self.closed:
+            self.closed = True
+            if self.transport is not None:
+                self.transport.abort()
 
     def _release(self) -> None:
         """A clean end of message: hand the connection back to the pool (or close it)."""
@@ -391,7 +392,7 @@ class UpstreamConnection(asyncio.Protocol):
             else:
                 self._fail(UpstreamProtocolError(f"backend {self.label} sent an invalid HTTP response: {exc}"))
                 return
-        if self._complete:
+        if self._complete and self.busy:
             self._release()
 
     def eof_received(self) -> bool:
@@ -422,8 +423,8 @@ class UpstreamConnection(asyncio.Protocol):
         if resp is None:
             return
         self._resp = None
-        if self._until_close and not self._complete:
-            # a response framed by connection close: this is its clean end
+        if self._until_close and exc is None:
+            # a response framed by connection close: an orderly close (not a reset) is its clean end
             resp._conn = None
             resp._eof = True
             resp._wake()
@@ -484,12 +485,14 @@ class UpstreamConnection(asyncio.Protocol):
             drop = {n.decode("latin-1") for n in named}
             headers = [h for h in headers if h[0].lower() not in drop]
         self._raw = []
+        waiter = self._head_waiter
+        if waiter is None or waiter.done():  # the caller was cancelled meanwhile: drop the exchange
+            self._fail(UpstreamProtocolError(f"request to backend {self.label} was cancelled"))
+            return
         self._until_close = content_length is None and not chunked
         resp = UpstreamResponse(self, status, headers, content_type, content_length, chunked)
         self._resp = resp
-        waiter = self._head_waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(resp)
+        waiter.set_result(resp)
 
     def on_body(self, body: bytes) -> None:
         resp = self._resp

@@ -55,11 +55,11 @@ class UpstreamPool:
         A reused idle connection that the backend closed before sending any byte is retried once on
         a fresh connection. Cancelling the call closes the connection (the backend sees the client go).
         """
+        if self._closed:
+            raise UpstreamConnectError(f"cannot send to backend {host}:{port}: the upstream pool is closed")
         loop = self._loop
         if loop is None:
             loop = self._start()
-        if self._closed:
-            raise UpstreamConnectError(f"cannot send to backend {host}:{port}: the upstream pool is closed")
         t = timeouts or self.timeouts
         start = loop.time()
         total_deadline = start + t.total_s
@@ -80,7 +80,8 @@ class UpstreamPool:
         except StaleConnectionError:
             pass
         except asyncio.CancelledError:
-            conn.abort()
+            if conn.busy and conn._head_waiter is fut:  # still our exchange: the backend must see us go
+                conn.abort()
             raise
         # the keep-alive race: the backend closed the idle connection as we wrote; it saw nothing
         self.stale_retries += 1
@@ -89,7 +90,8 @@ class UpstreamPool:
         try:
             return await fut
         except asyncio.CancelledError:
-            conn.abort()
+            if conn.busy and conn._head_waiter is fut:
+                conn.abort()
             raise
 
     def _send(
@@ -205,6 +207,8 @@ class UpstreamPool:
         """Per backend ``host:port``: open connections, idle ones and busy ones."""
         out: dict[str, dict[str, int]] = {}
         for conn in self._conns:
+            if conn.closed:  # closing; connection_lost will drop it
+                continue
             entry = out.get(conn.label)
             if entry is None:
                 entry = out[conn.label] = {"open": 0, "idle": 0, "busy": 0}

@@ -1,0 +1,150 @@
+"""Prefill/decode hand-off (DESIGN.md §6, vLLM's NixlConnector proxy protocol).
+
+The proxy places the decode leg first (session placement over the decode pool), then calls
+``PDHandoff.prefill``: the prefill leg goes to the session's prefill instance with the body
+capped at one token, non-streaming, and the ``kv_transfer_params`` placeholder; the
+``kv_transfer_params`` it returns are added to the original body for the decode leg. Both legs
+carry the same ``X-Request-Id`` and ``X-Session-ID``. When the prefill leg fails (no prefill
+instance, connect error, 5xx, timeout, no params) the request falls back to decode-only
+(the decode instance computes the prompt itself), counted by reason, unless ``pd_fallback`` is
+off, in which case the client gets a 502.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from router.errors import NoHealthyBackendError, UpstreamConnectError, UpstreamError, UpstreamStatusError
+from router.pool import POOL_DECODE, POOL_PREFILL
+from router.upstream import build_request_head
+
+if TYPE_CHECKING:
+    from router.proxy import Attempt, Route
+    from router.state import RouterState
+
+#: routes that take the two-leg path; the others go to the decode pool directly
+PD_ROUTE_KINDS = frozenset(("chat", "completion", "generate"))
+
+#: what the prefill leg asks for (vLLM's NixlConnector placeholder)
+PREFILL_REQUEST_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+_decoder = msgspec.json.Decoder()
+_encoder = msgspec.json.Encoder()
+
+
+class _PrefillReply(msgspec.Struct):
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+_reply_decoder = msgspec.json.Decoder(_PrefillReply)
+
+
+def prefill_body(kind: str, request: dict[str, Any]) -> bytes:
+    """The prefill leg's body: one token, non-streaming, asking for remote decode."""
+    body = dict(request)
+    body["stream"] = False
+    for key in ("stream_options", "min_tokens", "min_completion_tokens"):
+        body.pop(key, None)
+    if kind == "generate":
+        sampling = dict(body.get("sampling_params") or {})
+        sampling["max_tokens"] = 1
+        sampling.pop("min_tokens", None)
+        body["sampling_params"] = sampling
+    else:
+        body["max_tokens"] = 1
+        if "max_completion_tokens" in body:
+            body["max_completion_tokens"] = 1
+    body["kv_transfer_params"] = dict(PREFILL_REQUEST_PARAMS)
+    return _encoder.encode(body)
+
+
+def decode_body(request: dict[str, Any], params: dict[str, Any]) -> bytes:
+    """The decode leg's body: the original request plus the prefill's ``kv_transfer_params``."""
+    body = dict(request)
+    body["kv_transfer_params"] = params
+    return _encoder.encode(body)
+
+
+class PrefillFailed(Exception):
+    def __init__(self, reason: str, error: UpstreamError | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.error = error
+
+
+class PDHandoff:
+    def __init__(self, state: "RouterState") -> None:
+        self.state = state
+        self.prefill_pool = state.pools[POOL_PREFILL]
+        self.decode_pool = state.pools[POOL_DECODE]
+
+    async def prefill(self, route: "Route", body: bytes, attempt: "Attempt",
+                      headers: list[tuple[str, str]], path: str) -> bytes:
+        """Run the prefill leg; return the decode leg's body (the original one on fallback)."""
+        state = self.state
+        try:
+            request = _decoder.decode(body)
+            params = await self._prefill_leg(route, request, attempt, headers, path)
+        except PrefillFailed as failed:
+            state.metrics.pd_fallbacks.labels(failed.reason).inc()
+            if not state.config.pd_fallback:
+                raise UpstreamStatusError(
+                    f"prefill failed ({failed.reason}) and pd_fallback is off; "
+                    "enable pd_fallback to let decode instances compute the prompt",
+                    upstream_status=502,
+                ) from None
+            return body
+        return decode_body(request, params)
+
+    async def _prefill_leg(self, route: "Route", request: dict[str, Any], attempt: "Attempt",
+                           headers: list[tuple[str, str]], path: str) -> dict[str, Any]:
+        state = self.state
+        pool = self.prefill_pool
+        try:
+            placement = state.policy.place(pool, attempt.session_id, attempt.entry)
+        except NoHealthyBackendError:
+            raise PrefillFailed("no_prefill") from None
+        state.metrics.placement(state.policy.name, placement.outcome.value)
+        backend = placement.backend
+        payload = prefill_body(route.kind, request)
+        head = build_request_head("POST", path, f"{backend.host}:{backend.port}", headers, len(payload))
+        backend.in_flight += 1
+        upstream = None
+        try:
+            upstream = await state.upstream.request(backend.host, backend.port, head, payload)
+            data = await upstream.read()
+        except UpstreamError as exc:
+            reason = exc.reason
+            state.metrics.upstream_errors.labels(backend.name, reason).inc()
+            if state.health is not None:
+                state.health.record_failure(backend, connect_error=isinstance(exc, UpstreamConnectError))
+            raise PrefillFailed(reason, exc) from None
+        finally:
+            backend.in_flight -= 1
+            if upstream is not None:
+                upstream.close()
+        if upstream.status >= 500:
+            if state.health is not None:
+                state.health.record_failure(backend, connect_error=False)
+            raise PrefillFailed("status_5xx")
+        if upstream.status != 200:
+            raise PrefillFailed("rejected")
+        if state.health is not None:
+            state.health.record_success(backend)
+        try:
+            params = _reply_decoder.decode(data).kv_transfer_params
+        except msgspec.MsgspecError:
+            params = None
+        if not params:
+            raise PrefillFailed("no_params")
+        return params
+
