@@ -213,11 +213,5 @@ class UpstreamPool:
             if entry is None:
                 entry = out[conn.label] = {"open": 0, "idle": 0, "busy": 0}
             entry["open"] += 1
-            if conn.busy:
-                entry["busy"] += 1
-        for key, idle in self._idle.items():
-            if idle:
-                label = f"{key[0]}:{key[1]}"
-                entry = out.setdefault(label, {"open": 0, "idle": 0, "busy": 0})
-                entry["idle"] = len(idle)
+            entry["busy" if conn.busy else "idle"] += 1
         return out
