@@ -40,7 +40,8 @@ async def run_to_end(request: web.Request, fe: Frontend, ecr: EngineCoreRequest,
         async for out in gen:
             run.apply(out)
             if run.finished and not out.finished:
-                break  # every choice ended on a stop string: abort the rest
+                fe.engine.abort(ecr.request_id, "stop")  # every choice ended on a stop string
+                break
             if request.transport is None:
                 raise ClientDisconnected
     finally:
@@ -72,7 +73,8 @@ async def stream_run(
             if frames:
                 await resp.write(frames)
             if run.finished and not out.finished:
-                break  # every choice ended on a stop string: abort the rest
+                fe.engine.abort(ecr.request_id, "stop")  # every choice ended on a stop string
+                break
         tail = render_tail()
         if done_marker:
             tail += DONE

@@ -20,7 +20,9 @@ Placement across workers: the session policy's rendezvous hash depends only on t
 and the configured backends, so every worker sends a session's first request to the same
 backend and keeps it there. Each worker has its own session table, in-flight counts and health
 view, so the load bound (spills) and re-pins are decided per worker; with a healthy, not
-overloaded cluster all workers agree on every session.
+overloaded cluster all workers agree on every session. The same holds for runtime state:
+an admin API change (adding or removing a backend), ``DELETE /v1/sessions/{id}`` and the
+``/metrics`` and ``/v1/sessions`` views reach only the worker that took the connection.
 
 Exit codes: 0 after a graceful stop, 2 for a configuration error (message on stderr as
 ``session-router: <message>``), 1 for anything else (e.g. the port is taken).
@@ -39,7 +41,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -263,7 +265,6 @@ class _Worker:
     lifeline: multiprocessing.connection.Connection
     ready: bool = False
     signalled: bool = False
-    started_at: float = field(default_factory=time.monotonic)
 
 
 def supervise(

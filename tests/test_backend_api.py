@@ -170,6 +170,11 @@ async def test_stop_string_truncates(client: Any) -> None:
     assert streamed == choice["text"]
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
     assert chunks[-1]["choices"][0]["stop_reason"] == stop
+    # the engine counts both stopped requests as "stop" (vLLM's output processor does), not "abort"
+    text = await (await client.get("/metrics")).text()
+    labels = {"model_name": MODEL, "engine": "0"}
+    assert metric_value(text, "vllm:request_success_total", finished_reason="stop", **labels) == 2
+    assert metric_value(text, "vllm:request_success_total", finished_reason="abort", **labels) == 0
 
 
 async def test_stop_token_ids(client: Any) -> None:

@@ -443,3 +443,24 @@ async def test_the_real_router_drains_a_proxied_stream_on_sigterm(tmp_path: Path
             proc.kill()
             await proc.wait()
         await backend.close()
+
+
+@pytest.mark.slow
+def test_the_admin_api_on_its_own_port(tmp_path: Path, children: list[Child]) -> None:
+    with socket.socket() as probe:  # a free port for the admin API (the data port is 0)
+        probe.bind(("127.0.0.1", 0))
+        admin_port = probe.getsockname()[1]
+    config = tmp_path / "admin.toml"
+    config.write_text(f'admin_port = {admin_port}\nadmin_token = "s3cret"\n[[backends]]\nurl = "http://127.0.0.1:9"\n')
+    child = Child(["-m", "router", "--config", str(config), "--port", "0"], tmp_path)
+    children.append(child)
+    port = child.read_port()
+    conn = http.client.HTTPConnection("127.0.0.1", admin_port, timeout=5)
+    conn.request("GET", "/admin/backends", headers={"Authorization": "Bearer s3cret"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and b"http://127.0.0.1:9" in resp.read()
+    conn.close()
+    assert get(port, "/admin/backends")[0] == 404  # not on the data port
+    os.kill(child.pid, signal.SIGTERM)
+    assert child.wait() == 0
+    assert refused(admin_port) and refused(port)

@@ -183,9 +183,9 @@ class AsyncEngine:
             if added and not finished and self.core.abort_request(rid) is not None:
                 self._wake.set()
 
-    def abort(self, request_id: str) -> None:
-        """Abort a request; its consumer (if any) receives a final output with reason "abort"."""
-        out = self.core.abort_request(request_id)
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        """Abort a request; its consumer (if any) receives a final output with ``reason``."""
+        out = self.core.abort_request(request_id, reason)
         if out is not None:
             stream = self._streams.get(request_id)
             if stream is not None:

@@ -214,13 +214,15 @@ class EngineCore:
         deltas = [CompletionDelta(i, [], reason) for i in range(req.n)]
         return RequestOutput(req.request_id, deltas, True, req.num_prompt_tokens, 0)
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Abort a request: free its blocks, count ``finished_reason="abort"`` for each unfinished
-        child, account what was generated. Returns its final output (None if unknown/finished)."""
+    def abort_request(self, request_id: str, reason: str = "abort") -> RequestOutput | None:
+        """Abort a request: free its blocks, count ``finished_reason=reason`` ("abort", or "stop"
+        when the frontend matched a stop string, as vLLM's output processor reports it) for each
+        unfinished child, account what was generated. Returns its final output (None if
+        unknown/finished)."""
         req = self.requests.get(request_id)
         if req is None:
             return None
-        return self._finish_all(req, "abort", _monotonic())
+        return self._finish_all(req, reason, _monotonic())
 
     def abort_all(self) -> list[RequestOutput]:
         now = _monotonic()
