@@ -70,7 +70,7 @@ async def add_backend(request: web.Request) -> web.Response:
         except ConfigError as exc:
             raise BadRequestError(str(exc)) from None
         if state.health is not None:
-            await state.health.check_now()
+            await state.health.check_backend(backend)
     except SessionRouterError as exc:
         return error_response(exc)
     return json_response(_view(backend), status=201)

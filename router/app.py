@@ -56,9 +56,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     state = app[ROUTER_STATE]
     config = state.config
     state.http = aiohttp.ClientSession(auto_decompress=False)
-    state.health = HealthChecker(
-        state.all_pools(), interval_s=config.health_interval_s, timeout_s=config.health_timeout_s,
-        eject_after_failures=config.eject_after_failures, eject_s=config.eject_s, session=state.http,
+    state.health = HealthChecker.from_config(
+        config, state.all_pools(), state.http,
         on_change=lambda backend, healthy: state.metrics.health_transitions.labels(
             backend.name, "healthy" if healthy else "unhealthy").inc(),
     )

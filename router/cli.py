@@ -201,7 +201,10 @@ async def serve(
     try:
         bound_port = port
         for served, served_port in [(app, port)] + ([admin] if admin is not None else []):
-            runner = web.AppRunner(served, access_log=None, handle_signals=False, shutdown_timeout=shutdown_timeout)
+            # handler_cancellation: a client that disconnects cancels its handler at once, which closes
+            # the upstream connection so the backend aborts the request (streams and non-streams).
+            runner = web.AppRunner(served, access_log=None, handle_signals=False, shutdown_timeout=shutdown_timeout,
+                                   handler_cancellation=True)
             await runner.setup()
             runners.append(runner)
             site = web.TCPSite(runner, host, served_port, backlog=LISTEN_BACKLOG, reuse_port=reuse_port or None)

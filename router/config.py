@@ -29,14 +29,6 @@ class BackendConfig(msgspec.Struct, forbid_unknown_fields=True):
     name: str = ""
 
 
-class TimeoutConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    """Upstream timeouts in seconds (httpx-style: one object, explicit defaults)."""
-
-    connect_s: float = 5.0
-    first_byte_s: float = 30.0
-    total_s: float = 600.0
-
-
 class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     host: str = "127.0.0.1"
     port: int = 8000
@@ -78,10 +70,6 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     workers: int = 1
     #: bound on remembered Responses API ids (previous_response_id -> backend)
     max_response_ids: int = 100_000
-
-    @property
-    def timeouts(self) -> TimeoutConfig:
-        return TimeoutConfig(self.connect_timeout_s, self.first_byte_timeout_s, self.total_timeout_s)
 
     @property
     def pd_mode(self) -> bool:
