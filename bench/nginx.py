@@ -73,6 +73,7 @@ http {{
     keepalive_timeout 75s;
     tcp_nodelay on;
     client_max_body_size 8m;
+    client_body_buffer_size 1m;  # bodies stay in memory (the temp dirs may not be readable by the workers)
 
     upstream backends {{
 {servers}

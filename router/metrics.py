@@ -32,11 +32,6 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 TTFB_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
-#: evicted entries remembered to ignore their late-finishing requests (beyond it, such a session's
-#: series may reappear, still within the top-K bound, until newer sessions push them out)
-_GONE_BOUND = 4096
-
-
 def status_class(status: int) -> str:
     return f"{status // 100}xx"
 
@@ -96,9 +91,6 @@ class RouterMetrics:
         self.s_backend = Gauge(PREFIX + "session_backend_info", "Last backend of a top-K session (value 1)",
                                ["session", "backend"], registry=registry)
         self._top: OrderedDict[str, str] = OrderedDict()  # session id -> backend label currently exported
-        # entries that left the session table, so that a request still in flight when its session
-        # was evicted (e.g. DELETE during a stream) does not re-create the session's series
-        self._gone: OrderedDict[str, "SessionEntry"] = OrderedDict()
         self._req_children: dict[tuple[str, str, str], Counter] = {}
         self._placement_children: dict[tuple[str, str], Counter] = {}
 
@@ -133,13 +125,13 @@ class RouterMetrics:
     def session_request(self, entry: "SessionEntry", backend: str, *, prompt: int = 0, completion: int = 0,
                         cached: int = 0, error: bool = False) -> None:
         """Account one finished request of ``entry`` (already added to the entry's totals)."""
-        if self.top_k <= 0:
+        if self.top_k <= 0 or entry.evicted:
+            # an evicted entry: the request finished after its session left the table (e.g. a
+            # DELETE during its stream); it must not re-create the session's series
             return
         sid = entry.session_id
         exported = self._top.get(sid)
         if exported is None:
-            if self._gone and self._gone.get(sid) is entry:
-                return  # finished after its session left the table: no series for it
             self._admit(entry, backend)
             return
         self._top.move_to_end(sid)
@@ -183,12 +175,6 @@ class RouterMetrics:
         backend = self._top.pop(entry.session_id, None)
         if backend is not None:
             self._drop_series(entry.session_id, backend)
-        if self.top_k > 0:
-            gone = self._gone
-            gone[entry.session_id] = entry
-            gone.move_to_end(entry.session_id)
-            if len(gone) > _GONE_BOUND:
-                gone.popitem(last=False)
         self.session_turns.observe(entry.requests)
         self.session_duration.observe(max(0.0, entry.last_active - entry.created))
         if entry.prompt_tokens:

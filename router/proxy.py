@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 REQUEST_ID_HEADER = "X-Request-Id"
 JSON_CONTENT_TYPE = "application/json"
 RETRY_STATUSES = frozenset((502, 503, 504))
+_REPINS = frozenset((Outcome.REPIN_UNHEALTHY, Outcome.REPIN_REMOVED))
 
 # Request headers never forwarded as received: hop-by-hop ones, and the ones the router sets.
 _DROP_REQUEST = frozenset(
@@ -200,7 +201,10 @@ class Proxy:
                 if backend is not None and backend.available:
                     return Placement(backend, Outcome.STICKY)
         placement = state.policy.place(pool, attempt.session_id, attempt.entry, exclude)
-        if attempt.route.session_aware:
+        # A retry's placement is counted only when it re-pinned the session (a pin found dead by a
+        # failed connection is a repin_unhealthy, like one found by a health check); a retry that
+        # merely goes elsewhere is counted in retries_total, not as a spill.
+        if attempt.route.session_aware and (not exclude or placement.outcome in _REPINS):
             state.metrics.placement(state.policy.name, placement.outcome.value)
         return placement
 

@@ -1,0 +1,430 @@
+"""What the router adds on top of talking to a backend directly, next to nginx (issue 3, section 5).
+
+    python -m bench.router_overhead [--quick] [--rounds 3] [--seconds 3] [--out bench/RESULTS.md]
+
+One run starts two session-backends at ``--speed 0`` (instant) on 127.0.0.1 and, in front of the
+same two, the router (session policy), the router with ``--workers N`` when its CLI offers it,
+and nginx as a plain round-robin reverse proxy when it is installed. A separate load-generator
+process (``bench.loadgen``) then drives every target in turn, closed loop, with small
+completions (non-stream, ``max_tokens`` 8; stream, ``max_tokens`` 16) at each concurrency,
+sending ``X-Session-ID`` from a pool of 100 sessions. "direct" spreads its connections over
+both backends (the same serving capacity, no proxy hop).
+
+Rounds are interleaved (every cell of round 1, then of round 2, ...; the target order rotates)
+because the machine is shared and noisy. Each figure is the best over the rounds (highest
+req/s, lowest latency, lowest CPU) and ``[lo-hi]`` is its range. The proxy's CPU per request
+comes from ``/proc/PID/stat`` (utime + stime of the proxy's process tree: the router, its
+workers, nginx's master and workers) read at both ends of the measured window: far steadier
+than wall-clock figures on a shared 2-core machine.
+
+Output: a markdown report, printed and written into ``--out`` between the markers
+``<!-- router_overhead:begin -->`` / ``<!-- router_overhead:end -->`` (the rest of the file is
+kept), and one JSON line per run appended to ``bench/out/router_overhead.jsonl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import msgspec
+
+from bench.loadgen import LoadResult, LoadSpec
+from bench.nginx import Nginx, find_nginx, nginx_version, start_nginx
+from bench.procs import REPO, Proc, start_backend, start_router
+
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_OUT = os.path.join(BENCH_DIR, "RESULTS.md")
+JSONL = os.path.join(BENCH_DIR, "out", "router_overhead.jsonl")
+BEGIN = "<!-- router_overhead:begin -->"
+END = "<!-- router_overhead:end -->"
+
+#: mode -> (stream, max_tokens)
+MODES: dict[str, tuple[bool, int]] = {"non-stream": (False, 8), "stream": (True, 16)}
+#: targets of issue 3 section 5
+CPU_TARGET_US = {"non-stream": 200.0, "stream": 300.0}
+THROUGHPUT_TARGET = 0.60
+TTFT_SLACK_MS = 1.0
+TTFT_CONCURRENCY = 16
+
+
+@dataclass
+class Target:
+    """Something the load generator drives: its URLs and the PIDs whose CPU is "the proxy"."""
+
+    name: str
+    urls: list[str]
+    proxy_pids: Callable[[], list[int]] = field(default=lambda: [])
+    is_proxy: bool = True
+
+
+def process_tree(root: int) -> list[int]:
+    """``root`` and all its descendants (read from /proc now)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as fh:
+                ppid = int(fh.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(children.get(pid, ()))
+    return out
+
+
+def router_supports_workers() -> bool:
+    out = subprocess.run([sys.executable, "-m", "router", "--help"], capture_output=True, text=True, cwd=REPO,
+                         timeout=60)
+    return "--workers" in out.stdout
+
+
+# ---------------------------------------------------------------------- the load generator process
+class LoadGen:
+    """``python -m bench.loadgen --serve`` as a child: one spec line in, one result line out."""
+
+    def __init__(self) -> None:
+        self.popen = subprocess.Popen([sys.executable, "-m", "bench.loadgen", "--serve"], cwd=REPO,
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self._encoder = msgspec.json.Encoder()
+        self._decoder = msgspec.json.Decoder(LoadResult)
+
+    def run(self, spec: LoadSpec) -> LoadResult:
+        assert self.popen.stdin is not None and self.popen.stdout is not None
+        self.popen.stdin.write(self._encoder.encode(spec) + b"\n")
+        self.popen.stdin.flush()
+        line = self.popen.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the load generator exited with {self.popen.wait()}")
+        return self._decoder.decode(line)
+
+    def stop(self) -> None:
+        if self.popen.stdin is not None:
+            self.popen.stdin.close()
+        try:
+            self.popen.wait(15)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait(5)
+
+
+# ---------------------------------------------------------------------- aggregation
+class Cell(msgspec.Struct):
+    mode: str
+    concurrency: int
+    target: str
+    rounds: list[LoadResult] = []
+
+    def best(self, get: Callable[[LoadResult], float], highest: bool = False) -> float:
+        values = [get(r) for r in self.rounds]
+        return max(values) if highest else min(values)
+
+    def spread(self, get: Callable[[LoadResult], float]) -> tuple[float, float]:
+        values = [get(r) for r in self.rounds]
+        return min(values), max(values)
+
+
+def _proxy_cpu(r: LoadResult) -> float:
+    return r.cpu_us_per_req.get("proxy", 0.0)
+
+
+def _backend_cpu(r: LoadResult) -> float:
+    return r.cpu_us_per_req.get("backends", 0.0)
+
+
+def _fmt_range(cell: Cell, get: Callable[[LoadResult], float], best: float, digits: int = 0) -> str:
+    lo, hi = cell.spread(get)
+    if len(cell.rounds) < 2:
+        return f"{best:.{digits}f}"
+    return f"{best:.{digits}f} [{lo:.{digits}f}–{hi:.{digits}f}]"
+
+
+def _signed(value: float) -> str:
+    return f"{value:+.2f}"
+
+
+def render(cells: dict[tuple[str, int, str], Cell], targets: Sequence[Target], facts: dict[str, str],
+           args: argparse.Namespace) -> str:
+    names = [t.name for t in targets]
+    concurrencies = sorted({c for (_, c, _) in cells})
+    lines = [
+        f"## Router overhead (issue 3 §5) — {facts['date']}",
+        "",
+        f"- Machine: {facts['nproc']} CPUs ({facts['cpu']}), {facts['kernel']}; load average at start "
+        f"{facts['loadavg']} (shared machine).",
+        f"- Versions: Python {facts['python']}, aiohttp {facts['aiohttp']}, uvloop {facts['uvloop']}, "
+        f"httptools {facts['httptools']}, msgspec {facts['msgspec']}; nginx {facts['nginx']}.",
+        f"- Command: `{facts['command']}`",
+        f"- Setup: 2 × `python -m backends --speed 0 --model session-sim` on 127.0.0.1. **direct**: client "
+        "connections split over both backends. **router**: `python -m router --backend A --backend B` "
+        "(session policy); clients send `X-Session-ID` from a pool of "
+        f"{args.sessions} sessions (every target gets the same requests). "
+        + (f"**router×{args.workers}**: the same with `--workers {args.workers}`. " if any(
+            n.startswith("router×") for n in names) else "")
+        + ("**nginx**: plain reverse proxy, 1 worker, round-robin, keep-alive upstream, "
+           "`proxy_buffering off`, no access log. " if "nginx" in names else "**nginx**: not installed. ")
+        + "non-stream: `POST /v1/completions` `max_tokens` 8; stream: the same with `stream: true`, "
+          "`max_tokens` 16 (16 token events + `[DONE]`).",
+        f"- Method: closed loop at concurrency c, keep-alive; per cell {args.warmup:g} s warm-up, then "
+        f"{args.seconds:g} s measured; {args.rounds} round(s) interleaved (target order rotates). Each figure "
+        "is the best over the rounds (highest req/s, lowest latency and CPU); `[lo–hi]` is the range over "
+        "rounds. Proxy CPU = utime+stime of the proxy's process tree from /proc/PID/stat over the window, "
+        "per completed request; backends CPU likewise for both backends together. TTFT = time to the first "
+        "`data:` chunk. The load generator (`bench/loadgen.py`, raw asyncio + httptools, its own process) "
+        "shares the 2 cores.",
+        "- **Targets**: proxy CPU per request ≤ 200 µs non-stream, ≤ 300 µs stream (nginx here ~60–70 / "
+        "~150 µs); throughput ≥ 60% of nginx's; added stream TTFT at c=16 ≤ nginx's + 1 ms.",
+        "",
+        "| mode | c | target | req/s | p50 ms | p99 ms | +p50 vs direct ms | TTFT p50 ms | +TTFT vs direct ms "
+        "| proxy CPU µs/req | backends CPU µs/req | errors |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for mode in MODES:
+        for c in concurrencies:
+            direct = cells.get((mode, c, "direct"))
+            d_p50 = direct.best(lambda r: r.p50_ms) if direct else 0.0
+            d_ttft = direct.best(lambda r: r.ttft_p50_ms) if direct else 0.0
+            for target in targets:
+                cell = cells.get((mode, c, target.name))
+                if cell is None or not cell.rounds:
+                    continue
+                rps = cell.best(lambda r: r.rps, highest=True)
+                p50 = cell.best(lambda r: r.p50_ms)
+                p99 = cell.best(lambda r: r.p99_ms)
+                stream = MODES[mode][0]
+                ttft = cell.best(lambda r: r.ttft_p50_ms) if stream else 0.0
+                cpu = cell.best(_proxy_cpu)
+                errors = sum(r.errors for r in cell.rounds)
+                lines.append(
+                    f"| {mode} | {c} | {target.name} | {_fmt_range(cell, lambda r: r.rps, rps)} | {p50:.2f} | "
+                    f"{p99:.2f} | {'—' if not target.is_proxy else _signed(p50 - d_p50)} | "
+                    f"{f'{ttft:.2f}' if stream else '—'} | "
+                    f"{_signed(ttft - d_ttft) if stream and target.is_proxy else '—'} | "
+                    f"{_fmt_range(cell, _proxy_cpu, cpu) if target.is_proxy else '—'} | "
+                    f"{cell.best(_backend_cpu):.0f} | {errors} |"
+                )
+    lines += ["", *checks(cells, targets, concurrencies), ""]
+    return "\n".join(lines)
+
+
+def checks(cells: dict[tuple[str, int, str], Cell], targets: Sequence[Target], concurrencies: Sequence[int]) -> list[str]:
+    routers = [t.name for t in targets if t.name.startswith("router")]
+    have_nginx = any(t.name == "nginx" for t in targets)
+    out = ["| check (best of rounds) | " + " | ".join(routers) + " |", "|---|" + "---|" * len(routers)]
+
+    def verdict(ok: bool) -> str:
+        return "✅" if ok else "❌"
+
+    for mode in MODES:
+        for c in concurrencies:
+            row = [f"CPU/req {mode} c={c} ≤ {CPU_TARGET_US[mode]:.0f} µs"]
+            for name in routers:
+                cell = cells.get((mode, c, name))
+                if cell is None or not cell.rounds:
+                    row.append("—")
+                    continue
+                cpu = cell.best(_proxy_cpu)
+                row.append(f"{cpu:.0f} µs {verdict(cpu <= CPU_TARGET_US[mode])}")
+            out.append("| " + " | ".join(row) + " |")
+    if have_nginx:
+        for mode in MODES:
+            for c in concurrencies:
+                row = [f"req/s {mode} c={c} ≥ {THROUGHPUT_TARGET:.0%} of nginx"]
+                ngx = cells.get((mode, c, "nginx"))
+                for name in routers:
+                    cell = cells.get((mode, c, name))
+                    if cell is None or ngx is None or not cell.rounds or not ngx.rounds:
+                        row.append("—")
+                        continue
+                    ratio = cell.best(lambda r: r.rps, highest=True) / max(1e-9, ngx.best(lambda r: r.rps, highest=True))
+                    row.append(f"{ratio:.0%} {verdict(ratio >= THROUGHPUT_TARGET)}")
+                out.append("| " + " | ".join(row) + " |")
+        c = TTFT_CONCURRENCY if TTFT_CONCURRENCY in concurrencies else min(concurrencies)
+        row = [f"stream TTFT p50 c={c} ≤ nginx + {TTFT_SLACK_MS:g} ms"]
+        ngx = cells.get(("stream", c, "nginx"))
+        for name in routers:
+            cell = cells.get(("stream", c, name))
+            if cell is None or ngx is None or not cell.rounds or not ngx.rounds:
+                row.append("—")
+                continue
+            gap = cell.best(lambda r: r.ttft_p50_ms) - ngx.best(lambda r: r.ttft_p50_ms)
+            row.append(f"{gap:+.2f} ms vs nginx {verdict(gap <= TTFT_SLACK_MS)}")
+        out.append("| " + " | ".join(row) + " |")
+    else:
+        out.append("| nginx comparisons | " + " | ".join("skipped: nginx not installed" for _ in routers) + " |")
+    return out
+
+
+# ---------------------------------------------------------------------- RESULTS.md
+def write_section(path: str, section: str) -> None:
+    """Replace this benchmark's marked section of ``path`` (or add it), keeping the rest of the file."""
+    block = f"{BEGIN}\n{section.rstrip()}\n{END}\n"
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except FileNotFoundError:
+        text = "# Benchmark results\n\n"
+    start, end = text.find(BEGIN), text.find(END)
+    if start != -1 and end > start:
+        text = text[:start] + block + text[end + len(END):].lstrip("\n")
+        if not text.endswith("\n"):
+            text += "\n"
+    else:
+        text = text.rstrip("\n") + "\n\n" + block
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(text)
+    os.replace(tmp, path)
+
+
+def machine_facts(nginx_binary: str | None, argv: Sequence[str]) -> dict[str, str]:
+    def version(dist: str) -> str:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return "not installed"
+
+    cpu = "unknown"
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            cpu = next((line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    nproc = subprocess.run(["nproc"], capture_output=True, text=True).stdout.strip() or str(os.cpu_count())
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "nproc": nproc,
+        "cpu": cpu,
+        "kernel": f"{platform.system()} {platform.release()}",
+        "loadavg": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+        "python": platform.python_version(),
+        "aiohttp": version("aiohttp"),
+        "uvloop": version("uvloop"),
+        "httptools": version("httptools"),
+        "msgspec": version("msgspec"),
+        "nginx": nginx_version(nginx_binary) if nginx_binary else "not installed",
+        "command": "python -m bench.router_overhead" + ("".join(f" {shlex.quote(a)}" for a in argv)),
+    }
+
+
+# ---------------------------------------------------------------------- main
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.router_overhead", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: 1 round, 0.4 s cells, concurrency 4 (unless given explicitly)")
+    p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 3; quick 1)")
+    p.add_argument("--seconds", type=float, default=None, help="measured seconds per cell (default 3; quick 0.4)")
+    p.add_argument("--warmup", type=float, default=None, help="warm-up seconds per cell (default 0.5; quick 0.2)")
+    p.add_argument("--concurrency", type=int, nargs="+", default=None, help="default 16 128; quick 4")
+    p.add_argument("--sessions", type=int, default=100, help="X-Session-ID pool size (default 100)")
+    p.add_argument("--workers", type=int, default=2,
+                   help="also run the router with --workers N when its CLI supports it (0 or 1: skip; default 2)")
+    p.add_argument("--no-nginx", action="store_true", help="skip the nginx row")
+    p.add_argument("--out", default=DEFAULT_OUT, help="markdown file to write the report into (default bench/RESULTS.md)")
+    p.add_argument("--jsonl", default=JSONL, help="raw results, one JSON line per run appended")
+    args = p.parse_args(argv)
+    args.rounds = args.rounds or (1 if args.quick else 3)
+    args.seconds = args.seconds or (0.4 if args.quick else 3.0)
+    args.warmup = args.warmup if args.warmup is not None else (0.2 if args.quick else 0.5)
+    args.concurrency = args.concurrency or ([4] if args.quick else [16, 128])
+    if args.rounds < 1 or args.seconds <= 0 or args.warmup < 0 or min(args.concurrency) < 1 or args.sessions < 1:
+        p.error("--rounds, --seconds, --concurrency and --sessions must be positive")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    raw_argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(raw_argv)
+    nginx_binary = None if args.no_nginx else find_nginx()
+    facts = machine_facts(nginx_binary, raw_argv)
+    started: list[Proc | Nginx] = []
+    loadgen: LoadGen | None = None
+    cells: dict[tuple[str, int, str], Cell] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-router-overhead-") as tmp:
+        try:
+            backends = [start_backend(tmp), start_backend(tmp)]
+            started += backends
+            backend_urls = [b.url for b in backends]
+            backend_pids = [b.pid for b in backends]
+            route_args = [a for url in backend_urls for a in ("--backend", url)]
+            targets = [Target("direct", backend_urls, is_proxy=False)]
+            router = start_router(tmp, *route_args, "--policy", "session")
+            started.append(router)
+            targets.append(Target("router", [router.url], lambda p=router.pid: process_tree(p)))
+            if args.workers > 1 and router_supports_workers():
+                multi = start_router(tmp, *route_args, "--policy", "session", "--workers", str(args.workers))
+                started.append(multi)
+                targets.append(Target(f"router×{args.workers}", [multi.url], lambda p=multi.pid: process_tree(p)))
+            elif args.workers > 1:
+                print("router has no --workers option: skipping that row", file=sys.stderr)
+            if nginx_binary is not None:
+                ngx = start_nginx(os.path.join(tmp, "nginx"), backend_urls, binary=nginx_binary)
+                started.append(ngx)
+                targets.append(Target("nginx", [ngx.url], lambda p=ngx.pid: process_tree(p)))
+            elif not args.no_nginx:
+                print("nginx is not installed: skipping that row", file=sys.stderr)
+
+            loadgen = LoadGen()
+            plan = [(mode, c) for mode in MODES for c in args.concurrency]
+            total = args.rounds * len(plan) * len(targets)
+            done = 0
+            for rnd in range(args.rounds):
+                for index, (mode, c) in enumerate(plan):
+                    shift = (rnd + index) % len(targets)
+                    for target in targets[shift:] + targets[:shift]:
+                        stream, max_tokens = MODES[mode]
+                        groups = {"backends": backend_pids}
+                        if target.is_proxy:
+                            groups["proxy"] = target.proxy_pids()
+                        spec = LoadSpec(urls=target.urls, stream=stream, max_tokens=max_tokens, concurrency=c,
+                                        seconds=args.seconds, warmup_s=args.warmup, sessions=args.sessions,
+                                        cpu_groups=groups)
+                        result = loadgen.run(spec)
+                        cells.setdefault((mode, c, target.name), Cell(mode, c, target.name)).rounds.append(result)
+                        done += 1
+                        print(f"[{done}/{total}] round {rnd + 1} {mode:<10} c={c:<4} {target.name:<10} "
+                              f"{result.rps:8.0f} req/s  p50 {result.p50_ms:7.2f} ms  "
+                              f"proxy {_proxy_cpu(result):6.0f} us/req  errors {result.errors}"
+                              + (f" ({result.first_error})" if result.first_error else ""),
+                              file=sys.stderr, flush=True)
+            dead = [p for p in started if not p.alive()]
+            if dead:
+                raise RuntimeError(f"a process died during the benchmark: {dead}")
+        finally:
+            if loadgen is not None:
+                loadgen.stop()
+            for proc in reversed(started):
+                proc.stop()
+
+    report = render(cells, targets, facts, args)
+    print(report)
+    write_section(args.out, report)
+    os.makedirs(os.path.dirname(os.path.abspath(args.jsonl)), exist_ok=True)
+    with open(args.jsonl, "a", encoding="utf-8") as fh:
+        fh.write(msgspec.json.encode({"facts": facts, "cells": list(cells.values())}).decode() + "\n")
+    errors = sum(r.errors for cell in cells.values() for r in cell.rounds)
+    empty = [key for key, cell in cells.items() if not any(r.requests for r in cell.rounds)]
+    if errors or empty:
+        print(f"benchmark had {errors} failed requests; cells without a completed request: {empty}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
