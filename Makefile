@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# `make demo PD=1` runs the prefill/decode topology
+PD ?=
 
 .PHONY: demo test bench install clean
 
@@ -15,7 +17,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m bench.demo $(DEMO_ARGS)
+	$(PY) -m bench.demo $(if $(PD),--pd) $(DEMO_ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)

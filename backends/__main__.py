@@ -5,6 +5,17 @@
 Prints one line when listening (``session-backend listening on http://HOST:PORT ...``; with
 ``--port 0`` it names the port the OS chose). SIGTERM / SIGINT stop it gracefully: no new
 connections, in-flight requests get ``--shutdown-timeout`` seconds, then the engine stops.
+
+P/D (see ``backends/kv_transfer.py``)::
+
+    session-backend --port 8200 --role prefill --kv-hold-timeout 480
+    session-backend --port 8201 --role decode --kv-allow 127.0.0.1:8200
+
+A prefill instance serves the KV side channel on its HTTP port, or on ``--kv-host``/``--kv-port``
+when ``--kv-port`` is given (then only there); ``--kv-host`` alone names the host it advertises as
+``remote_host`` (default: the address the prefill request reached). A decode instance pulls only
+from the side channels given with ``--kv-allow HOST:PORT`` (repeatable; compared with the
+advertised ``remote_host`` as written); with none, from loopback hosts only.
 """
 
 from __future__ import annotations
@@ -19,7 +30,8 @@ from collections.abc import Sequence
 from aiohttp import web
 
 from backends.engine.outputs import EngineConfig
-from backends.server import create_app
+from backends.kv_transfer import DEFAULT_PULL_TIMEOUT_S, parse_allow_entry
+from backends.server import create_app, create_side_channel_app
 
 log = logging.getLogger("backends")
 
@@ -43,6 +55,22 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shutdown-timeout", type=float, default=5.0,
                    help="seconds in-flight requests get on SIGTERM (default 5)")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    pd = p.add_argument_group("P/D disaggregation (kv_transfer_params, vLLM NixlConnector semantics)")
+    pd.add_argument("--kv-hold-timeout", type=float, default=d.kv_hold_timeout_s, metavar="SECONDS",
+                    help="prefill: free held KV blocks no decode instance pulled after this long (default 480)")
+    pd.add_argument("--kv-allow", action="append", default=[], metavar="HOST:PORT",
+                    help="decode: a prefill side channel this instance may pull KV from (repeatable); "
+                         "default: loopback hosts only")
+    pd.add_argument("--kv-pull-timeout", type=float, default=DEFAULT_PULL_TIMEOUT_S, metavar="SECONDS",
+                    help="decode: give up a pull (and recompute) after this long (default 10)")
+    pd.add_argument("--kv-port", type=int, default=None, metavar="PORT",
+                    help="prefill: serve the side channel on this dedicated port instead of the HTTP port")
+    pd.add_argument("--kv-host", default=None, metavar="HOST",
+                    help="prefill: the host advertised as remote_host (e.g. a name decode instances resolve and "
+                         "allow); default: the address the prefill request reached. With --kv-port, also the "
+                         "address that listener binds (default --host)")
+    pd.add_argument("--kv-engine-id", default="", metavar="ID",
+                    help="engine id advertised as remote_engine_id (default: unique per process)")
     args = p.parse_args(argv)
     for name in ("block_size", "num_blocks", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                  "max_tracked_sessions", "session_metrics_top_k"):
@@ -52,6 +80,24 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--speed must be >= 0")
     if not 0 <= args.port <= 65535:
         p.error("--port must be in 0..65535")
+    if args.kv_hold_timeout <= 0:
+        p.error("--kv-hold-timeout must be > 0 seconds")
+    if args.kv_pull_timeout <= 0:
+        p.error("--kv-pull-timeout must be > 0 seconds")
+    for entry in args.kv_allow:
+        try:
+            parse_allow_entry(entry)
+        except ValueError as exc:
+            p.error(f"--kv-allow: {exc}")
+    if args.kv_port is not None:
+        if not 1 <= args.kv_port <= 65535:
+            p.error("--kv-port must be in 1..65535")
+        if args.kv_port == args.port:
+            p.error("--kv-port must differ from --port (leave it out to serve the side channel on --port)")
+        if args.role == "decode":
+            p.error("--kv-port is for prefill (or both) instances: a decode instance serves no side channel")
+    if args.kv_host is not None and not args.kv_host.strip():
+        p.error("--kv-host must not be empty")
     return args
 
 
@@ -67,14 +113,34 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         speed=args.speed,
         max_tracked_sessions=args.max_tracked_sessions,
         session_metrics_top_k=args.session_metrics_top_k,
+        kv_hold_timeout_s=args.kv_hold_timeout,
+        kv_engine_id=args.kv_engine_id,
+        # unset host/port: the side channel is the HTTP server, named by the address a request reached
+        kv_host=_kv_host(args) if args.kv_port is not None or args.kv_host is not None else None,
+        kv_port=args.kv_port,
     )
 
 
+_WILDCARDS = ("", "0.0.0.0", "::")
+
+
+def _kv_host(args: argparse.Namespace) -> str:
+    host = args.kv_host if args.kv_host is not None else args.host
+    if host in _WILDCARDS:
+        log.warning("the KV side channel listens on every interface; advertising 127.0.0.1 as remote_host "
+                    "(give --kv-host to name an address decode instances can reach)")
+        return "127.0.0.1"
+    return host
+
+
 async def serve(args: argparse.Namespace) -> None:
-    app = create_app(config_from_args(args))
+    dedicated = args.kv_port is not None
+    app = create_app(config_from_args(args), kv_allow=args.kv_allow, kv_pull_timeout_s=args.kv_pull_timeout,
+                     kv_side_channel_on_data_port=not dedicated)
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True,
                            shutdown_timeout=args.shutdown_timeout)
     await runner.setup()
+    kv_runner: web.AppRunner | None = None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -83,11 +149,20 @@ async def serve(args: argparse.Namespace) -> None:
         site = web.TCPSite(runner, args.host, args.port)
         await site.start()
         host, port = _bound(runner, args.host, args.port)
+        kv_note = ""
+        if dedicated and args.role != "decode":
+            kv_runner = web.AppRunner(create_side_channel_app(app), access_log=None, handler_cancellation=True)
+            await kv_runner.setup()
+            kv_listen = args.kv_host if args.kv_host is not None else args.host
+            await web.TCPSite(kv_runner, kv_listen, args.kv_port).start()
+            kv_note = f", kv side channel on {kv_listen}:{args.kv_port}"
         print(f"session-backend listening on http://{host}:{port} (model={args.model}, role={args.role}, "
-              f"speed={args.speed:g})", flush=True)
+              f"speed={args.speed:g}{kv_note})", flush=True)
         await stop.wait()
         log.info("stopping: draining in-flight requests for up to %gs", args.shutdown_timeout)
     finally:
+        if kv_runner is not None:
+            await kv_runner.cleanup()
         await runner.cleanup()
 
 

@@ -47,6 +47,14 @@ async def run_to_end(request: web.Request, fe: Frontend, ecr: EngineCoreRequest,
     finally:
         fe.in_flight -= 1
         await gen.aclose()
+        _count_prompt(fe, run)
+
+
+def _count_prompt(fe: Frontend, run: GenerationRun) -> None:
+    """Prompt tokens by source (local compute, local cache, remote prefill) once per request."""
+    kv = fe.kv
+    if kv is not None:
+        kv.count_prompt(run.prompt_tokens, run.cached_tokens, run.remote)
 
 
 #: renders the frames of one engine step: (output, choices it moved) -> bytes to send (may be b"")
@@ -96,6 +104,7 @@ async def stream_run(
     finally:
         fe.in_flight -= 1
         await gen.aclose()
+        _count_prompt(fe, run)
 
 
 _json = msgspec.json.Encoder()

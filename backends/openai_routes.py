@@ -64,6 +64,23 @@ def reply_headers(request_id: str, session_id: str | None) -> dict[str, str]:
     return {REQUEST_ID_HEADER: request_id, SESSION_HEADER: session_id}
 
 
+async def pull_remote_prefill(fe: Frontend, params: dict[str, Any] | None, prompt_ids: list[int],
+                              cache_salt: str | None, run: GenerationRun, request_id: str) -> None:
+    """P/D decode: for ``do_remote_prefill`` params, pull the prompt's KV from the prefill instance
+    into the prefix cache before the request enters the engine (a failed pull recomputes)."""
+    kv = fe.kv
+    if kv is not None and params is not None:
+        run.remote = await kv.load_remote(params, prompt_ids, cache_salt, request_id)
+
+
+def returned_params(fe: Frontend, run: GenerationRun, request: web.Request) -> dict[str, Any] | None:
+    """P/D prefill: the ``kv_transfer_params`` to return, naming this instance's side channel."""
+    params = run.kv_transfer_params
+    if params is None or fe.kv is None:
+        return params
+    return fe.kv.advertise(params, request)
+
+
 # ---- prompts -----------------------------------------------------------------------------------
 
 
@@ -161,6 +178,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         echo = fe.tokenizer.decode(prompt_ids)
 
     if not body.stream:
+        await pull_remote_prefill(fe, body.kv_transfer_params, prompt_ids, body.cache_salt, run, ecr.request_id)
         await run_to_end(request, fe, ecr, run)
         choices = [
             CompletionChoice(
@@ -176,7 +194,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
         ]
         return json_response(
             CompletionResponse(id=response_id, created=created, model=model, choices=choices, usage=run.usage(),
-                               system_fingerprint=fe.fingerprint, kv_transfer_params=run.kv_transfer_params),
+                               system_fingerprint=fe.fingerprint,
+                               kv_transfer_params=returned_params(fe, run, request)),
             headers,
         )
 
@@ -218,6 +237,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         return data_frame(_enc.encode(chunk))
 
     fe.check_engine()
+    await pull_remote_prefill(fe, body.kv_transfer_params, prompt_ids, body.cache_salt, run, ecr.request_id)
     resp = await open_stream(request, headers)
     await stream_run(resp, fe, ecr, run, step, tail)
     return resp
@@ -254,6 +274,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     want_ids = bool(body.return_token_ids)
 
     if not body.stream:
+        await pull_remote_prefill(fe, body.kv_transfer_params, prompt_ids, body.cache_salt, run, ecr.request_id)
         await run_to_end(request, fe, ecr, run)
         choices = [
             ChatChoice(
@@ -270,7 +291,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             ChatCompletionResponse(id=response_id, created=created, model=model, choices=choices,
                                    usage=run.usage(), system_fingerprint=fe.fingerprint,
                                    prompt_token_ids=prompt_ids if want_ids else msgspec.UNSET,
-                                   kv_transfer_params=run.kv_transfer_params),
+                                   kv_transfer_params=returned_params(fe, run, request)),
             headers,
         )
 
@@ -317,6 +338,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         return chunk([], usage=True) if include_usage else b""
 
     fe.check_engine()
+    await pull_remote_prefill(fe, body.kv_transfer_params, prompt_ids, body.cache_salt, run, ecr.request_id)
     resp = await open_stream(request, headers)
     await stream_run(resp, fe, ecr, run, step, tail)
     return resp
@@ -357,6 +379,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     want_prompt = bool(body.return_token_ids)
 
     if not body.stream:
+        await pull_remote_prefill(fe, body.kv_transfer_params, prompt_ids, body.cache_salt, run, ecr.request_id)
         await run_to_end(request, fe, ecr, run)
         choices = [
             GenerateChoice(
@@ -370,7 +393,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
             GenerateResponse(request_id=request_id, model=fe.config.model, created=int(time.time()),
                              usage=run.usage(), choices=choices, output_mode=body.output_mode,
                              prompt_token_ids=prompt_ids if want_prompt else None,
-                             kv_transfer_params=run.kv_transfer_params),
+                             kv_transfer_params=returned_params(fe, run, request)),
             headers,
         )
 
@@ -408,6 +431,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         return data_frame(_enc.encode(obj))
 
     fe.check_engine()
+    await pull_remote_prefill(fe, body.kv_transfer_params, prompt_ids, body.cache_salt, run, ecr.request_id)
     resp = await open_stream(request, headers)
     await stream_run(resp, fe, ecr, run, step, tail)
     return resp
@@ -419,4 +443,5 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/inference/v1/generate", generate)
 
 
-__all__ = ["add_routes", "completion_prompt", "chat_prompt", "message_text", "reply_headers"]
+__all__ = ["add_routes", "completion_prompt", "chat_prompt", "message_text", "pull_remote_prefill", "reply_headers",
+           "returned_params"]

@@ -6,6 +6,8 @@ Routes (vLLM's, where a client or router can see them):
 - ``POST /v1/responses``, ``GET /v1/responses/{id}``                               (``responses_api``)
 - ``POST /tokenize``, ``/detokenize``; ``GET /v1/models``, ``/health``, ``/load``, ``/version``,
   ``/metrics``, ``/v1/sessions``, ``/v1/sessions/{id}``                              (here)
+- ``POST /internal/kv/pull``: the P/D side channel of a prefill (or ``both``) instance, unless it is
+  served on a dedicated listener (``create_side_channel_app``)                     (``kv_transfer``)
 
 Every error is vLLM's JSON ``{"error": {"message", "type", "param", "code"}}``, produced in ONE
 place (``error_middleware``): the ``router.errors`` tree, aiohttp's 404/405/413, and anything
@@ -16,7 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+import secrets
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import msgspec
 from aiohttp import web
@@ -26,6 +29,7 @@ from backends import openai_routes, responses_api
 from backends.engine.client import AsyncEngine
 from backends.engine.outputs import EngineConfig
 from backends.generation import ClientDisconnected, json_response
+from backends.kv_transfer import DEFAULT_PULL_TIMEOUT_S, AllowList, KVTransfer
 from backends.openai_routes import chat_prompt
 from backends.protocol import (
     DetokenizeRequest,
@@ -231,21 +235,36 @@ def create_app(
     max_stored_responses: int = DEFAULT_MAX_ENTRIES,
     max_body_bytes: int = MAX_BODY_BYTES,
     engine_factory: EngineFactory | None = None,
+    kv_allow: Sequence[str] = (),
+    kv_pull_timeout_s: float = DEFAULT_PULL_TIMEOUT_S,
+    kv_side_channel_on_data_port: bool = True,
 ) -> web.Application:
     """Build a backend app; the engine starts and stops with the app (``cleanup_ctx``).
 
     The generated-token range of ``config`` is replaced by the tokenizer's (every generated id
     decodes to a readable word). ``registry`` defaults to a fresh one (never the global registry).
+
+    P/D: ``kv_allow`` lists the ``HOST:PORT`` side channels a decode instance may pull from (empty:
+    loopback hosts only; ``ValueError`` for a malformed entry); an engine without a
+    ``kv_engine_id`` gets a unique one. A prefill (or ``both``) instance serves the side channel
+    on this app unless ``kv_side_channel_on_data_port`` is false (then serve
+    ``create_side_channel_app(app)`` on its own listener and set ``config.kv_host/kv_port``).
     """
     tokenizer = Tokenizer()
     config = engine_config_for(config, tokenizer)
+    if not config.kv_engine_id:
+        unique = f"{config.model}-engine-{config.engine_index}-{secrets.token_hex(4)}"
+        config = msgspec.structs.replace(config, kv_engine_id=unique)
     registry = registry if registry is not None else CollectorRegistry()
     engine = (engine_factory or AsyncEngine)(config, registry)
+    kv = KVTransfer(config, engine, registry, allow=AllowList(kv_allow), pull_timeout_s=kv_pull_timeout_s)
     app = web.Application(middlewares=[error_middleware], client_max_size=max_body_bytes)
     app[FRONTEND] = Frontend(config=config, tokenizer=tokenizer, engine=engine, registry=registry,
-                             store=ResponseStore(max_stored_responses))
+                             store=ResponseStore(max_stored_responses), kv=kv)
     app[ENGINE] = engine
     app.cleanup_ctx.append(_engine_lifecycle)
+    if kv.serves_pulls and kv_side_channel_on_data_port:
+        kv.add_routes(app)
 
     openai_routes.add_routes(app)
     responses_api.add_routes(app)
@@ -267,7 +286,25 @@ async def _engine_lifecycle(app: web.Application) -> AsyncIterator[None]:
     try:
         yield
     finally:
+        kv = app[FRONTEND].kv
+        if kv is not None:
+            await kv.close()
         await engine.stop()
 
 
-__all__ = ["create_app", "engine_config_for", "error_middleware", "ENGINE", "FRONTEND", "Frontend"]
+def create_side_channel_app(main_app: web.Application) -> web.Application:
+    """An app serving only the P/D side channel (``POST /internal/kv/pull``) of ``main_app``'s
+    engine, for a dedicated ``--kv-port`` listener. Run it while ``main_app`` runs."""
+    fe = main_app[FRONTEND]
+    if fe.kv is None or not fe.kv.serves_pulls:
+        raise ValueError("only a prefill or both-role backend serves the KV side channel")
+    app = web.Application(middlewares=[error_middleware], client_max_size=1024 * 1024)
+    app[FRONTEND] = fe
+    app[ENGINE] = fe.engine
+    fe.kv.add_routes(app)
+    return app
+
+
+__all__ = [
+    "create_app", "create_side_channel_app", "engine_config_for", "error_middleware", "ENGINE", "FRONTEND", "Frontend",
+]

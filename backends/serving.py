@@ -13,7 +13,7 @@ import secrets
 import time
 from dataclasses import dataclass, field
 from importlib import metadata
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from aiohttp import web
@@ -26,6 +26,9 @@ from backends.protocol import PromptTokensDetails, Usage
 from backends.responses_store import ResponseStore
 from backends.tokenizer import Tokenizer
 from router.errors import BadRequestError, InvalidJSONError, NotFoundError
+
+if TYPE_CHECKING:
+    from backends.kv_transfer import KVTransfer, RemoteLoad
 
 REQUEST_ID_HEADER = "X-Request-Id"
 #: vLLM's RequestOutputKind.DELTA: each output carries only the new tokens
@@ -68,6 +71,8 @@ class Frontend:
     version: str = field(default_factory=package_version)
     #: generation requests being served now (``GET /load``)
     in_flight: int = 0
+    #: P/D: the KV transfer agent (side channel, pulls, prompt-source counters); None in bare tests
+    kv: "KVTransfer | None" = None
 
     @property
     def fingerprint(self) -> str:
@@ -105,12 +110,20 @@ def decode_body(data: bytes, decoder: msgspec.json.Decoder[Any]) -> Any:
     if not data:
         raise InvalidJSONError("Request body is empty; send a JSON object.")
     try:
-        return decoder.decode(data)
+        result = decoder.decode(data)
     except msgspec.ValidationError as exc:
         msg = str(exc)
         raise BadRequestError(f"Invalid request body: {msg}", param=_param_of(msg)) from None
     except msgspec.DecodeError as exc:
         raise InvalidJSONError(f"Request body is not valid JSON: {exc}") from None
+    except RecursionError:  # msgspec's nesting bound (about 1,000 levels), also for skipped fields
+        raise InvalidJSONError("Request body nests JSON arrays or objects too deeply; flatten it.") from None
+    try:
+        data.decode("utf-8")  # msgspec does not check the strings of fields it skips; JSON is UTF-8
+    except UnicodeDecodeError as exc:
+        raise InvalidJSONError(f"Request body is not valid UTF-8 (bad byte at offset {exc.start}); "
+                               "JSON must be UTF-8 encoded.") from None
+    return result
 
 
 def _param_of(message: str) -> str | None:
@@ -292,7 +305,7 @@ class GenerationRun:
 
     __slots__ = (
         "tokenizer", "choices", "stops", "holdback", "prompt_tokens", "cached_tokens",
-        "generated", "kv_transfer_params", "remaining",
+        "generated", "kv_transfer_params", "remaining", "remote",
     )
 
     def __init__(self, tokenizer: Tokenizer, n: int, stops: list[str] | None) -> None:
@@ -306,6 +319,8 @@ class GenerationRun:
         self.generated = 0
         self.kv_transfer_params: dict[str, Any] | None = None
         self.remaining = n
+        #: P/D decode: what was pulled from a remote prefill for this request (None: nothing)
+        self.remote: RemoteLoad | None = None
 
     def apply(self, out: RequestOutput) -> list[Choice]:
         """Take one step's output; return the choices it moved (done ones are not moved again)."""

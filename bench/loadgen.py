@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import socket
 import sys
@@ -92,8 +93,8 @@ def percentile(sorted_values: Sequence[float], q: float) -> float:
     """Nearest-rank percentile of already sorted values (0 for none)."""
     if not sorted_values:
         return 0.0
-    index = min(len(sorted_values) - 1, max(0, int(round(q * len(sorted_values) + 0.5)) - 1))
-    return sorted_values[index]
+    rank = math.ceil(q * len(sorted_values) - 1e-9)  # the smallest value with at least q of them at or below
+    return sorted_values[min(len(sorted_values), max(1, rank)) - 1]
 
 
 def build_requests(spec: LoadSpec, host: str) -> list[bytes]:

@@ -71,6 +71,8 @@ def decode_routing_fields(body: bytes) -> RoutingFields:
         raise InvalidJSONError(f"invalid request body: {exc}") from None
     except msgspec.DecodeError as exc:
         raise InvalidJSONError(f"request body is not valid JSON: {exc}") from None
+    except RecursionError:  # msgspec's nesting bound (about 1,000 levels), also for skipped fields
+        raise InvalidJSONError("request body nests JSON arrays or objects too deeply; flatten it") from None
 
 
 def wants_stream(fields: RoutingFields) -> bool:

@@ -21,12 +21,19 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from router import inspect
-from router.errors import PayloadTooLargeError, SessionRouterError, UpstreamConnectError, UpstreamError, error_body
+from router.errors import (
+    PayloadTooLargeError,
+    SessionRouterError,
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamTimeoutError,
+    error_body,
+)
 from router.placement.base import Outcome, Placement
 from router.pd import PD_ROUTE_KINDS, PDHandoff
 from router.pool import POOL_DECODE, POOL_DEFAULT, Backend, BackendPool
 from router.session import SESSION_HEADER, resolve_session_id, session_from_headers
-from router.upstream import UpstreamResponse, build_request_head
+from router.upstream import UpstreamResponse, UpstreamTimeouts, build_request_head
 
 if TYPE_CHECKING:
     from router.sessions import SessionEntry
@@ -242,6 +249,9 @@ class Proxy:
         loop = asyncio.get_running_loop()
         exclude: set[str] = set()
         retries_left = self.config.retries
+        # total_timeout_s bounds the whole request, retries included: later attempts get what is left
+        deadline = attempt.started + self.config.total_timeout_s
+        timeouts: UpstreamTimeouts | None = None  # the pool's own on the first attempt
         while True:
             placement = first if first is not None else self._place(pool, attempt, fields, frozenset(exclude))
             first = None
@@ -252,18 +262,18 @@ class Proxy:
             head = build_request_head(method, path, f"{backend.host}:{backend.port}", headers, len(body))
             backend.in_flight += 1
             try:
-                upstream = await state.upstream.request(backend.host, backend.port, head, body)
+                upstream = await state.upstream.request(backend.host, backend.port, head, body, timeouts=timeouts)
             except UpstreamError as exc:
                 backend.in_flight -= 1
                 reason = exc.reason
                 self._record_failure(backend, reason, connect_error=isinstance(exc, UpstreamConnectError))
-                if retries_left <= 0 or not exc.retryable:
+                if retries_left <= 0 or not exc.retryable or loop.time() >= deadline:
                     raise
             except BaseException:  # cancelled (client gone): the pool closed the connection
                 backend.in_flight -= 1
                 raise
             else:
-                if upstream.status not in RETRY_STATUSES or retries_left <= 0:
+                if upstream.status not in RETRY_STATUSES or retries_left <= 0 or loop.time() >= deadline:
                     if upstream.status < 500 and state.health is not None:
                         state.health.record_success(backend)
                     attempt.first_byte = loop.time()
@@ -278,7 +288,15 @@ class Proxy:
             state.metrics.retries.labels(reason).inc()
             if len(exclude) >= len(pool):
                 exclude.clear()  # every backend tried once: allow another round on the healthy ones
-            await asyncio.sleep(self.config.retry_backoff_s * (0.5 + random.random()))
+            await asyncio.sleep(min(self.config.retry_backoff_s * (0.5 + random.random()),
+                                    max(0.0, deadline - loop.time())))
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise UpstreamTimeoutError(
+                    f"no backend answered within total_timeout_s ({self.config.total_timeout_s:g} s), retries included"
+                )
+            t = state.upstream.timeouts
+            timeouts = UpstreamTimeouts(min(t.connect_s, remaining), min(t.first_byte_s, remaining), remaining)
 
     def _record_failure(self, backend: Backend, reason: str, *, connect_error: bool) -> None:
         state = self.state

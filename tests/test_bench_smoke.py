@@ -1,0 +1,179 @@
+"""The router-overhead benchmark works: its load generator counts right, its nginx is loopback-only,
+its report keeps the rest of RESULTS.md, and a ``--quick`` run end to end produces a full table."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from typing import Any
+
+import msgspec
+import pytest
+from aiohttp import web
+
+from bench.loadgen import LoadSpec, percentile, run_load
+from bench.nginx import find_nginx, write_conf
+from bench.procs import REPO
+from bench.router_overhead import BEGIN, END, process_tree, write_section
+
+SSE_EVENTS = 16
+
+
+def _sse_app(*, status: int = 200, done: bool = True, counter: list[int] | None = None) -> web.Application:
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        assert request.headers["X-Session-ID"].startswith("bench-")
+        if counter is not None:
+            counter.append(1)
+        if status != 200:
+            return web.json_response({"error": {"message": "nope"}}, status=status)
+        if not body["stream"]:
+            return web.json_response({"choices": [{"text": "x" * body["max_tokens"]}]})
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for i in range(SSE_EVENTS):
+            await response.write(b'data: {"choices":[{"text":" t%d"}]}\n\n' % i)
+        if done:
+            await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    return app
+
+
+def _spec(server: Any, **kw: Any) -> LoadSpec:
+    base = {"urls": [str(server.make_url("/")).rstrip("/")], "concurrency": 4, "seconds": 0.3, "warmup_s": 0.05,
+            "sessions": 10, "cpu_groups": {"me": [os.getpid()]}}
+    base.update(kw)
+    return LoadSpec(**base)
+
+
+# ---------------------------------------------------------------------- load generator
+async def test_loadgen_counts_streams_and_ttft(aiohttp_server: Any) -> None:
+    served: list[int] = []
+    server = await aiohttp_server(_sse_app(counter=served))
+    result = await run_load(_spec(server, stream=True, max_tokens=16))
+    assert result.errors == 0, result.first_error
+    assert result.requests > 0
+    # requests in the window are a subset of what the server answered (warm-up and drain add more)
+    assert result.requests <= len(served)
+    assert 0 < result.ttft_p50_ms <= result.p50_ms
+    assert result.p50_ms <= result.p99_ms
+    assert result.rps == pytest.approx(result.requests / result.window_s)
+    # server and client share this process, so its CPU per request is real and positive
+    assert result.cpu_us_per_req["me"] > 0
+    assert result.client_cpu_us_per_req > 0
+
+
+async def test_loadgen_non_stream_has_no_ttft(aiohttp_server: Any) -> None:
+    server = await aiohttp_server(_sse_app())
+    result = await run_load(_spec(server))
+    assert result.errors == 0 and result.requests > 0
+    assert result.ttft_p50_ms == 0.0 and result.p50_ms > 0
+
+
+async def test_loadgen_counts_error_statuses(aiohttp_server: Any) -> None:
+    server = await aiohttp_server(_sse_app(status=503))
+    result = await run_load(_spec(server))
+    assert result.requests == 0
+    assert result.errors > 0 and result.first_error == "status 503"
+
+
+async def test_loadgen_counts_streams_without_done_as_errors(aiohttp_server: Any) -> None:
+    server = await aiohttp_server(_sse_app(done=False))
+    result = await run_load(_spec(server, stream=True))
+    assert result.requests == 0
+    assert result.errors > 0 and "[DONE]" in result.first_error
+
+
+async def test_loadgen_reports_refused_connections() -> None:
+    from bench.procs import free_port
+
+    port = free_port()  # nothing listens there
+    result = await run_load(LoadSpec(urls=[f"http://127.0.0.1:{port}"], concurrency=2, seconds=0.1, warmup_s=0.0))
+    assert result.requests == 0 and result.errors > 0
+    assert "connect" in result.first_error
+
+
+def test_percentile_nearest_rank() -> None:
+    values = [float(i) for i in range(1, 101)]
+    assert percentile(values, 0.50) == 50.0
+    assert percentile(values, 0.99) == 99.0
+    assert percentile([7.0], 0.99) == 7.0
+    assert percentile([], 0.5) == 0.0
+
+
+# ---------------------------------------------------------------------- nginx and the report
+def test_nginx_conf_is_loopback_keepalive_unbuffered(tmp_path: Any) -> None:
+    path = write_conf(str(tmp_path), 18080, ["http://127.0.0.1:8100", "http://127.0.0.1:8101"])
+    conf = open(path).read()
+    assert "listen 127.0.0.1:18080" in conf
+    assert "server 127.0.0.1:8100;" in conf and "server 127.0.0.1:8101;" in conf
+    assert re.search(r"keepalive \d+;", conf)
+    assert "proxy_buffering off;" in conf and "access_log off;" in conf
+    assert 'proxy_set_header Connection "";' in conf and "proxy_http_version 1.1;" in conf
+    assert f"error_log {tmp_path}/error.log" in conf
+    with pytest.raises(ValueError, match="never 80"):
+        write_conf(str(tmp_path), 80, ["http://127.0.0.1:8100"])
+    with pytest.raises(ValueError, match="loopback"):
+        write_conf(str(tmp_path), 18080, ["http://10.0.0.1:8100"])
+
+
+def test_write_section_replaces_only_its_block(tmp_path: Any) -> None:
+    out = tmp_path / "RESULTS.md"
+    out.write_text("# Benchmark results\n\n## Multi-turn\nkeep me\n")
+    write_section(str(out), "## Router overhead\nfirst")
+    write_section(str(out), "## Router overhead\nsecond")
+    text = out.read_text()
+    assert "keep me" in text and "second" in text and "first" not in text
+    assert text.count(BEGIN) == 1 and text.count(END) == 1
+    out.write_text(text + "\n## Soak\nalso keep me\n")
+    write_section(str(out), "## Router overhead\nthird")
+    text = out.read_text()
+    assert "keep me" in text and "also keep me" in text and "third" in text and "second" not in text
+
+
+def test_process_tree_includes_children() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        tree = process_tree(os.getpid())
+        assert tree[0] == os.getpid() and child.pid in tree
+    finally:
+        assert child.stdin is not None
+        child.stdin.close()
+        child.wait(10)
+
+
+# ---------------------------------------------------------------------- end to end
+@pytest.mark.slow
+def test_quick_benchmark_run_writes_a_full_table(tmp_path: Any) -> None:
+    out = tmp_path / "RESULTS.md"
+    out.write_text("# Benchmark results\n\nother results stay\n")
+    jsonl = tmp_path / "runs.jsonl"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.router_overhead", "--quick", "--out", str(out), "--jsonl", str(jsonl)],
+        cwd=REPO, capture_output=True, text=True, timeout=180,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    text = out.read_text()
+    assert "other results stay" in text and BEGIN in text and END in text
+    assert "python -m bench.router_overhead --quick" in text
+    expected = {"direct", "router", "router×2"} | ({"nginx"} if find_nginx() else set())
+    rows = [line.split("|")[1:-1] for line in text.splitlines() if re.match(r"\| (non-stream|stream) \| \d+ \|", line)]
+    seen = {(cols[0].strip(), cols[2].strip()) for cols in rows}
+    assert seen == {(mode, t) for mode in ("non-stream", "stream") for t in expected}
+    for cols in rows:
+        mode, target = cols[0].strip(), cols[2].strip()
+        assert float(cols[3].split()[0]) > 0, cols  # req/s
+        assert cols[-1].strip() == "0", cols  # errors
+        if target != "direct":
+            assert float(cols[9].split()[0]) > 0, cols  # proxy CPU us/req
+        if mode == "stream":
+            assert float(cols[7]) > 0, cols  # TTFT
+    assert "CPU/req non-stream" in text
+    record = msgspec.json.decode(jsonl.read_text().splitlines()[-1])
+    assert all(r["requests"] > 0 and r["errors"] == 0 for cell in record["cells"] for r in cell["rounds"])
