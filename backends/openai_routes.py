@@ -15,6 +15,7 @@ import msgspec
 from aiohttp import web
 
 from backends.engine.outputs import RequestOutput
+from backends.engine.request import EngineCoreRequest
 from backends.generation import json_response, run_to_end, stream_run
 from backends.protocol import (
     AssistantMessage,
@@ -147,17 +148,18 @@ def chat_prompt(
         raise BadRequestError(f"messages: {exc}.", param="messages") from None
 
 
-# ---- /v1/completions --------------------------------------------------------------------------
-
-
-async def completions(request: web.Request) -> web.StreamResponse:
-    fe = request.app[FRONTEND]
-    body: CompletionRequest = decode_body(await request.read(), _completion_decoder)
+def _identify(request: web.Request, fe: Frontend,
+              body: CompletionRequest | ChatCompletionRequest) -> tuple[str | None, str]:
+    """The session (the shared contract) and the base request id, after checking the model."""
     session = resolve_session_id(body.session_id, request.headers.getall(SESSION_HEADER, ()), body.vllm_xargs)
     fe.check_model(body.model)
-    base = fe.base_request_id(request, body.request_id)
-    prompt_ids, prompt_text = completion_prompt(fe.tokenizer, body.prompt)
-    max_tokens = resolve_max_tokens(fe.config, len(prompt_ids), body.max_tokens, "max_tokens")
+    return session, fe.base_request_id(request, body.request_id)
+
+
+def _prepare(fe: Frontend, body: CompletionRequest | ChatCompletionRequest, session: str | None, base: str,
+             prompt_ids: list[int], max_tokens: int | None, id_prefix: str,
+             ) -> tuple[str, EngineCoreRequest, GenerationRun, dict[str, str]]:
+    """What completions and chat share once the prompt is known: the engine request and run state."""
     stops = stop_list(body.stop)
     params = sampling_params(
         fe.config, n=body.n, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
@@ -165,11 +167,22 @@ async def completions(request: web.Request) -> web.StreamResponse:
         stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
         kv_transfer_params=body.kv_transfer_params, final_only=not body.stream,
     )
-    response_id = f"cmpl-{base}"
+    response_id = id_prefix + base
     ecr = engine_request(fe, external_id=response_id, prompt_ids=prompt_ids, params=params,
                          session_id=session, cache_salt=body.cache_salt, priority=body.priority)
-    run = GenerationRun(fe.tokenizer, body.n, stops)
-    headers = reply_headers(base, session)
+    return response_id, ecr, GenerationRun(fe.tokenizer, body.n, stops), reply_headers(base, session)
+
+
+# ---- /v1/completions --------------------------------------------------------------------------
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    fe = request.app[FRONTEND]
+    body: CompletionRequest = decode_body(await request.read(), _completion_decoder)
+    session, base = _identify(request, fe, body)
+    prompt_ids, prompt_text = completion_prompt(fe.tokenizer, body.prompt)
+    max_tokens = resolve_max_tokens(fe.config, len(prompt_ids), body.max_tokens, "max_tokens")
+    response_id, ecr, run, headers = _prepare(fe, body, session, base, prompt_ids, max_tokens, "cmpl-")
     created = int(time.time())
     model = fe.config.model
     want_ids = bool(body.return_token_ids)
@@ -249,26 +262,13 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     fe = request.app[FRONTEND]
     body: ChatCompletionRequest = decode_body(await request.read(), _chat_decoder)
-    session = resolve_session_id(body.session_id, request.headers.getall(SESSION_HEADER, ()), body.vllm_xargs)
-    fe.check_model(body.model)
-    base = fe.base_request_id(request, body.request_id)
+    session, base = _identify(request, fe, body)
     prompt_ids = chat_prompt(fe.tokenizer, body.messages, body.add_generation_prompt)
     if body.max_completion_tokens is not None:
         max_tokens = resolve_max_tokens(fe.config, len(prompt_ids), body.max_completion_tokens, "max_completion_tokens")
     else:
         max_tokens = resolve_max_tokens(fe.config, len(prompt_ids), body.max_tokens, "max_tokens")
-    stops = stop_list(body.stop)
-    params = sampling_params(
-        fe.config, n=body.n, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-        seed=body.seed, max_tokens=max_tokens, min_tokens=body.min_tokens, stop=stops,
-        stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
-        kv_transfer_params=body.kv_transfer_params, final_only=not body.stream,
-    )
-    response_id = f"chatcmpl-{base}"
-    ecr = engine_request(fe, external_id=response_id, prompt_ids=prompt_ids, params=params,
-                         session_id=session, cache_salt=body.cache_salt, priority=body.priority)
-    run = GenerationRun(fe.tokenizer, body.n, stops)
-    headers = reply_headers(base, session)
+    response_id, ecr, run, headers = _prepare(fe, body, session, base, prompt_ids, max_tokens, "chatcmpl-")
     created = int(time.time())
     model = fe.config.model
     want_ids = bool(body.return_token_ids)

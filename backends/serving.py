@@ -8,8 +8,6 @@ per-choice results (tokens, text with stop strings applied, finish reasons, usag
 
 from __future__ import annotations
 
-import itertools
-import secrets
 import time
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -25,6 +23,7 @@ from backends.engine.request import EngineCoreRequest, SamplingParams
 from backends.protocol import PromptTokensDetails, Usage
 from backends.responses_store import ResponseStore
 from backends.tokenizer import Tokenizer
+from router.ids import IdGenerator
 from router.errors import BadRequestError, InvalidJSONError, NotFoundError
 
 if TYPE_CHECKING:
@@ -42,19 +41,6 @@ def package_version() -> str:
         return metadata.version("session-router")
     except metadata.PackageNotFoundError:  # pragma: no cover - running from a bare checkout
         return "0.0.0"
-
-
-class IdGenerator:
-    """Unique ids without uuid4 per request: a random per-process prefix plus a counter."""
-
-    __slots__ = ("_prefix", "_counter")
-
-    def __init__(self) -> None:
-        self._prefix = secrets.token_hex(6)
-        self._counter = itertools.count(1)
-
-    def next(self) -> str:
-        return f"{self._prefix}{next(self._counter):08x}"
 
 
 @dataclass(eq=False)

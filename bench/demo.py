@@ -15,12 +15,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
 import random
 import signal
 import sys
 import tempfile
-import time
 from typing import Any
 
 import aiohttp

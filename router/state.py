@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
-import os
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -11,23 +9,13 @@ from aiohttp import web
 
 from router.config import RouterConfig
 from router.health import HealthChecker
+from router.ids import IdGenerator
 from router.metrics import RouterMetrics
 from router.placement.base import Policy
 from router.pool import BackendPool
 from router.responses import ResponseIndex
 from router.sessions import SessionTable
 from router.upstream import UpstreamPool
-
-
-class RequestIds:
-    """Request ids: a per-process random prefix and a counter (cheaper than uuid4)."""
-
-    def __init__(self) -> None:
-        self._prefix = os.urandom(6).hex()
-        self._counter = itertools.count(1)
-
-    def next(self) -> str:
-        return f"{self._prefix}-{next(self._counter)}"
 
 
 @dataclass(eq=False)
@@ -42,7 +30,7 @@ class RouterState:
     health: HealthChecker | None = None
     #: aiohttp client for everything off the hot path (health checks, /v1/models, admin)
     http: aiohttp.ClientSession | None = None
-    request_ids: RequestIds = field(default_factory=RequestIds)
+    request_ids: IdGenerator = field(default_factory=IdGenerator)
 
     def all_pools(self) -> list[BackendPool]:
         return list(self.pools.values())

@@ -22,7 +22,7 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support import Proc, free_port, start_backend, start_router, wait_until
+from tests.support import Proc, start_backend, start_router, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -266,7 +266,7 @@ async def test_backend_killed_mid_stream_ends_streams_with_error_then_done(tmp_p
 
         await wait_for(survivor_idle, what="the closed streams to be aborted on the survivor")
         metrics = await get_text(http, router.url + "/metrics")
-        assert metric(metrics, "session_router_session_errors_total") >= len(cut) or len(cut) > 100
+        assert metric(metrics, "session_router_session_errors_total") >= len(cut)
 
 
 async def test_silent_backend_fails_over_after_first_byte_timeout(tmp_path: Path, procs: list[Proc]) -> None:
@@ -283,7 +283,7 @@ async def test_silent_backend_fails_over_after_first_byte_timeout(tmp_path: Path
         procs.append(router)
         async with aiohttp.ClientSession(timeout=TIMEOUT) as http:
             durations = []
-            for i in range(12):
+            for i in range(24):  # 24 sessions: at least 2 hash to the silent backend (all but surely)
                 t0 = time.monotonic()
                 assert await complete(http, router, f"silent-{i}") == 200
                 durations.append(time.monotonic() - t0)
@@ -300,7 +300,7 @@ async def test_silent_backend_fails_over_after_first_byte_timeout(tmp_path: Path
             assert all(first_byte * 0.8 <= d < total for d in slow), durations
             assert max(durations) < total
             accepted = silent.accepted
-            assert all([await complete(http, router, f"silent-{i}") == 200 for i in range(12)])
+            assert all([await complete(http, router, f"silent-{i}") == 200 for i in range(24)])
             assert silent.accepted == accepted  # an ejected backend gets no new request
     finally:
         silent.close()

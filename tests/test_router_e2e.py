@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support import LOOPBACK, Proc, start_backend, start_router, wait_until
+from tests.support import Proc, start_backend, start_router, wait_until
 
 pytestmark = pytest.mark.slow
 
