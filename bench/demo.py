@@ -24,11 +24,7 @@ from typing import Any
 import aiohttp
 
 from bench.procs import LOOPBACK, Proc, free_port, start_backend, start_router
-
-TOPICS = ["the tides", "sourdough", "rust lifetimes", "jazz harmony", "orbital mechanics", "tea", "chess openings",
-          "volcanoes", "typography", "compilers"]
-SYSTEM = "You are a concise assistant. Answer in a few sentences and keep the conversation going."
-
+from bench.traffic import TOPICS, Conversation, Stats, TrafficConfig, run_turn
 
 def port_or_free(preferred: int) -> int:
     import socket
@@ -39,32 +35,6 @@ def port_or_free(preferred: int) -> int:
             return preferred
         except OSError:
             return free_port()
-
-
-class Conversation:
-    def __init__(self, index: int, rng: random.Random, send_header: bool) -> None:
-        self.name = f"demo-{index}"
-        self.topic = TOPICS[index % len(TOPICS)]
-        self.messages: list[dict[str, str]] = [{"role": "system", "content": SYSTEM}]
-        self.send_header = send_header
-        self.session_id: str | None = f"demo-session-{index}" if send_header else None
-        self.rng = rng
-
-    def next_body(self) -> dict[str, Any]:
-        turn = sum(1 for m in self.messages if m["role"] == "user")
-        self.messages.append({"role": "user", "content": f"Tell me more about {self.topic} (turn {turn + 1})."})
-        return {"model": "session-sim", "messages": list(self.messages), "max_tokens": self.rng.randint(16, 48)}
-
-
-async def run_turn(http: aiohttp.ClientSession, router_url: str, conv: Conversation) -> None:
-    headers = {"X-Session-ID": conv.session_id} if conv.send_header and conv.session_id else {}
-    async with http.post(router_url + "/v1/chat/completions", json=conv.next_body(), headers=headers) as resp:
-        data = await resp.json()
-        if resp.status != 200:
-            conv.messages.pop()
-            return
-        conv.session_id = resp.headers.get("X-Session-ID", conv.session_id)
-        conv.messages.append({"role": "assistant", "content": data["choices"][0]["message"]["content"]})
 
 
 async def summary(http: aiohttp.ClientSession, router_url: str, clear: bool) -> str:
@@ -121,19 +91,25 @@ async def pd_summary(http: aiohttp.ClientSession, router_url: str, pd: dict[str,
 
 async def traffic(router_url: str, sessions: int, rounds: int | None, seed: int, urls: dict[str, str],
                   pd: dict[str, list[str]] | None = None) -> None:
+    """Rounds of one turn per conversation (the traffic generator's conversations), then a summary."""
     rng = random.Random(seed)
-    convs = [Conversation(i, rng, send_header=i % 2 == 0) for i in range(sessions)]
+    config = TrafficConfig(router=router_url, sessions=sessions, seed=seed, stream_share=0.3)
+    # even-numbered conversations send X-Session-ID; the router derives the others' ids
+    convs = [Conversation(i, TOPICS[i % len(TOPICS)], f"demo-session-{i}" if i % 2 == 0 else None, config.model)
+             for i in range(sessions)]
+    stats = Stats()
     clear = sys.stdout.isatty()
     async with aiohttp.ClientSession() as http:
         done = 0
         while rounds is None or done < rounds:
-            await asyncio.gather(*(run_turn(http, router_url, c) for c in convs))
+            await asyncio.gather(*(run_turn(http, config, c, rng, stats) for c in convs))
             done += 1
             print(await summary(http, router_url, clear))
             if pd is not None:
                 print(await pd_summary(http, router_url, pd))
             print("\nwhere to look: " + "  ".join(f"{k}={v}" for k, v in urls.items()))
-            print(f"round {done}; even-numbered sessions send X-Session-ID, odd ones are derived by the router."
+            print(f"round {done}; {stats.line()}")
+            print("even-numbered sessions send X-Session-ID, odd ones are derived by the router."
                   " Ctrl-C stops every process.", flush=True)
             if rounds is None:
                 await asyncio.sleep(rng.uniform(0.5, 1.5))
@@ -147,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=None, help="stop after this many turns per session")
     parser.add_argument("--speed", default="1", help="backend latency model (1 = small model on a GPU, 0 = instant)")
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--any-ports", action="store_true",
+                        help="ephemeral loopback ports instead of the demo's 8000/8100+/8200+ (tests use this)")
     parser.add_argument("--pd", action="store_true",
                         help="prefill/decode topology: 1 prefill + 2 decode backends (ignores --backends)")
     args = parser.parse_args(argv)
@@ -160,14 +138,15 @@ def main(argv: list[str] | None = None) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
+    port_for = (lambda preferred: free_port()) if args.any_ports else port_or_free
     try:
         router_args: list[str] = []
         pd: dict[str, list[str]] | None = None
         if args.pd:
-            prefill = start_backend(log_dir, "--role", "prefill", port=port_or_free(8200), speed=args.speed)
+            prefill = start_backend(log_dir, "--role", "prefill", port=port_for(8200), speed=args.speed)
             procs.append(prefill)
             allow = f"{LOOPBACK}:{prefill.port}"
-            decodes = [start_backend(log_dir, "--role", "decode", "--kv-allow", allow, port=port_or_free(8201 + i),
+            decodes = [start_backend(log_dir, "--role", "decode", "--kv-allow", allow, port=port_for(8201 + i),
                                      speed=args.speed) for i in range(2)]
             procs += decodes
             pd = {"prefill": [prefill.url], "decode": [d.url for d in decodes]}
@@ -175,12 +154,12 @@ def main(argv: list[str] | None = None) -> int:
             for d in decodes:
                 router_args += ["--decode", d.url]
         else:
-            backend_ports = [port_or_free(8100 + i) for i in range(args.backends)]
+            backend_ports = [port_for(8100 + i) for i in range(args.backends)]
             for port in backend_ports:
                 procs.append(start_backend(log_dir, port=port, speed=args.speed))
             for p in procs:
                 router_args += ["--backend", p.url]
-        router = start_router(log_dir, *router_args, port=port_or_free(8000))
+        router = start_router(log_dir, *router_args, port=port_for(8000))
         procs.append(router)
         urls = {"router": router.url, "sessions": router.url + "/v1/sessions", "metrics": router.url + "/metrics",
                 "logs": log_dir}

@@ -2,6 +2,7 @@
 
 from bench.procs import (  # noqa: F401
     LOOPBACK,
+    REPO,
     Proc,
     free_port,
     http_status,
