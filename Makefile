@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # `make demo PD=1` runs the prefill/decode topology
 PD ?=
 
-.PHONY: demo test bench install clean
+.PHONY: demo test bench bench-backend install clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,7 +22,11 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
+# the multi-turn routing benchmark (bench/RESULTS.md, "Multi-turn routing"); BENCH_ARGS=--quick for a short run
 bench: $(STAMP)
+	$(PY) -m bench.multiturn --markdown $(BENCH_ARGS)
+
+bench-backend: $(STAMP)
 	$(PY) -m bench.backend_throughput
 
 clean:

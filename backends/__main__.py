@@ -29,6 +29,7 @@ from collections.abc import Sequence
 
 from aiohttp import web
 
+from router.http_server import JsonErrorAppRunner
 from backends.engine.outputs import EngineConfig
 from backends.kv_transfer import DEFAULT_PULL_TIMEOUT_S, parse_allow_entry
 from backends.server import create_app, create_side_channel_app
@@ -137,7 +138,7 @@ async def serve(args: argparse.Namespace) -> None:
     dedicated = args.kv_port is not None
     app = create_app(config_from_args(args), kv_allow=args.kv_allow, kv_pull_timeout_s=args.kv_pull_timeout,
                      kv_side_channel_on_data_port=not dedicated)
-    runner = web.AppRunner(app, access_log=None, handler_cancellation=True,
+    runner = JsonErrorAppRunner(app, access_log=None, handler_cancellation=True,
                            shutdown_timeout=args.shutdown_timeout)
     await runner.setup()
     kv_runner: web.AppRunner | None = None
@@ -151,7 +152,7 @@ async def serve(args: argparse.Namespace) -> None:
         host, port = _bound(runner, args.host, args.port)
         kv_note = ""
         if dedicated and args.role != "decode":
-            kv_runner = web.AppRunner(create_side_channel_app(app), access_log=None, handler_cancellation=True)
+            kv_runner = JsonErrorAppRunner(create_side_channel_app(app), access_log=None, handler_cancellation=True)
             await kv_runner.setup()
             kv_listen = args.kv_host if args.kv_host is not None else args.host
             await web.TCPSite(kv_runner, kv_listen, args.kv_port).start()

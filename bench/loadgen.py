@@ -285,7 +285,10 @@ async def run_load(spec: LoadSpec) -> LoadResult:
         for conn in conns:
             if conn.transport is not None:
                 conn.transport.abort()
-        await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 5.0)
+        try:
+            await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 5.0)
+        except asyncio.TimeoutError:
+            pass  # a connect still pending: cancelled below
     finally:
         for task in tasks:
             task.cancel()

@@ -70,6 +70,8 @@ class Variant(msgspec.Struct, frozen=True):
     #: clients send X-Session-ID (else the router derives the session from the conversation)
     send_header: bool
     description: str
+    #: policies left out of this variant by default (session-blind ones add nothing new here)
+    skip_policies: tuple[str, ...] = ()
 
 
 class BenchConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -87,6 +89,8 @@ class BenchConfig(msgspec.Struct, frozen=True, kw_only=True):
     request_timeout_s: float = 300.0
     #: keep every request's record in the JSON results
     keep_records: bool = False
+    #: --policies was given: run exactly those in every variant
+    explicit_policies: bool = False
     #: passed to our router as --config (e.g. a different load_factor); "" = defaults
     router_config: str = ""
 
@@ -103,7 +107,8 @@ def full_variants(seed: int) -> dict[str, Variant]:
     skewed = msgspec.structs.replace(uniform, heavy_share=0.1, heavy_turns_x=3.0, heavy_think_x=0.25)
     return {
         "uniform": Variant("uniform", uniform, True, "X-Session-ID sent; uniform sessions"),
-        "noheader": Variant("noheader", uniform, False, "no header: the router derives the session id"),
+        "noheader": Variant("noheader", uniform, False, "no header: the router derives the session id",
+                            skip_policies=("least_loaded",)),
         "skewed": Variant("skewed", skewed, True,
                           "X-Session-ID sent; 10% heavy sessions (3x the turns, 1/4 the think time)"),
     }
@@ -512,7 +517,10 @@ def run_cell(config: BenchConfig, variant: Variant, workload: Workload, target: 
     router: Proc | None = None
     try:
         if peer is None:
-            args = ["--policy", target, "--stamp", "derive", "--log-level", "warning"]
+            policy, _, factor = target.partition(":")
+            args = ["--policy", policy, "--stamp", "derive", "--log-level", "warning"]
+            if factor:
+                args += ["--load-factor", factor]
             if config.router_config:
                 args += ["--config", config.router_config]
             for u in urls:
@@ -702,8 +710,9 @@ def table_rows(cells: Sequence[CellResult], variant: str) -> list[list[str]]:
         if c.kind == "ours":
             spill = c.placements.get("spill", 0)
             repin = c.placements.get("repin_unhealthy", 0) + c.placements.get("repin_removed", 0)
-            placements = f"{spill} / {repin}" if c.target == "session" else "n/a"
-            spilled = str(c.sessions_spilled) if c.target == "session" else "n/a"
+            session_like = c.target.startswith("session")
+            placements = f"{spill} / {repin}" if session_like else "n/a"
+            spilled = str(c.sessions_spilled) if session_like else "n/a"
         else:
             placements, spilled = "n/a", "n/a"
         rows.append([c.target, f"{c.hit_ratio:.3f}", f"{c.of_oracle:.0%}", _ms(c.ttft_p50), _ms(c.ttft_p99),
@@ -764,7 +773,8 @@ def run(config: BenchConfig, log_dir: str, peer_notes: list[str]) -> list[CellRe
         workload = generate(variant.spec)
         print(f"\n== variant {variant.name}: {variant.description}; {len(workload.sessions)} sessions, "
               f"{workload.num_requests} requests, last arrival at {workload.last_arrival_s:.0f}s", flush=True)
-        targets: list[tuple[str, peer_mod.PeerInstall | None]] = [(p, None) for p in config.policies]
+        skip = () if config.explicit_policies else variant.skip_policies
+        targets: list[tuple[str, peer_mod.PeerInstall | None]] = [(p, None) for p in config.policies if p not in skip]
         targets += [(inst.name, inst) for inst in installs]
         for target, peer in targets:
             started = time.monotonic()
@@ -784,7 +794,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[BenchConfig, argparse.Namesp
     p = argparse.ArgumentParser(prog="python -m bench.multiturn", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="CI smoke: uniform variant only, small, no peers (< 2 min)")
     p.add_argument("--variants", default=None, help=f"comma-separated subset of {','.join(VARIANTS)} (full mode)")
-    p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated policies of our router")
+    p.add_argument("--policies", default=None,
+                   help="comma-separated policies of our router; session:C runs the session policy with "
+                        "--load-factor C as an extra row")
     p.add_argument("--peers", default=None,
                    help="comma-separated peers (vllm-router,sglang-router) or 'none'; default: both in full mode")
     p.add_argument("--peer-venv", default=peer_mod.DEFAULT_VENV, help="venv the peers are installed into")
@@ -799,10 +811,17 @@ def parse_args(argv: Sequence[str] | None) -> tuple[BenchConfig, argparse.Namesp
     p.add_argument("--router-config", default="", metavar="FILE",
                    help="TOML config for our router (flags still set policy, stamp and backends)")
     args = p.parse_args(argv)
-    policies = tuple(x for x in args.policies.split(",") if x)
+    policies = tuple(x for x in (args.policies or ",".join(POLICIES)).split(",") if x)
     for policy in policies:
-        if policy not in POLICIES:
-            p.error(f"--policies: unknown policy {policy!r} (known: {', '.join(POLICIES)})")
+        name, _, factor = policy.partition(":")
+        if name not in POLICIES:
+            p.error(f"--policies: unknown policy {name!r} (known: {', '.join(POLICIES)})")
+        if factor:
+            try:
+                if name != "session" or float(factor) < 1:
+                    raise ValueError
+            except ValueError:
+                p.error(f"--policies: {policy!r}: only session takes a load factor, as session:C with C >= 1")
     if args.quick:
         variants = quick_variants(args.seed)
         num_blocks = args.num_blocks or QUICK_NUM_BLOCKS
@@ -825,7 +844,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[BenchConfig, argparse.Namesp
         p.error("--backends and --num-blocks must be >= 1 and --sample > 0")
     config = BenchConfig(variants=variants, policies=policies, peers=peers, peer_venv=args.peer_venv,
                          num_backends=args.backends, num_blocks=num_blocks, load_factor=args.load_factor,
-                         sample_s=args.sample, keep_records=args.records,
+                         sample_s=args.sample, keep_records=args.records, explicit_policies=bool(args.policies),
                          router_config=os.path.abspath(args.router_config) if args.router_config else "")
     return config, args
 

@@ -105,7 +105,7 @@ async def _turn(http: aiohttp.ClientSession, url: str, body: dict[str, Any], ses
                 data = _decode.decode(await resp.read())
                 return str(data["choices"][0]["message"]["content"] or "")
             raw = await resp.read()
-    except (aiohttp.ClientError, asyncio.TimeoutError, msgspec.DecodeError, KeyError, IndexError, TypeError) as exc:
+    except (TimeoutError, aiohttp.ClientError, msgspec.DecodeError, KeyError, IndexError, TypeError) as exc:
         tally.fail(f"{type(exc).__name__}: {exc}")
         return None
     events = [e for e in raw.split(b"\n\n") if e.strip()]
@@ -160,7 +160,7 @@ async def chaos(backends: list[Proc], args: argparse.Namespace, log_dir: str, ta
         try:
             await asyncio.wait_for(stop.wait(), args.kill_every)
             return
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
         alive = [i for i, b in enumerate(backends) if b.alive()]
         if len(alive) < 2:
@@ -173,7 +173,7 @@ async def chaos(backends: list[Proc], args: argparse.Namespace, log_dir: str, ta
         try:
             await asyncio.wait_for(stop.wait(), args.down)
             return
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
         backends[index] = await asyncio.to_thread(start_backend, log_dir, port=victim.port, speed=str(args.speed))
         tally.restarts += 1
@@ -195,20 +195,24 @@ async def sampler(router: Proc, http: aiohttp.ClientSession, args: argparse.Name
         try:
             await asyncio.wait_for(stop.wait(), args.sample_every)
             return
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
 
 
-async def soak(args: argparse.Namespace, log_dir: str) -> dict[str, Any]:
+def start_topology(args: argparse.Namespace, log_dir: str) -> tuple[list[Proc], Proc]:
+    """The backends, and the router in front of them with small session bounds."""
     backends = [start_backend(log_dir, speed=str(args.speed)) for _ in range(args.backends)]
     config = os.path.join(log_dir, "router.toml")
     with open(config, "w") as fh:
         fh.write(f"max_sessions = {args.max_sessions}\nsession_metrics_top_k = {args.top_k}\n"
                  "health_interval_s = 0.5\nhealth_timeout_s = 0.5\nretries = 2\n"
                  "first_byte_timeout_s = 10\ntotal_timeout_s = 60\n")
-        for b in backends:
-            fh.write(f'[[backends]]\nurl = "{b.url}"\n')
-    router = start_router(log_dir, "--config", config, port=free_port())
+        fh.writelines(f'[[backends]]\nurl = "{b.url}"\n' for b in backends)
+    return backends, start_router(log_dir, "--config", config, port=free_port())
+
+
+async def soak(args: argparse.Namespace, log_dir: str) -> dict[str, Any]:
+    backends, router = await asyncio.to_thread(start_topology, args, log_dir)
     tally = Tally()
     samples: list[Sample] = []
     events: list[str] = []

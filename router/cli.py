@@ -46,8 +46,8 @@ from typing import Any
 
 import msgspec
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
 
+from router.http_server import JsonErrorAppRunner
 from router.config import RouterConfig, build_config
 from router.errors import ConfigError
 
@@ -105,19 +105,6 @@ def configure_logging(level: str) -> None:
         format="%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    server_log = logging.getLogger("aiohttp.server")
-    if not any(isinstance(f, MalformedRequestFilter) for f in server_log.filters):
-        server_log.addFilter(MalformedRequestFilter())
-
-
-class MalformedRequestFilter(logging.Filter):
-    """Drop aiohttp's ERROR record for a request its HTTP parser rejected (bad header bytes, an
-    over-long line, a bare CR): it carries a traceback and the raw request bytes, i.e. client
-    data such as session ids, and the client already got its 400."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        exc = record.exc_info[1] if record.exc_info else None
-        return not (isinstance(exc, HttpProcessingError) and 400 <= (exc.code or 0) < 500)
 
 
 def listening_line(host: str, port: int) -> str:
@@ -217,7 +204,7 @@ async def serve(
         for served, served_port in [(app, port)] + ([admin] if admin is not None else []):
             # handler_cancellation: a client that disconnects cancels its handler at once, which closes
             # the upstream connection so the backend aborts the request (streams and non-streams).
-            runner = web.AppRunner(served, access_log=None, handle_signals=False, shutdown_timeout=shutdown_timeout,
+            runner = JsonErrorAppRunner(served, access_log=None, handle_signals=False, shutdown_timeout=shutdown_timeout,
                                    handler_cancellation=True)
             await runner.setup()
             runners.append(runner)

@@ -26,7 +26,7 @@ def test_demo_runs_and_sessions_stick_with_rising_cache_hits(extra: list[str]) -
     rows = [line.split() for line in last.splitlines()[1:] if re.match(r"^(conv-|demo-session-)", line)]
     assert len(rows) == 6
     for row in rows:
-        session, backend, turns, prompt, cached = row[0], row[1], int(row[2]), int(row[3]), int(row[4])
+        backend, turns, prompt, cached = row[1], int(row[2]), int(row[3]), int(row[4])
         assert turns == 3 and backend.startswith("http://127.0.0.1:"), row
         assert 0 < cached < prompt, row
     assert re.search(r"stopped \d+ processes", out.stdout)

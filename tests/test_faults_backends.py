@@ -120,6 +120,7 @@ class SilentBackend:
         self.port = self.sock.getsockname()[1]
         self.accepted = 0
         self.received = 0
+        self.data = bytearray()
         self._conns: list[socket.socket] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -145,6 +146,7 @@ class SilentBackend:
                     conn = key.fileobj  # type: ignore[assignment]
                     data = conn.recv(65536)
                     self.received += len(data)
+                    self.data += data
                     if not data:
                         sel.unregister(conn)
                         conn.close()
@@ -219,9 +221,6 @@ async def test_backend_killed_mid_stream_ends_streams_with_error_then_done(tmp_p
         placed = await pins(http, router)
         victim = max(backends, key=lambda b: sum(url == b.url for url in placed.values()))
         survivor = next(b for b in backends if b is not victim)
-        cut = [s for s in sessions if placed[s] == victim.url]
-        kept = [s for s in sessions if placed[s] != victim.url]
-        assert cut
 
         streams: dict[str, aiohttp.ClientResponse] = {}
         for s in sessions:
@@ -233,6 +232,12 @@ async def test_backend_killed_mid_stream_ends_streams_with_error_then_done(tmp_p
             first = await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 10)
             assert first.startswith(b"data: {")
             streams[s] = resp
+        # where each stream really runs (a stream may spill off its pin under the load bound)
+        listing = await get_json(http, router.url + "/v1/sessions?limit=1000")
+        serving = {e["session_id"]: e["last_backend"] for e in listing["data"]}
+        cut = [s for s in sessions if serving[s] == victim.url]
+        kept = [s for s in sessions if serving[s] != victim.url]
+        assert cut
         victim.kill()
         for s in cut:
             # never a hang: the stream ends with an error event, then [DONE]
@@ -242,12 +247,12 @@ async def test_backend_killed_mid_stream_ends_streams_with_error_then_done(tmp_p
             error = json.loads(events[-2][len(b"data: "):])
             assert set(error["error"]) == {"message", "type", "param", "code"}
             assert error["error"]["code"] >= 500
-            assert not any(b"error" in e for e in events[:-2])
+            assert not any(b'"error":' in e for e in events[:-2])
         for s in kept:  # streams on the survivor are untouched: still running, no error so far
             resp = streams[s]
             assert not resp.content.at_eof()
             chunk = await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 10)
-            assert b'"error"' not in chunk
+            assert b'"error":' not in chunk
             resp.close()
         # the cut sessions' next requests succeed on the other backend
         for s in cut:
@@ -302,6 +307,33 @@ async def test_silent_backend_fails_over_after_first_byte_timeout(tmp_path: Path
             accepted = silent.accepted
             assert all([await complete(http, router, f"silent-{i}") == 200 for i in range(24)])
             assert silent.accepted == accepted  # an ejected backend gets no new request
+    finally:
+        silent.close()
+
+
+async def test_silent_backend_is_marked_down_by_the_active_check(tmp_path: Path, procs: list[Proc]) -> None:
+    silent = SilentBackend()
+    try:
+        real = start_backend(str(tmp_path))
+        procs.append(real)
+        router = start_router(str(tmp_path), "--config", router_config(
+            tmp_path, [silent.url, real.url], health_interval_s=0.2, health_timeout_s=0.3))
+        procs.append(router)
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as http:
+
+            async def marked_down() -> bool:
+                return not (await backends_view(http, router))[silent.url]["healthy"]
+
+            await wait_for(marked_down, timeout=10, what="the active check to mark the silent backend down")
+            assert b"GET /health" in silent.data
+            mark = len(silent.data)
+            for i in range(20):
+                t0 = time.monotonic()
+                assert await complete(http, router, f"active-{i}") == 200
+                assert time.monotonic() - t0 < 1.0
+            assert b"POST" not in bytes(silent.data[mark:])  # only health probes reach it now
+            metrics = await get_text(http, router.url + "/metrics")
+            assert metric(metrics, "session_router_retries_total") == 0
     finally:
         silent.close()
 
@@ -424,7 +456,7 @@ async def test_router_sigterm_under_load_drains_streams_and_exits_0(tmp_path: Pa
             assert status == 200
             events = sse_events(raw)
             assert events[-1] == b"data: [DONE]"
-            assert not any(b'"error"' in e for e in events)
+            assert not any(b'"error":' in e for e in events)
             usage = json.loads(events[-2][len(b"data: "):])["usage"]
             assert usage["completion_tokens"] == max_tokens
         assert await asyncio.wait_for(asyncio.gather(*plains), drain) == [200] * 5

@@ -76,7 +76,7 @@ BAD_AUTH = [
 
 @pytest.mark.parametrize("headers", BAD_AUTH, ids=[json.dumps(h)[:40] for h in BAD_AUTH])
 async def test_admin_needs_the_exact_bearer_token(router: Factory, aiohttp_server: Any, headers: dict[str, str]) -> None:
-    client, fakes = await router(admin_token=TOKEN)
+    client, _fakes = await router(admin_token=TOKEN)
     state = client.server.app[ROUTER_STATE]
     members = list(state.pools["default"].members)
     extra = await aiohttp_server(EchoBackend("x").app(), host="127.0.0.1")
@@ -272,7 +272,7 @@ async def elsewhere() -> AsyncIterator[Listener]:
     listener = Listener()
     await listener.start()
     # the listener itself answers connections (so a router bug would be seen, not refused)
-    reader, writer = await asyncio.open_connection("127.0.0.77", listener.port)
+    _reader, writer = await asyncio.open_connection("127.0.0.77", listener.port)
     writer.close()
     assert listener.connections == 1 or await _eventually(lambda: listener.connections == 1)
     listener.connections = 0
@@ -317,7 +317,7 @@ async def test_requests_never_reach_anything_but_the_configured_backends(router:
     for target in (f"//{other}/v1/completions", f"//{other}", "/../admin/backends", "/v1/../admin/backends",
                    "/%2e%2e/admin/backends", f"/v1/completions/../../{other}/v1/completions",
                    f"/v1/completions/http://{other}/"):
-        status, headers, answer = await raw_exchange(port, request(target))
+        status, _, answer = await raw_exchange(port, request(target))
         assert 400 <= status < 500, (target, status, answer[:200])
         assert set(json.loads(answer)["error"]) == {"message", "type", "param", "code"}
     assert not any(f.seen for f in fakes)
@@ -331,7 +331,7 @@ async def test_requests_never_reach_anything_but_the_configured_backends(router:
                                          f"X-Forwarded-For: 127.0.0.77\r\nX-Real-IP: 127.0.0.77\r\n"),
     ]
     for data in served:
-        status, headers, answer = await raw_exchange(port, data)
+        status, _headers, answer = await raw_exchange(port, data)
         assert status == 200, answer[:300]
     seen = [s for f in fakes for s in f.seen]
     assert len(seen) == len(served)

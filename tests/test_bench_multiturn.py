@@ -1,0 +1,159 @@
+"""The multi-turn routing benchmark: its pure parts (workload, oracle, statistics) and the
+``--quick`` smoke run (real backends and routers), which must show the session policy beating
+round_robin's prefix-cache hit ratio."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from bench.multiturn import (
+    CellResult,
+    TurnRecord,
+    check_targets,
+    histogram_quantile,
+    imbalance,
+    oracle_cached,
+    parse_metrics,
+    percentile,
+)
+from bench.procs import REPO
+from bench.workload import WorkloadSpec, generate
+
+# -- the workload --------------------------------------------------------------------------------
+
+
+def test_the_workload_is_a_pure_function_of_its_spec() -> None:
+    spec = WorkloadSpec(sessions=12, turns=4, seed=5)
+    assert generate(spec) == generate(spec)
+    other = generate(WorkloadSpec(sessions=12, turns=4, seed=6))
+    assert other.sessions != generate(spec).sessions
+    assert other.system_prompt != generate(spec).system_prompt
+
+
+def test_the_workload_has_the_planned_shape() -> None:
+    spec = WorkloadSpec(sessions=40, turns=5, arrival_rate=4.0, think_s=2.0, user_words=(3, 7),
+                        answer_tokens=(10, 20), heavy_share=0.1, heavy_turns_x=3.0, heavy_think_x=0.25, seed=3)
+    w = generate(spec)
+    assert len(w.sessions) == 40
+    starts = [s.start_s for s in w.sessions]
+    assert starts == sorted(starts) and starts[0] == 0.0
+    # Poisson arrivals at 4/s: 39 gaps with mean 0.25 s (loose bounds, but a fixed seed)
+    assert 0.1 < starts[-1] / 39 < 0.5
+    heavy = [s for s in w.sessions if s.heavy]
+    assert len(heavy) == 4
+    for s in w.sessions:
+        assert len(s.turns) == (15 if s.heavy else 5)
+        assert s.turns[-1].think_s == 0.0
+        mean_think = 2.0 * (0.25 if s.heavy else 1.0)
+        for t in s.turns[:-1]:
+            assert 0.5 * mean_think <= t.think_s <= 1.5 * mean_think
+        for t in s.turns:
+            assert 10 <= t.max_tokens <= 20
+    # first messages differ per session, so derived session ids (system + first user message) do
+    assert len({s.turns[0].user for s in w.sessions}) == 40
+    assert len({s.session_id for s in w.sessions}) == 40
+    assert w.num_requests == 36 * 5 + 4 * 15
+
+
+def test_a_bad_spec_is_refused() -> None:
+    with pytest.raises(ValueError, match="answer_tokens"):
+        generate(WorkloadSpec(answer_tokens=(5, 2)))
+    with pytest.raises(ValueError, match="arrival_rate"):
+        generate(WorkloadSpec(arrival_rate=0))
+
+
+# -- the oracle and the statistics -------------------------------------------------------------
+
+
+def _rec(session: int, turn: int, prompt: int, completion: int, ok: bool = True) -> TurnRecord:
+    return TurnRecord(session, turn, False, ok, 0.0, prompt_tokens=prompt, completion_tokens=completion)
+
+
+def test_oracle_counts_the_previous_prompt_and_answer_in_full_blocks() -> None:
+    # measured on session-backend (block 16): prompts 238, 289, 341 with answers 37, 38 were
+    # served with 272 and 320 cached tokens on a warm backend
+    records = [_rec(0, 0, 238, 37), _rec(0, 1, 289, 38), _rec(0, 2, 341, 39)]
+    # first turn: the shared prefix (say 100 tokens -> 96); then (238+37-1)//16*16 = 272, 320
+    assert oracle_cached(records, system_prefix=100, block_size=16) == 96 + 272 + 320
+    # a prompt shorter than what is reusable is capped at prompt - 1 (the backend never hits the last token)
+    assert oracle_cached([_rec(1, 0, 20, 5)], system_prefix=64, block_size=16) == 16
+    # after a failed turn, the next one only counts the system prefix (its predecessor is unknown)
+    gap = [_rec(2, 0, 238, 37), _rec(2, 1, 289, 38, ok=False), _rec(2, 2, 341, 39)]
+    assert oracle_cached(gap, system_prefix=100, block_size=16) == 96 + 0 + 96
+
+
+def test_percentile_interpolates() -> None:
+    assert percentile([], 50) == 0.0
+    assert percentile([3.0], 99) == 3.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile(list(map(float, range(101))), 99) == pytest.approx(99.0)
+
+
+def test_histogram_quantile_uses_bucket_deltas() -> None:
+    def hist(counts: list[float]) -> str:
+        lines = ["# TYPE t histogram"]
+        for le, c in zip(["0.1", "0.5", "1.0", "+Inf"], counts):
+            lines.append(f't_bucket{{le="{le}"}} {c}')
+        lines += [f"t_count {counts[-1]}", "t_sum 1.0"]
+        return "\n".join(lines) + "\n"
+
+    before = parse_metrics(hist([5, 5, 5, 5]))  # five fast requests before the window
+    after = parse_metrics(hist([5, 55, 105, 105]))  # 50 in (0.1, 0.5], 50 in (0.5, 1.0]
+    assert histogram_quantile(0.5, before, after, "t") == pytest.approx(0.5)
+    assert histogram_quantile(0.99, before, after, "t") == pytest.approx(0.5 + 0.5 * 49 / 50)
+    assert histogram_quantile(0.99, after, after, "t") == 0.0  # nothing in the window
+
+
+def test_imbalance_is_max_over_mean_of_time_averages() -> None:
+    ratio, total, peak = imbalance([[2, 0, 0, 2], [0, 2, 2, 0]])
+    assert (ratio, total, peak) == (1.0, 4.0, 2)
+    ratio, total, peak = imbalance([[3, 1, 0, 0], [3, 1, 0, 0]])
+    assert ratio == pytest.approx(3.0) and total == 4.0 and peak == 3
+
+
+def test_target_checks_compare_policies_side_by_side() -> None:
+    def cell(target: str, hit: float, ttft: float, variant: str = "uniform") -> CellResult:
+        return CellResult(variant=variant, target=target, kind="ours", hit_ratio=hit, oracle_ratio=0.9,
+                          of_oracle=hit / 0.9, ttft_p50=ttft, load_imbalance=1.1)
+
+    checks = {c.name: c.ok for c in check_targets(
+        [cell("session", 0.85, 0.05), cell("round_robin", 0.4, 0.2), cell("session", 0.8, 0.05, "noheader")], 1.25)}
+    assert checks["[uniform] session hit ratio >= 90% of the oracle"]
+    assert checks["[uniform] TTFT p50 >= 2x lower than round_robin's"]
+    assert checks["[noheader] derived sessions >= 80% of the header variant's hit ratio"]
+    checks = {c.name: c.ok for c in check_targets([cell("session", 0.5, 0.15), cell("round_robin", 0.4, 0.2)], 1.25)}
+    assert not checks["[uniform] session hit ratio >= 90% of the oracle"]
+    assert not checks["[uniform] TTFT p50 >= 2x lower than round_robin's"]
+
+
+# -- the --quick smoke run ----------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_quick_run_session_policy_beats_round_robin(tmp_path: os.PathLike[str]) -> None:
+    out = os.path.join(str(tmp_path), "multiturn.json")
+    done = subprocess.run([sys.executable, "-m", "bench.multiturn", "--quick", "--out", out],
+                          cwd=REPO, capture_output=True, text=True, timeout=170)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    with open(out, encoding="utf-8") as fh:
+        result = json.load(fh)
+    cells = {c["target"]: c for c in result["cells"]}
+    assert set(cells) == {"session", "round_robin", "least_loaded"}
+    for c in cells.values():
+        assert c["errors"] == 0 and c["unsent"] == 0, c["first_error"]
+        assert c["requests"] == 24 * 5
+        # the backends' counters and the clients' usage tell the same story
+        assert c["hit_ratio"] == pytest.approx(c["client_hit_ratio"], abs=1e-9)
+        assert 0 < c["hit_ratio"] <= c["oracle_ratio"] < 1
+        assert 0 < c["ttft_p50"] <= c["ttft_p99"] and c["ttft_p50"] < c["e2e_p50"]
+    session, rr = cells["session"], cells["round_robin"]
+    assert session["hit_ratio"] > rr["hit_ratio"], (session["hit_ratio"], rr["hit_ratio"])
+    # every request was attributed to a backend, and all four backends served some
+    assert len(session["ttft_p99_by_backend"]) == 4
+    assert sum(session["placements"].values()) == 24 * 5
+    assert session["placements"]["new"] == 24
