@@ -29,6 +29,7 @@ import socket
 import sys
 import time
 from collections.abc import Sequence
+from functools import partial
 from urllib.parse import urlsplit
 
 import httptools
@@ -118,8 +119,8 @@ def build_requests(spec: LoadSpec, host: str) -> list[bytes]:
 class _Run:
     """Shared state of one run: the window, the samples, the stop flag."""
 
-    __slots__ = ("stream", "recording", "stopping", "latencies", "ttfts", "errors", "first_error", "in_flight",
-                 "drained")
+    __slots__ = ("drained", "errors", "first_error", "in_flight", "latencies", "recording", "stopping", "stream",
+                 "ttfts")
 
     def __init__(self, stream: bool) -> None:
         self.stream = stream
@@ -241,7 +242,7 @@ async def _slot(run: _Run, host: str, port: int, requests: list[bytes], offset: 
     while not run.stopping:
         closed: asyncio.Future[None] = loop.create_future()
         try:
-            _, conn = await loop.create_connection(lambda: _Conn(run, requests, offset, closed), host, port)
+            _, conn = await loop.create_connection(partial(_Conn, run, requests, offset, closed), host, port)
         except OSError as exc:
             run.error(f"connect to {host}:{port} failed: {exc}")
             await asyncio.sleep(0.05)
@@ -280,14 +281,14 @@ async def run_load(spec: LoadSpec) -> LoadResult:
         if run.in_flight > 0:
             try:
                 await asyncio.wait_for(asyncio.shield(run.drained), spec.drain_s)
-            except asyncio.TimeoutError:  # the abort below counts each unfinished request as an error
+            except TimeoutError:  # the abort below counts each unfinished request as an error
                 run.first_error = run.first_error or f"{run.in_flight} requests unfinished {spec.drain_s}s after the window"
         for conn in conns:
             if conn.transport is not None:
                 conn.transport.abort()
         try:
             await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 5.0)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass  # a connect still pending: cancelled below
     finally:
         for task in tasks:

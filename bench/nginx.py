@@ -33,7 +33,7 @@ def find_nginx() -> str | None:
 
 
 def nginx_version(binary: str) -> str:
-    out = subprocess.run([binary, "-v"], capture_output=True, text=True, timeout=10)
+    out = subprocess.run([binary, "-v"], check=False, capture_output=True, text=True, timeout=10)
     text = (out.stderr or out.stdout).strip()
     return text.split(":", 1)[-1].strip() if text else "unknown"
 

@@ -63,7 +63,7 @@ class Target:
 
     name: str
     urls: list[str]
-    proxy_pids: Callable[[], list[int]] = field(default=lambda: [])
+    proxy_pids: Callable[[], list[int]] = field(default=list)
     is_proxy: bool = True
 
 
@@ -88,8 +88,8 @@ def process_tree(root: int) -> list[int]:
 
 
 def router_supports_workers() -> bool:
-    out = subprocess.run([sys.executable, "-m", "router", "--help"], capture_output=True, text=True, cwd=REPO,
-                         timeout=60)
+    out = subprocess.run([sys.executable, "-m", "router", "--help"], check=False, capture_output=True, text=True,
+                         cwd=REPO, timeout=60)
     return "--workers" in out.stdout
 
 
@@ -161,36 +161,41 @@ def render(cells: dict[tuple[str, int, str], Cell], targets: Sequence[Target], f
            args: argparse.Namespace) -> str:
     names = [t.name for t in targets]
     concurrencies = sorted({c for (_, c, _) in cells})
+    workers_note = next((f"**{n}**: the same with `--workers {n.split('×')[1]}`. " for n in names
+                         if n.startswith("router×")), "")
+    nginx_note = ("**nginx**: plain reverse proxy, 1 worker, round-robin, keep-alive upstream, `proxy_buffering off`, "
+                  "no access log. " if "nginx" in names else "**nginx**: not run. ")
+    machine = (f"- Machine: {facts['nproc']} CPUs ({facts['cpu']}), {facts['kernel']}; load average at start "
+               f"{facts['loadavg']} (shared machine).")
+    versions = (f"- Versions: Python {facts['python']}, aiohttp {facts['aiohttp']}, uvloop {facts['uvloop']}, "
+                f"httptools {facts['httptools']}, msgspec {facts['msgspec']}; {facts['nginx']}.")
+    setup = ("- Setup: 2 × `python -m backends --speed 0 --model session-sim` on 127.0.0.1. **direct**: client "
+             "connections split over both backends. **router**: `python -m router --backend A --backend B` "
+             f"(session policy); clients send `X-Session-ID` from a pool of {args.sessions} sessions (every target "
+             f"gets the same requests). {workers_note}{nginx_note}non-stream: `POST /v1/completions` `max_tokens` 8; "
+             "stream: the same with `stream: true`, `max_tokens` 16 (16 token events + `[DONE]`).")
+    method = (f"- Method: closed loop at concurrency c, keep-alive; per cell {args.warmup:g} s warm-up, then "
+              f"{args.seconds:g} s measured; {args.rounds} round(s) interleaved (target order rotates). Each figure "
+              "is the best over the rounds (highest req/s, lowest latency and CPU); `[lo–hi]` is the range over "
+              "rounds. Proxy CPU = utime+stime of the proxy's process tree from /proc/PID/stat over the window, "
+              "per completed request; backends CPU likewise for both backends together. TTFT = time to the first "
+              "`data:` chunk. The load generator (`bench/loadgen.py`, raw asyncio + httptools, its own process) "
+              "shares the 2 cores.")
+    goals = ("- **Targets**: proxy CPU per request ≤ 200 µs non-stream, ≤ 300 µs stream (issue 3 quotes "
+             "nginx at ~60–70 / ~150 µs); throughput ≥ 60% of nginx's; added stream TTFT at c=16 ≤ nginx's + 1 ms.")
+    header = ("| mode | c | target | req/s | p50 ms | p99 ms | +p50 vs direct ms | TTFT p50 ms | +TTFT vs direct ms "
+              "| proxy CPU µs/req | backends CPU µs/req | errors |")
     lines = [
         f"## Router overhead (issue 3 §5) — {facts['date']}",
         "",
-        f"- Machine: {facts['nproc']} CPUs ({facts['cpu']}), {facts['kernel']}; load average at start "
-        f"{facts['loadavg']} (shared machine).",
-        f"- Versions: Python {facts['python']}, aiohttp {facts['aiohttp']}, uvloop {facts['uvloop']}, "
-        f"httptools {facts['httptools']}, msgspec {facts['msgspec']}; {facts['nginx']}.",
+        machine,
+        versions,
         f"- Command: `{facts['command']}`",
-        f"- Setup: 2 × `python -m backends --speed 0 --model session-sim` on 127.0.0.1. **direct**: client "
-        "connections split over both backends. **router**: `python -m router --backend A --backend B` "
-        "(session policy); clients send `X-Session-ID` from a pool of "
-        f"{args.sessions} sessions (every target gets the same requests). "
-        + (f"**router×{args.workers}**: the same with `--workers {args.workers}`. " if any(
-            n.startswith("router×") for n in names) else "")
-        + ("**nginx**: plain reverse proxy, 1 worker, round-robin, keep-alive upstream, "
-           "`proxy_buffering off`, no access log. " if "nginx" in names else "**nginx**: not run. ")
-        + "non-stream: `POST /v1/completions` `max_tokens` 8; stream: the same with `stream: true`, "
-          "`max_tokens` 16 (16 token events + `[DONE]`).",
-        f"- Method: closed loop at concurrency c, keep-alive; per cell {args.warmup:g} s warm-up, then "
-        f"{args.seconds:g} s measured; {args.rounds} round(s) interleaved (target order rotates). Each figure "
-        "is the best over the rounds (highest req/s, lowest latency and CPU); `[lo–hi]` is the range over "
-        "rounds. Proxy CPU = utime+stime of the proxy's process tree from /proc/PID/stat over the window, "
-        "per completed request; backends CPU likewise for both backends together. TTFT = time to the first "
-        "`data:` chunk. The load generator (`bench/loadgen.py`, raw asyncio + httptools, its own process) "
-        "shares the 2 cores.",
-        "- **Targets**: proxy CPU per request ≤ 200 µs non-stream, ≤ 300 µs stream (nginx here ~60–70 / "
-        "~150 µs); throughput ≥ 60% of nginx's; added stream TTFT at c=16 ≤ nginx's + 1 ms.",
+        setup,
+        method,
+        goals,
         "",
-        "| mode | c | target | req/s | p50 ms | p99 ms | +p50 vs direct ms | TTFT p50 ms | +TTFT vs direct ms "
-        "| proxy CPU µs/req | backends CPU µs/req | errors |",
+        header,
         "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for mode in MODES:
@@ -280,7 +285,8 @@ def write_section(path: str, section: str) -> None:
         text = "# Benchmark results\n\n"
     start, end = text.find(BEGIN), text.find(END)
     if start != -1 and end > start:
-        text = text[:start] + block + text[end + len(END):].lstrip("\n")
+        rest = text[end + len(END):].lstrip("\n")
+        text = text[:start] + block + ("\n" + rest if rest else "")
         if not text.endswith("\n"):
             text += "\n"
     else:
@@ -305,7 +311,7 @@ def machine_facts(nginx_binary: str | None, argv: Sequence[str]) -> dict[str, st
             cpu = next((line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")), cpu)
     except OSError:
         pass
-    nproc = subprocess.run(["nproc"], capture_output=True, text=True).stdout.strip() or str(os.cpu_count())
+    nproc = subprocess.run(["nproc"], check=False, capture_output=True, text=True).stdout.strip() or str(os.cpu_count())
     return {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "nproc": nproc,

@@ -48,7 +48,7 @@ def build_state(config: RouterConfig, registry: CollectorRegistry | None = None)
         upstream=UpstreamPool(UpstreamTimeouts(config.connect_timeout_s, config.first_byte_timeout_s,
                                                config.total_timeout_s), UpstreamLimits()),
     )
-    metrics.attach_live(state.all_pools, lambda: len(sessions))
+    metrics.attach_live(state.all_pools, sessions)
     return state
 
 

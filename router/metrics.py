@@ -4,28 +4,28 @@ Closed label sets: ``route`` (the proxied routes), ``backend`` (configured backe
 ``status_class`` (2xx..5xx), ``policy``, ``outcome`` (``placement.base.Outcome``), ``reason``.
 
 Per-session series carry a ``session`` label only for the ``top_k`` most recently active
-sessions. When a session leaves that set (a more recent one pushed it out, or it left the
-session table) every series with its label is removed, so the number of session-labelled
-series per metric never exceeds ``top_k``. A session that comes back is re-admitted with its
-cumulative totals from the session table, so its counters stay monotonic apart from the gap.
+sessions of the session table. They are not updated on the request path at all: a collector
+reads them from the table's entries (cumulative requests, tokens, errors, last backend) at scrape
+time. So a session that leaves the top K, or the table (expiry, capacity, DELETE), has no series
+from the next scrape on, the number of session-labelled series per metric never exceeds
+``top_k``, and a session that comes back shows its cumulative totals again.
 
-Live state (in-flight, health, table size) is read at scrape time by a collector, so the
-request path pays nothing for it.
+Live state (in-flight, health, table size) is read at scrape time too, so the request path
+pays only for the closed-label counters and histograms, whose label children are cached.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from router.pool import BackendPool
-    from router.sessions import SessionEntry
+    from router.sessions import SessionEntry, SessionTable
 
 PREFIX = "session_router_"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
@@ -37,9 +37,10 @@ def status_class(status: int) -> str:
 
 
 class _LiveCollector(Collector):
-    def __init__(self, pools: Callable[[], Iterable["BackendPool"]], table_size: Callable[[], int]) -> None:
+    def __init__(self, pools: Callable[[], Iterable["BackendPool"]], table: "SessionTable", top_k: int) -> None:
         self._pools = pools
-        self._table_size = table_size
+        self._table = table
+        self._top_k = top_k
 
     def collect(self):  # type: ignore[no-untyped-def]
         in_flight = GaugeMetricFamily(PREFIX + "backend_in_flight", "Requests in flight per backend", labels=["pool", "backend"])
@@ -50,7 +51,26 @@ class _LiveCollector(Collector):
                 healthy.add_metric([pool.name, backend.name], 1.0 if backend.available else 0.0)
         yield in_flight
         yield healthy
-        yield GaugeMetricFamily(PREFIX + "sessions_active", "Sessions in the session table", value=self._table_size())
+        top = self._table.recent(self._top_k) if self._top_k > 0 else []
+        yield GaugeMetricFamily(PREFIX + "sessions_active", "Sessions in the session table", value=len(self._table))
+        requests = CounterMetricFamily(PREFIX + "session_requests", "Requests of a top-K session", labels=["session"])
+        tokens = CounterMetricFamily(PREFIX + "session_tokens", "Tokens of a top-K session", labels=["session", "kind"])
+        errors = CounterMetricFamily(PREFIX + "session_errors", "Failed requests of a top-K session", labels=["session"])
+        backend_info = GaugeMetricFamily(PREFIX + "session_backend_info", "Last backend of a top-K session (value 1)",
+                                         labels=["session", "backend"])
+        for entry in top:
+            sid = entry.session_id
+            requests.add_metric([sid], entry.requests)
+            tokens.add_metric([sid, "prompt"], entry.prompt_tokens)
+            tokens.add_metric([sid, "completion"], entry.completion_tokens)
+            tokens.add_metric([sid, "cached"], entry.cached_tokens)
+            errors.add_metric([sid], entry.errors)
+            if entry.last_backend:
+                backend_info.add_metric([sid, entry.last_backend], 1.0)
+        yield requests
+        yield tokens
+        yield errors
+        yield backend_info
 
 
 class RouterMetrics:
@@ -84,18 +104,18 @@ class RouterMetrics:
                                               "Cached prompt tokens / prompt tokens per session",
                                               buckets=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0),
                                               registry=registry)
-        # per-session series (top-K)
-        self.s_requests = Counter(PREFIX + "session_requests", "Requests of a top-K session", ["session"], registry=registry)
-        self.s_tokens = Counter(PREFIX + "session_tokens", "Tokens of a top-K session", ["session", "kind"], registry=registry)
-        self.s_errors = Counter(PREFIX + "session_errors", "Failed requests of a top-K session", ["session"], registry=registry)
-        self.s_backend = Gauge(PREFIX + "session_backend_info", "Last backend of a top-K session (value 1)",
-                               ["session", "backend"], registry=registry)
-        self._top: OrderedDict[str, str] = OrderedDict()  # session id -> backend label currently exported
         self._req_children: dict[tuple[str, str, str], Counter] = {}
         self._placement_children: dict[tuple[str, str], Counter] = {}
+        self._latency_children: dict[str, Histogram] = {}
+        self._ttfb_children: dict[str, Histogram] = {}
+        self._prompt_tokens = self.tokens.labels("prompt")
+        self._completion_tokens = self.tokens.labels("completion")
+        self._cached_tokens = self.tokens.labels("cached")
+        self._table: "SessionTable | None" = None
 
-    def attach_live(self, pools: Callable[[], Iterable["BackendPool"]], table_size: Callable[[], int]) -> None:
-        self.registry.register(_LiveCollector(pools, table_size))
+    def attach_live(self, pools: Callable[[], Iterable["BackendPool"]], table: "SessionTable") -> None:
+        self._table = table
+        self.registry.register(_LiveCollector(pools, table, self.top_k))
 
     # ------------------------------------------------------------------ request path
     def placement(self, policy: str, outcome: str) -> None:
@@ -111,74 +131,33 @@ class RouterMetrics:
         if child is None:
             child = self._req_children[key] = self.requests.labels(*key)
         child.inc()
-        self.latency.labels(route).observe(duration_s)
+        latency = self._latency_children.get(route)
+        if latency is None:
+            latency = self._latency_children[route] = self.latency.labels(route)
+        latency.observe(duration_s)
 
     def first_byte(self, route: str, seconds: float) -> None:
-        self.ttfb.labels(route).observe(seconds)
+        ttfb = self._ttfb_children.get(route)
+        if ttfb is None:
+            ttfb = self._ttfb_children[route] = self.ttfb.labels(route)
+        ttfb.observe(seconds)
 
     def usage(self, prompt: int, completion: int, cached: int) -> None:
-        self.tokens.labels("prompt").inc(prompt)
-        self.tokens.labels("completion").inc(completion)
-        self.tokens.labels("cached").inc(cached)
+        self._prompt_tokens.inc(prompt)
+        self._completion_tokens.inc(completion)
+        self._cached_tokens.inc(cached)
 
-    # ------------------------------------------------------------------ per-session (top-K)
-    def session_request(self, entry: "SessionEntry", backend: str, *, prompt: int = 0, completion: int = 0,
-                        cached: int = 0, error: bool = False) -> None:
-        """Account one finished request of ``entry`` (already added to the entry's totals)."""
-        if self.top_k <= 0 or entry.evicted:
-            # an evicted entry: the request finished after its session left the table (e.g. a
-            # DELETE during its stream); it must not re-create the session's series
-            return
-        sid = entry.session_id
-        exported = self._top.get(sid)
-        if exported is None:
-            self._admit(entry, backend)
-            return
-        self._top.move_to_end(sid)
-        self.s_requests.labels(sid).inc()
-        if prompt:
-            self.s_tokens.labels(sid, "prompt").inc(prompt)
-        if completion:
-            self.s_tokens.labels(sid, "completion").inc(completion)
-        if cached:
-            self.s_tokens.labels(sid, "cached").inc(cached)
-        if error:
-            self.s_errors.labels(sid).inc()
-        if exported != backend:
-            self.s_backend.remove(sid, exported)
-            self.s_backend.labels(sid, backend).set(1)
-            self._top[sid] = backend
-
-    def _admit(self, entry: "SessionEntry", backend: str) -> None:
-        sid = entry.session_id
-        self._top[sid] = backend
-        self.s_requests.labels(sid).inc(entry.requests)
-        self.s_tokens.labels(sid, "prompt").inc(entry.prompt_tokens)
-        self.s_tokens.labels(sid, "completion").inc(entry.completion_tokens)
-        self.s_tokens.labels(sid, "cached").inc(entry.cached_tokens)
-        self.s_errors.labels(sid).inc(entry.errors)
-        self.s_backend.labels(sid, backend).set(1)
-        while len(self._top) > self.top_k:
-            old, old_backend = self._top.popitem(last=False)
-            self._drop_series(old, old_backend)
-
-    def _drop_series(self, sid: str, backend: str) -> None:
-        self.s_requests.remove(sid)
-        for kind in ("prompt", "completion", "cached"):
-            self.s_tokens.remove(sid, kind)
-        self.s_errors.remove(sid)
-        self.s_backend.remove(sid, backend)
-
+    # ------------------------------------------------------------------ sessions
     def session_evicted(self, entry: "SessionEntry", reason: str) -> None:
         """Called by the session table for every entry that leaves it."""
         self.evictions.labels(reason).inc()
-        backend = self._top.pop(entry.session_id, None)
-        if backend is not None:
-            self._drop_series(entry.session_id, backend)
         self.session_turns.observe(entry.requests)
         self.session_duration.observe(max(0.0, entry.last_active - entry.created))
         if entry.prompt_tokens:
             self.session_cached_ratio.observe(entry.cached_tokens / entry.prompt_tokens)
 
     def exported_sessions(self) -> list[str]:
-        return list(self._top)
+        """Sessions that carry per-session series now, least recently active first."""
+        if self._table is None or self.top_k <= 0:
+            return []
+        return [e.session_id for e in reversed(self._table.recent(self.top_k))]

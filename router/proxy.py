@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import socket
 from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -327,8 +326,7 @@ class Proxy:
                             upstream: UpstreamResponse, backend: Backend, attempt: Attempt,
                             headers: CIMultiDict[str]) -> web.StreamResponse:
         response = web.StreamResponse(status=upstream.status, headers=headers)
-        await response.prepare(request)
-        _nodelay(request)
+        await response.prepare(request)  # aiohttp sets TCP_NODELAY on every connection
         track_usage = route.session_aware and fields is not None and (
             route.kind == "responses" or inspect.wants_stream_usage(fields)
         )
@@ -376,20 +374,12 @@ class Proxy:
         if usage is not None:
             prompt, completion, cached = usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens
             self.state.metrics.usage(prompt, completion, cached)
-        if entry is not None and attempt.backend is not None:
-            entry.prompt_tokens += prompt
-            entry.completion_tokens += completion
-            entry.cached_tokens += cached
-            self.state.metrics.session_request(entry, attempt.backend.name, prompt=prompt,
-                                               completion=completion, cached=cached)
+        if entry is not None:
+            entry.record_usage(prompt, completion, cached)
 
     def _account_error(self, attempt: Attempt) -> None:
-        entry = attempt.entry
-        if entry is not None:
-            entry.errors += 1
-            self.state.metrics.session_request(
-                entry, attempt.backend.name if attempt.backend is not None else "none", error=True
-            )
+        if attempt.entry is not None:
+            attempt.entry.errors += 1
 
     def _error(self, status: int, body: bytes, attempt: Attempt) -> web.Response:
         attempt.status = status
@@ -404,14 +394,3 @@ class Proxy:
         backend = attempt.backend.name if attempt.backend is not None else "none"
         self.state.metrics.request_done(attempt.route.name, backend, attempt.status, now - attempt.started)
 
-
-def _nodelay(request: web.Request) -> None:
-    transport = request.transport
-    if transport is None:
-        return
-    sock = transport.get_extra_info("socket")
-    if sock is not None:
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        except OSError:
-            pass

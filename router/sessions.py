@@ -67,8 +67,6 @@ class SessionEntry:
     cached_tokens: int = 0
     errors: int = 0
     last_backend: str = ""
-    #: set when the entry leaves the table; a request still in flight then accounts nothing more
-    evicted: bool = False
 
     def record_usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> None:
         """Add one response's usage."""
@@ -198,6 +196,5 @@ class SessionTable:
 
     def _remove(self, entry: SessionEntry, reason: EvictReason) -> None:
         del self._entries[entry.session_id]
-        entry.evicted = True
         if self.on_evict is not None:
             self.on_evict(entry, reason)

@@ -110,7 +110,8 @@ def test_percentile_nearest_rank() -> None:
 # ---------------------------------------------------------------------- nginx and the report
 def test_nginx_conf_is_loopback_keepalive_unbuffered(tmp_path: Any) -> None:
     path = write_conf(str(tmp_path), 18080, ["http://127.0.0.1:8100", "http://127.0.0.1:8101"])
-    conf = open(path).read()
+    with open(path, encoding="utf-8") as fh:
+        conf = fh.read()
     assert "listen 127.0.0.1:18080" in conf
     assert "server 127.0.0.1:8100;" in conf and "server 127.0.0.1:8101;" in conf
     assert re.search(r"keepalive \d+;", conf)
@@ -156,7 +157,7 @@ def test_quick_benchmark_run_writes_a_full_table(tmp_path: Any) -> None:
     jsonl = tmp_path / "runs.jsonl"
     proc = subprocess.run(
         [sys.executable, "-m", "bench.router_overhead", "--quick", "--out", str(out), "--jsonl", str(jsonl)],
-        cwd=REPO, capture_output=True, text=True, timeout=180,
+        check=False, cwd=REPO, capture_output=True, text=True, timeout=180,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     text = out.read_text()
