@@ -41,7 +41,7 @@ from backends.serving import (
     Frontend,
     GenerationRun,
     check_prompt_ids,
-    decode_body,
+    read_json_body,
     engine_request,
     resolve_max_tokens,
     sampling_params,
@@ -178,7 +178,7 @@ def _prepare(fe: Frontend, body: CompletionRequest | ChatCompletionRequest, sess
 
 async def completions(request: web.Request) -> web.StreamResponse:
     fe = request.app[FRONTEND]
-    body: CompletionRequest = decode_body(await request.read(), _completion_decoder)
+    body: CompletionRequest = await read_json_body(request, _completion_decoder)
     session, base = _identify(request, fe, body)
     prompt_ids, prompt_text = completion_prompt(fe.tokenizer, body.prompt)
     max_tokens = resolve_max_tokens(fe.config, len(prompt_ids), body.max_tokens, "max_tokens")
@@ -261,7 +261,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     fe = request.app[FRONTEND]
-    body: ChatCompletionRequest = decode_body(await request.read(), _chat_decoder)
+    body: ChatCompletionRequest = await read_json_body(request, _chat_decoder)
     session, base = _identify(request, fe, body)
     prompt_ids = chat_prompt(fe.tokenizer, body.messages, body.add_generation_prompt)
     if body.max_completion_tokens is not None:
@@ -354,7 +354,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     (a body ``session_id`` is ignored, as in vLLM).
     """
     fe = request.app[FRONTEND]
-    body: GenerateRequest = decode_body(await request.read(), _generate_decoder)
+    body: GenerateRequest = await read_json_body(request, _generate_decoder)
     session = session_from_headers(request.headers.getall(SESSION_HEADER, ()))
     fe.check_model(body.model)
     base = fe.base_request_id(request, body.request_id)

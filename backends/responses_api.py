@@ -36,7 +36,7 @@ from backends.responses_store import StoredResponse
 from backends.serving import (
     Choice,
     GenerationRun,
-    decode_body,
+    read_json_body,
     engine_request,
     resolve_max_tokens,
     sampling_params,
@@ -91,7 +91,7 @@ def _usage(run: GenerationRun) -> ResponseUsage:
 
 async def create_response(request: web.Request) -> web.StreamResponse:
     fe = request.app[FRONTEND]
-    body: ResponsesRequest = decode_body(await request.read(), _decoder)
+    body: ResponsesRequest = await read_json_body(request, _decoder)
     session = resolve_session_id(body.session_id, request.headers.getall(SESSION_HEADER, ()), body.vllm_xargs)
     fe.check_model(body.model)
     history: list[tuple[str, str]] = []

@@ -42,7 +42,7 @@ from backends.protocol import (
     TokenizeResponse,
 )
 from backends.responses_store import DEFAULT_MAX_ENTRIES, ResponseStore
-from backends.serving import REQUEST_ID_HEADER, REQUEST_ID_KEY, Frontend, decode_body
+from backends.serving import REQUEST_ID_HEADER, REQUEST_ID_KEY, Frontend, read_json_body
 from backends.state import ENGINE, FRONTEND
 from backends.tokenizer import Tokenizer
 from router.errors import BadRequestError, NotFoundError, SessionRouterError, error_body
@@ -176,7 +176,7 @@ _detokenize_decoder = msgspec.json.Decoder(DetokenizeRequest)
 
 async def tokenize(request: web.Request) -> web.Response:
     fe = request.app[FRONTEND]
-    body: TokenizeRequest = decode_body(await request.read(), _tokenize_decoder)
+    body: TokenizeRequest = await read_json_body(request, _tokenize_decoder)
     fe.check_model(body.model)
     tok = fe.tokenizer
     if body.messages is not None:
@@ -197,7 +197,7 @@ async def tokenize(request: web.Request) -> web.Response:
 
 async def detokenize(request: web.Request) -> web.Response:
     fe = request.app[FRONTEND]
-    body: DetokenizeRequest = decode_body(await request.read(), _detokenize_decoder)
+    body: DetokenizeRequest = await read_json_body(request, _detokenize_decoder)
     fe.check_model(body.model)
     try:
         text = fe.tokenizer.decode(body.tokens)

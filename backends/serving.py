@@ -91,6 +91,20 @@ REQUEST_ID_KEY = web.RequestKey("request_id", str)
 # ---- body decoding -----------------------------------------------------------------------------
 
 
+async def read_json_body(request: web.Request, decoder: msgspec.json.Decoder[Any]) -> Any:
+    """Read and decode a JSON request body, as vLLM's FastAPI routes do: a body sent with a
+    Content-Type that is not JSON (``text/plain``, a form, ``application/octet-stream``) is a
+    400; a body without a Content-Type is read as JSON."""
+    content_type = request.headers.get("Content-Type")
+    if content_type is not None:
+        mime = content_type.split(";", 1)[0].strip().lower()
+        if mime != "application/json" and not (mime.startswith("application/") and mime.endswith("+json")):
+            raise BadRequestError(
+                f"Content-Type {mime or content_type!r} is not JSON; send the body as application/json."
+            )
+    return decode_body(await request.read(), decoder)
+
+
 def decode_body(data: bytes, decoder: msgspec.json.Decoder[Any]) -> Any:
     """Decode a JSON body into a request Struct; malformed JSON or wrong types are a 400."""
     if not data:

@@ -70,8 +70,10 @@ class Variant(msgspec.Struct, frozen=True):
     #: clients send X-Session-ID (else the router derives the session from the conversation)
     send_header: bool
     description: str
-    #: policies left out of this variant by default (session-blind ones add nothing new here)
+    #: policies and peers left out of this variant by default (those that ignore the session
+    #: header add nothing new here)
     skip_policies: tuple[str, ...] = ()
+    skip_peers: tuple[str, ...] = ()
 
 
 class BenchConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -89,8 +91,9 @@ class BenchConfig(msgspec.Struct, frozen=True, kw_only=True):
     request_timeout_s: float = 300.0
     #: keep every request's record in the JSON results
     keep_records: bool = False
-    #: --policies was given: run exactly those in every variant
+    #: --policies / --peers was given: run exactly those in every variant
     explicit_policies: bool = False
+    explicit_peers: bool = False
     #: passed to our router as --config (e.g. a different load_factor); "" = defaults
     router_config: str = ""
 
@@ -108,7 +111,7 @@ def full_variants(seed: int) -> dict[str, Variant]:
     return {
         "uniform": Variant("uniform", uniform, True, "X-Session-ID sent; uniform sessions"),
         "noheader": Variant("noheader", uniform, False, "no header: the router derives the session id",
-                            skip_policies=("least_loaded",)),
+                            skip_policies=("least_loaded",), skip_peers=("sglang-router",)),
         "skewed": Variant("skewed", skewed, True,
                           "X-Session-ID sent; 10% heavy sessions (3x the turns, 1/4 the think time)"),
     }
@@ -775,7 +778,8 @@ def run(config: BenchConfig, log_dir: str, peer_notes: list[str]) -> list[CellRe
               f"{workload.num_requests} requests, last arrival at {workload.last_arrival_s:.0f}s", flush=True)
         skip = () if config.explicit_policies else variant.skip_policies
         targets: list[tuple[str, peer_mod.PeerInstall | None]] = [(p, None) for p in config.policies if p not in skip]
-        targets += [(inst.name, inst) for inst in installs]
+        targets += [(inst.name, inst) for inst in installs
+                    if config.explicit_peers or inst.name not in variant.skip_peers]
         for target, peer in targets:
             started = time.monotonic()
             print(f"  {target}: running (load average {os.getloadavg()[0]:.2f}) ...", flush=True)
@@ -845,6 +849,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[BenchConfig, argparse.Namesp
     config = BenchConfig(variants=variants, policies=policies, peers=peers, peer_venv=args.peer_venv,
                          num_backends=args.backends, num_blocks=num_blocks, load_factor=args.load_factor,
                          sample_s=args.sample, keep_records=args.records, explicit_policies=bool(args.policies),
+                         explicit_peers=args.peers is not None,
                          router_config=os.path.abspath(args.router_config) if args.router_config else "")
     return config, args
 

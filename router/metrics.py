@@ -16,11 +16,13 @@ pays only for the closed-label counters and histograms, whose label children are
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
@@ -34,6 +36,66 @@ TTFB_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.
 
 def status_class(status: int) -> str:
     return f"{status // 100}xx"
+
+
+class _Histogram:
+    """A lock-free histogram for the event-loop thread: per-bucket counts and a sum."""
+
+    __slots__ = ("buckets", "counts", "total")
+
+    def __init__(self, buckets: tuple[float, ...]) -> None:
+        self.buckets = buckets
+        self.counts = [0] * (len(buckets) + 1)  # the last slot is +Inf
+        self.total = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.buckets, value)] += 1
+        self.total += value
+
+    def family_samples(self) -> tuple[list[tuple[str, float]], float]:
+        cumulative: list[tuple[str, float]] = []
+        running = 0
+        for bound, count in zip((*self.buckets, float("inf")), self.counts):
+            running += count
+            cumulative.append(("+Inf" if bound == float("inf") else floatToGoString(bound), running))
+        return cumulative, self.total
+
+
+class _HotCounters:
+    """What every request updates: plain ints and lists, exported by the collector at scrape time
+    (prometheus-client's objects take a lock and a label lookup per update)."""
+
+    def __init__(self) -> None:
+        self.requests: dict[tuple[str, str, str], int] = {}
+        self.placements: dict[tuple[str, str], int] = {}
+        self.tokens = [0, 0, 0]  # prompt, completion, cached
+        self.latency: dict[str, _Histogram] = {}
+        self.ttfb: dict[str, _Histogram] = {}
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        requests = CounterMetricFamily(PREFIX + "requests", "Client requests by route, final backend and status class",
+                                       labels=["route", "backend", "status_class"])
+        for key, value in self.requests.items():
+            requests.add_metric(list(key), value)
+        yield requests
+        placements = CounterMetricFamily(PREFIX + "placements", "Placement decisions by policy and outcome",
+                                         labels=["policy", "outcome"])
+        for key, value in self.placements.items():
+            placements.add_metric(list(key), value)
+        yield placements
+        tokens = CounterMetricFamily(PREFIX + "tokens", "Tokens reported in responses' usage", labels=["kind"])
+        for kind, value in zip(("prompt", "completion", "cached"), self.tokens):
+            tokens.add_metric([kind], value)
+        yield tokens
+        for name, doc, table in (
+            ("request_duration_seconds", "End-to-end request latency at the router", self.latency),
+            ("time_to_first_byte_seconds", "Time until the upstream response head arrived", self.ttfb),
+        ):
+            family = HistogramMetricFamily(PREFIX + name, doc, labels=["route"])
+            for route, hist in table.items():
+                buckets, total = hist.family_samples()
+                family.add_metric([route], buckets, total)
+            yield family
 
 
 class _LiveCollector(Collector):
@@ -77,15 +139,8 @@ class RouterMetrics:
     def __init__(self, registry: CollectorRegistry, *, top_k: int) -> None:
         self.registry = registry
         self.top_k = top_k
-        self.requests = Counter(PREFIX + "requests", "Client requests by route, final backend and status class",
-                                ["route", "backend", "status_class"], registry=registry)
-        self.latency = Histogram(PREFIX + "request_duration_seconds", "End-to-end request latency at the router",
-                                 ["route"], buckets=LATENCY_BUCKETS, registry=registry)
-        self.ttfb = Histogram(PREFIX + "time_to_first_byte_seconds", "Time until the upstream response head arrived",
-                              ["route"], buckets=TTFB_BUCKETS, registry=registry)
-        self.tokens = Counter(PREFIX + "tokens", "Tokens reported in responses' usage", ["kind"], registry=registry)
-        self.placements = Counter(PREFIX + "placements", "Placement decisions by policy and outcome",
-                                  ["policy", "outcome"], registry=registry)
+        self.hot = _HotCounters()
+        registry.register(self.hot)
         self.retries = Counter(PREFIX + "retries", "Upstream attempts retried, by reason", ["reason"], registry=registry)
         self.pd_fallbacks = Counter(PREFIX + "pd_fallback", "P/D requests that fell back to decode-only, by reason",
                                     ["reason"], registry=registry)
@@ -104,13 +159,6 @@ class RouterMetrics:
                                               "Cached prompt tokens / prompt tokens per session",
                                               buckets=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0),
                                               registry=registry)
-        self._req_children: dict[tuple[str, str, str], Counter] = {}
-        self._placement_children: dict[tuple[str, str], Counter] = {}
-        self._latency_children: dict[str, Histogram] = {}
-        self._ttfb_children: dict[str, Histogram] = {}
-        self._prompt_tokens = self.tokens.labels("prompt")
-        self._completion_tokens = self.tokens.labels("completion")
-        self._cached_tokens = self.tokens.labels("cached")
         self._table: "SessionTable | None" = None
 
     def attach_live(self, pools: Callable[[], Iterable["BackendPool"]], table: "SessionTable") -> None:
@@ -119,33 +167,30 @@ class RouterMetrics:
 
     # ------------------------------------------------------------------ request path
     def placement(self, policy: str, outcome: str) -> None:
+        placements = self.hot.placements
         key = (policy, outcome)
-        child = self._placement_children.get(key)
-        if child is None:
-            child = self._placement_children[key] = self.placements.labels(policy, outcome)
-        child.inc()
+        placements[key] = placements.get(key, 0) + 1
 
     def request_done(self, route: str, backend: str, status: int, duration_s: float) -> None:
+        hot = self.hot
         key = (route, backend, status_class(status))
-        child = self._req_children.get(key)
-        if child is None:
-            child = self._req_children[key] = self.requests.labels(*key)
-        child.inc()
-        latency = self._latency_children.get(route)
-        if latency is None:
-            latency = self._latency_children[route] = self.latency.labels(route)
-        latency.observe(duration_s)
+        hot.requests[key] = hot.requests.get(key, 0) + 1
+        hist = hot.latency.get(route)
+        if hist is None:
+            hist = hot.latency[route] = _Histogram(LATENCY_BUCKETS)
+        hist.observe(duration_s)
 
     def first_byte(self, route: str, seconds: float) -> None:
-        ttfb = self._ttfb_children.get(route)
-        if ttfb is None:
-            ttfb = self._ttfb_children[route] = self.ttfb.labels(route)
-        ttfb.observe(seconds)
+        hist = self.hot.ttfb.get(route)
+        if hist is None:
+            hist = self.hot.ttfb[route] = _Histogram(TTFB_BUCKETS)
+        hist.observe(seconds)
 
     def usage(self, prompt: int, completion: int, cached: int) -> None:
-        self._prompt_tokens.inc(prompt)
-        self._completion_tokens.inc(completion)
-        self._cached_tokens.inc(cached)
+        tokens = self.hot.tokens
+        tokens[0] += prompt
+        tokens[1] += completion
+        tokens[2] += cached
 
     # ------------------------------------------------------------------ sessions
     def session_evicted(self, entry: "SessionEntry", reason: str) -> None:

@@ -18,7 +18,7 @@ import msgspec
 
 from router.errors import NoHealthyBackendError, UpstreamConnectError, UpstreamError, UpstreamStatusError
 from router.pool import POOL_DECODE, POOL_PREFILL
-from router.upstream import build_request_head
+from router.upstream import request_head
 
 if TYPE_CHECKING:
     from router.proxy import Attempt, Route
@@ -88,7 +88,7 @@ class PDHandoff:
         self.decode_pool = state.pools[POOL_DECODE]
 
     async def prefill(self, route: "Route", body: bytes, attempt: "Attempt",
-                      headers: list[tuple[str, str]], path: str) -> bytes:
+                      headers: str, path: str) -> bytes:
         """Run the prefill leg; return the decode leg's body (the original one on fallback)."""
         state = self.state
         try:
@@ -106,7 +106,7 @@ class PDHandoff:
         return decode_body(request, params)
 
     async def _prefill_leg(self, route: "Route", request: dict[str, Any], attempt: "Attempt",
-                           headers: list[tuple[str, str]], path: str) -> dict[str, Any]:
+                           headers: str, path: str) -> dict[str, Any]:
         state = self.state
         pool = self.prefill_pool
         try:
@@ -116,7 +116,7 @@ class PDHandoff:
         state.metrics.placement(state.policy.name, placement.outcome.value)
         backend = placement.backend
         payload = prefill_body(route.kind, request)
-        head = build_request_head("POST", path, f"{backend.host}:{backend.port}", headers, len(payload))
+        head = request_head("POST", path, f"{backend.host}:{backend.port}", headers, len(payload))
         backend.in_flight += 1
         upstream = None
         try:

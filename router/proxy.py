@@ -32,7 +32,7 @@ from router.placement.base import Outcome, Placement
 from router.pd import PD_ROUTE_KINDS, PDHandoff
 from router.pool import POOL_DECODE, POOL_DEFAULT, Backend, BackendPool
 from router.session import SESSION_HEADER, resolve_session_id, session_from_headers
-from router.upstream import UpstreamResponse, UpstreamTimeouts, build_request_head
+from router.upstream import UpstreamResponse, UpstreamTimeouts, render_headers, request_head
 
 if TYPE_CHECKING:
     from router.sessions import SessionEntry
@@ -230,14 +230,15 @@ class Proxy:
             upstream.close()
             backend.in_flight -= 1
 
-    def forward_headers(self, request: web.Request, attempt: Attempt) -> list[tuple[str, str]]:
+    def forward_headers(self, request: web.Request, attempt: Attempt) -> str:
+        """The header lines every upstream leg of this request carries, rendered once."""
         out = [(k, v) for k, v in request.headers.items() if k.lower() not in _DROP_REQUEST]
         out.append((REQUEST_ID_HEADER, attempt.request_id))
         if attempt.session_id is not None:
             out.append((SESSION_HEADER, attempt.session_id))
-        return out
+        return render_headers(out)
 
-    async def send(self, pool: BackendPool, route: Route, method: str, path: str, headers: list[tuple[str, str]],
+    async def send(self, pool: BackendPool, route: Route, method: str, path: str, headers: str,
                    body: bytes, fields: inspect.RoutingFields | None, attempt: Attempt,
                    first: Placement | None = None) -> tuple[UpstreamResponse, Backend]:
         """Send to a placed backend, retrying on the next candidate before any byte reached the client.
@@ -258,7 +259,7 @@ class Proxy:
             attempt.backend = backend
             if attempt.entry is not None:
                 attempt.entry.last_backend = backend.name
-            head = build_request_head(method, path, f"{backend.host}:{backend.port}", headers, len(body))
+            head = request_head(method, path, f"{backend.host}:{backend.port}", headers, len(body))
             backend.in_flight += 1
             try:
                 upstream = await state.upstream.request(backend.host, backend.port, head, body, timeouts=timeouts)

@@ -288,3 +288,21 @@ async def test_failure_mid_stream_ends_the_stream_with_an_error_event(client: An
     assert '"error"' in frames[-2] and '"code":500' in frames[-2] and "exploded" not in frames[-2]
     engine.generate = original
     await still_serving(client)
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded",
+                                          "application/octet-stream", "text/html; charset=utf-8"])
+async def test_json_sent_with_a_non_json_content_type_is_a_400(client: Any, content_type: str) -> None:
+    # vLLM's FastAPI routes read a body as JSON only for application/json (or +json) or no type at all
+    body = b'{"prompt": "fine", "max_tokens": 1}'
+    resp = await client.post("/v1/completions", data=body, headers={"Content-Type": content_type})
+    await expect_error(resp, 400, "is not JSON", param=None)
+    await still_serving(client)
+
+
+@pytest.mark.parametrize("content_type", [None, "application/json; charset=utf-8", "application/vnd.api+json"])
+async def test_json_content_types_and_no_content_type_are_accepted(client: Any, content_type: str | None) -> None:
+    body = b'{"prompt": "fine", "max_tokens": 1}'
+    headers = {} if content_type is None else {"Content-Type": content_type}
+    resp = await client.post("/v1/completions", data=body, headers=headers, skip_auto_headers=["Content-Type"])
+    assert resp.status == 200, await resp.text()

@@ -10,7 +10,7 @@ The hot path of the proxy (DESIGN.md §9)::
 
 from router.upstream.config import UpstreamLimits, UpstreamTimeouts
 from router.upstream.connection import UpstreamResponse
-from router.upstream.head import HOP_BY_HOP, build_request_head
+from router.upstream.head import HOP_BY_HOP, build_request_head, render_headers, request_head
 from router.upstream.pool import UpstreamPool
 
 __all__ = [
@@ -20,4 +20,6 @@ __all__ = [
     "UpstreamResponse",
     "UpstreamTimeouts",
     "build_request_head",
+    "render_headers",
+    "request_head",
 ]

@@ -51,15 +51,13 @@ def build_request_head(
     a body-less GET/HEAD). Raises ``BadRequestError`` for a method that is not a token, a path that
     is not origin-form, or a header name/value that could split the head (CR, LF, NUL, bad name).
     """
-    if _TOKEN.fullmatch(method) is None:
-        raise BadRequestError(f"invalid HTTP method {method!r}: use a token such as POST or GET")
-    if _TARGET.fullmatch(path) is None:
-        raise BadRequestError(
-            f"invalid request path {path!r}: it must start with '/' and contain no spaces or control characters"
-        )
-    if _BAD_IN_VALUE.search(host_header) is not None:
-        raise BadRequestError("invalid Host value: it contains CR, LF or NUL")
-    parts = [f"{method} {path} HTTP/1.1\r\nHost: {host_header}\r\n"]
+    return request_head(method, path, host_header, render_headers(headers), content_length)
+
+
+def render_headers(headers: Iterable[tuple[str, str]]) -> str:
+    """The end-to-end header lines of a request, validated and filtered once (a proxy renders them
+    once per client request and reuses them for every upstream attempt)."""
+    parts: list[str] = []
     named: set[str] | None = None
     for name, value in headers:
         lname = name.lower()
@@ -79,10 +77,25 @@ def build_request_head(
         parts.append(f"{name}: {value}\r\n")
     if named:
         # rare: the client's Connection header names end-to-end headers as hop-by-hop
-        parts = [parts[0]] + [p for p in parts[1:] if p.split(":", 1)[0].lower() not in named]
+        parts = [p for p in parts if p.split(":", 1)[0].lower() not in named]
+    return "".join(parts)
+
+
+def request_head(method: str, path: str, host_header: str, rendered: str, content_length: int) -> bytes:
+    """The request head from header lines made by ``render_headers``."""
+    if _TOKEN.fullmatch(method) is None:
+        raise BadRequestError(f"invalid HTTP method {method!r}: use a token such as POST or GET")
+    if _TARGET.fullmatch(path) is None:
+        raise BadRequestError(
+            f"invalid request path {path!r}: it must start with '/' and contain no spaces or control characters"
+        )
+    if _BAD_IN_VALUE.search(host_header) is not None:
+        raise BadRequestError("invalid Host value: it contains CR, LF or NUL")
     if content_length or method not in ("GET", "HEAD"):
         if content_length < 0:
             raise BadRequestError(f"invalid content length {content_length}")
-        parts.append(f"Content-Length: {content_length}\r\n")
-    parts.append("\r\n")
-    return "".join(parts).encode("utf-8", "surrogateescape")
+        length = f"Content-Length: {content_length}\r\n"
+    else:
+        length = ""
+    return f"{method} {path} HTTP/1.1\r\nHost: {host_header}\r\n{rendered}{length}\r\n".encode(
+        "utf-8", "surrogateescape")
