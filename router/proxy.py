@@ -156,13 +156,11 @@ class Proxy:
     def _resolve(self, request: web.Request, route: Route, body: bytes, attempt: Attempt) -> inspect.RoutingFields | None:
         if route.kind == "plain":
             return None
+        fields = inspect.decode_routing_fields(body)
         headers = request.headers.getall(SESSION_HEADER, ())
         if route.kind == "generate":
-            # tokens-in: the header is the only channel (vLLM's behaviour); the body is still checked
-            fields = inspect.decode_routing_fields(body)
-            session_id = session_from_headers(headers)
+            session_id = session_from_headers(headers)  # tokens-in: the header is the only channel, as in vLLM
         else:
-            fields = inspect.decode_routing_fields(body)
             session_id = resolve_session_id(fields.session_id, headers, fields.vllm_xargs)
         if session_id is None:
             session_id = self._stamp(route, fields)
