@@ -52,7 +52,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench import peers as peer_mod
 from bench.procs import Proc, start_backend, start_router
-from bench.workload import Workload, WorkloadSpec, generate, system_message
+from bench.workload import SessionPlan, Workload, WorkloadSpec, generate, system_message
 
 SESSION_HEADER = "X-Session-ID"
 MODEL = "session-sim"
@@ -351,7 +351,7 @@ class Driver:
                 await sampler
         return time.perf_counter() - self._t0
 
-    async def _session(self, http: aiohttp.ClientSession, plan: Any) -> None:
+    async def _session(self, http: aiohttp.ClientSession, plan: SessionPlan) -> None:
         delay = self._t0 + plan.start_s - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
@@ -404,7 +404,7 @@ class Driver:
             if not parts or not record.prompt_tokens:
                 raise RuntimeError("the stream had no content or no usage chunk")
             record.ok = True
-        except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError, msgspec.DecodeError) as exc:
+        except (TimeoutError, aiohttp.ClientError, RuntimeError, msgspec.DecodeError) as exc:
             record.error = f"{type(exc).__name__}: {exc}"[:300]
         return "".join(parts)
 
@@ -739,12 +739,11 @@ def render_markdown(cells: Sequence[CellResult], variant: str) -> str:
 
 def machine_info() -> dict[str, Any]:
     cpu = ""
-    with contextlib.suppress(OSError):
-        with open("/proc/cpuinfo", encoding="utf-8") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
+    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as fh:
+        for line in fh:
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
     versions: dict[str, str] = {}
     from importlib import metadata
 

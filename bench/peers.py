@@ -65,7 +65,7 @@ class PeerInstall:
 
 def _run(cmd: Sequence[str], timeout: float) -> tuple[bool, str]:
     try:
-        done = subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(list(cmd), check=False, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return False, f"timed out after {timeout:.0f}s: {' '.join(cmd)}"
     except OSError as exc:
