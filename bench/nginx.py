@@ -19,10 +19,10 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from bench.procs import LOOPBACK, free_port, http_status, wait_until
+from bench.procs import LOOPBACK, Proc, free_port, http_status, wait_until
 
 NGINX_CANDIDATES = ("/usr/sbin/nginx", "/usr/local/sbin/nginx", "/usr/local/nginx/sbin/nginx")
 
@@ -101,23 +101,10 @@ http {{
 
 
 @dataclass
-class Nginx:
-    """A foreground nginx master started by us; its workers are its children."""
+class Nginx(Proc):
+    """A foreground nginx master started by us (its workers are its children); stopped gracefully."""
 
-    port: int
-    directory: str
-    popen: subprocess.Popen[bytes] = field(repr=False)
-
-    @property
-    def url(self) -> str:
-        return f"http://{LOOPBACK}:{self.port}"
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-    def alive(self) -> bool:
-        return self.popen.poll() is None
+    directory: str = ""
 
     def error_log(self) -> str:
         try:
@@ -126,16 +113,9 @@ class Nginx:
         except OSError:
             return ""
 
-    def stop(self, timeout: float = 10.0) -> int:
-        """SIGQUIT (graceful) to the master, by PID; SIGKILL when it does not exit in time."""
-        if self.popen.poll() is None:
-            os.kill(self.popen.pid, signal.SIGQUIT)
-            try:
-                self.popen.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.kill(self.popen.pid, signal.SIGKILL)
-                self.popen.wait(timeout)
-        return int(self.popen.returncode)
+    def stop(self, sig: int = signal.SIGQUIT, timeout: float = 10.0) -> int:
+        """SIGQUIT (nginx's graceful stop) to the master, by PID; SIGKILL when it does not exit in time."""
+        return super().stop(sig, timeout)
 
 
 def start_nginx(directory: str, backends: Sequence[str], *, port: int | None = None, binary: str | None = None,
@@ -154,7 +134,7 @@ def start_nginx(directory: str, backends: Sequence[str], *, port: int | None = N
             [binary, "-p", directory, "-c", conf, "-e", os.path.join(directory, "error.log"), "-g", "daemon off;"],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         )
-    proc = Nginx(port, directory, popen)
+    proc = Nginx(popen.args, port, popen, log_path, directory=directory)
     try:
         wait_until(lambda: not proc.alive() or http_status(proc.url + "/health") == 200,
                    timeout=timeout, what=f"nginx on port {port}")
