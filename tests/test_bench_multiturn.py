@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -137,9 +138,21 @@ def test_target_checks_compare_policies_side_by_side() -> None:
 @pytest.mark.slow
 def test_quick_run_session_policy_beats_round_robin(tmp_path: os.PathLike[str]) -> None:
     out = os.path.join(str(tmp_path), "multiturn.json")
-    done = subprocess.run([sys.executable, "-m", "bench.multiturn", "--quick", "--out", out],
-                          check=False, cwd=REPO, capture_output=True, text=True, timeout=170)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    # its own process group: if it overruns, it and the backends and routers it started are
+    # stopped together (SIGTERM lets it stop its children; SIGKILL the group if that hangs)
+    proc = subprocess.Popen([sys.executable, "-m", "bench.multiturn", "--quick", "--out", out], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=170)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        try:
+            output, _ = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            output, _ = proc.communicate()
+        pytest.fail("bench.multiturn --quick took more than 170 s:\n" + output[-3000:])
+    assert proc.returncode == 0, output[-3000:]
     with open(out, encoding="utf-8") as fh:
         result = json.load(fh)
     cells = {c["target"]: c for c in result["cells"]}
