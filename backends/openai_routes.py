@@ -173,6 +173,17 @@ def _prepare(fe: Frontend, body: CompletionRequest | ChatCompletionRequest, sess
     return response_id, ecr, GenerationRun(fe.tokenizer, body.n, stops), reply_headers(base, session)
 
 
+async def _stream(request: web.Request, fe: Frontend, body: Any, prompt_ids: list[int], ecr: EngineCoreRequest,
+                  run: GenerationRun, headers: dict[str, str], step: Any, tail: Any) -> web.StreamResponse:
+    """A streamed answer: pull a remote prefill's blocks if the body names them, then relay the
+    engine's steps as SSE frames."""
+    fe.check_engine()
+    await pull_remote_prefill(fe, body.kv_transfer_params, prompt_ids, body.cache_salt, run, ecr.request_id)
+    resp = await open_stream(request, headers)
+    await stream_run(resp, fe, ecr, run, step, tail)
+    return resp
+
+
 # ---- /v1/completions --------------------------------------------------------------------------
 
 
@@ -249,11 +260,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
                                          system_fingerprint=fe.fingerprint, usage=run.usage())
         return data_frame(_enc.encode(chunk))
 
-    fe.check_engine()
-    await pull_remote_prefill(fe, body.kv_transfer_params, prompt_ids, body.cache_salt, run, ecr.request_id)
-    resp = await open_stream(request, headers)
-    await stream_run(resp, fe, ecr, run, step, tail)
-    return resp
+    return await _stream(request, fe, body, prompt_ids, ecr, run, headers, step, tail)
 
 
 # ---- /v1/chat/completions ---------------------------------------------------------------------
@@ -337,11 +344,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     def tail() -> bytes:
         return chunk([], usage=True) if include_usage else b""
 
-    fe.check_engine()
-    await pull_remote_prefill(fe, body.kv_transfer_params, prompt_ids, body.cache_salt, run, ecr.request_id)
-    resp = await open_stream(request, headers)
-    await stream_run(resp, fe, ecr, run, step, tail)
-    return resp
+    return await _stream(request, fe, body, prompt_ids, ecr, run, headers, step, tail)
 
 
 # ---- /inference/v1/generate (tokens in, tokens out) ----------------------------------------
@@ -430,11 +433,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
                                      usage=run.usage())
         return data_frame(_enc.encode(obj))
 
-    fe.check_engine()
-    await pull_remote_prefill(fe, body.kv_transfer_params, prompt_ids, body.cache_salt, run, ecr.request_id)
-    resp = await open_stream(request, headers)
-    await stream_run(resp, fe, ecr, run, step, tail)
-    return resp
+    return await _stream(request, fe, body, prompt_ids, ecr, run, headers, step, tail)
 
 
 def add_routes(app: web.Application) -> None:
