@@ -21,6 +21,7 @@ from multidict import CIMultiDict
 
 from router import inspect
 from router.errors import (
+    BadRequestError,
     PayloadTooLargeError,
     SessionRouterError,
     UpstreamConnectError,
@@ -123,6 +124,11 @@ class Proxy:
         state = self.state
         attempt = Attempt(route, request.headers.get(REQUEST_ID_HEADER) or state.request_ids.next(), loop.time())
         try:
+            if request.raw_path[:1] != "/":
+                raise BadRequestError(
+                    "absolute-form request target: this router is a reverse proxy, not a forward proxy; "
+                    f"send POST {route.path} with the router's address in the Host header"
+                )
             body = await self._read_body(request)
             fields = self._resolve(request, route, body, attempt)
             response = await self._dispatch(request, route, body, fields, attempt)

@@ -322,10 +322,16 @@ async def test_requests_never_reach_anything_but_the_configured_backends(router:
         assert set(json.loads(answer)["error"]) == {"message", "type", "param", "code"}
     assert not any(f.seen for f in fakes)
 
-    # absolute-form and a foreign Host: served by a configured backend (RFC 9112 3.2.2: a server
-    # accepts absolute-form), which sees origin-form and its own Host; nothing goes elsewhere
+    # absolute-form names a destination: a 4xx (the router is not a forward proxy)
+    for target in (f"http://{other}/v1/completions", f"http://{other}/", "http://router/v1/completions"):
+        status, _, answer = await raw_exchange(port, request(target))
+        assert 400 <= status < 500, (target, status, answer[:200])
+        assert set(json.loads(answer)["error"]) == {"message", "type", "param", "code"}
+    assert not any(f.seen for f in fakes)
+
+    # a foreign Host or forwarding headers: served by a configured backend, which sees its own
+    # Host; nothing goes elsewhere
     served = [
-        request(f"http://{other}/v1/completions"),
         request("/v1/completions", host=other),
         request("/v1/completions", extra=f"X-Forwarded-Host: {other}\r\nForwarded: host={other};proto=http\r\n"
                                          f"X-Forwarded-For: 127.0.0.77\r\nX-Real-IP: 127.0.0.77\r\n"),
