@@ -13,7 +13,8 @@ from backends.engine.client import AsyncEngine
 from backends.engine.core import EngineCore
 from backends.engine.metrics import EngineMetrics, FastHistogram, buckets_1_2_5
 from backends.engine.outputs import EngineConfig
-from backends.engine.request import EngineCoreRequest, SamplingParams, encode_request
+from backends.engine.request import EngineCoreRequest, SamplingParams
+from tests.engine_support import wire
 
 LABELS = {"model_name": "sim-model", "engine": "3"}
 
@@ -22,11 +23,6 @@ def make_core(registry: CollectorRegistry, top_k: int = 5, **overrides: Any) -> 
     config = EngineConfig(**{"model": "sim-model", "engine_index": 3, "speed": 0.0, "eos_probability": 0.0,
                              "session_metrics_top_k": top_k, **overrides})  # fmt: skip
     return EngineCore(config, EngineMetrics(registry, config.model, config.engine_index, top_k))
-
-
-def wire(rid: str, prompt: list[int], session: str | None = None, **sp: Any) -> bytes:
-    params = SamplingParams(**{"max_tokens": 4, **sp})
-    return encode_request(EngineCoreRequest(rid, prompt, None, params, None, 0.0, None, None, None, session_id=session))
 
 
 def drain(core: EngineCore) -> None:

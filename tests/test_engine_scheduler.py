@@ -9,27 +9,12 @@ from prometheus_client import CollectorRegistry
 from backends.engine.core import EngineCore
 from backends.engine.metrics import EngineMetrics
 from backends.engine.outputs import EngineConfig, RequestOutput
-from backends.engine.request import EngineCoreRequest, SamplingParams, encode_request
+from tests.engine_support import wire, run_to_completion
 
 
 def make_core(**overrides: Any) -> EngineCore:
     config = EngineConfig(**{"speed": 0.0, "eos_probability": 0.0, **overrides})
     return EngineCore(config, EngineMetrics(CollectorRegistry(), "m", 0, 10))
-
-
-def wire(rid: str, prompt: list[int], session: str | None = None, **sp: Any) -> bytes:
-    params = SamplingParams(**{"max_tokens": 4, **sp})
-    return encode_request(EngineCoreRequest(rid, prompt, None, params, None, 0.0, None, None, None, session_id=session))
-
-
-def run_to_completion(core: EngineCore, max_steps: int = 10_000) -> dict[str, list[RequestOutput]]:
-    outs: dict[str, list[RequestOutput]] = {}
-    for _ in range(max_steps):
-        if not core.has_work():
-            return outs
-        for out in core.step():
-            outs.setdefault(out.request_id, []).append(out)
-    raise AssertionError("requests did not finish")
 
 
 def tokens_of(outs: list[RequestOutput], index: int = 0) -> list[int]:
