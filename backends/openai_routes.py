@@ -173,6 +173,12 @@ def _prepare(fe: Frontend, body: CompletionRequest | ChatCompletionRequest, sess
     return response_id, ecr, GenerationRun(fe.tokenizer, body.n, stops), reply_headers(base, session)
 
 
+def usage_flags(opts: Any) -> tuple[bool, bool]:
+    """``stream_options``: (a final usage chunk, usage on every chunk too)."""
+    include_usage = bool(opts and opts.include_usage)
+    return include_usage, include_usage and bool(opts.continuous_usage_stats)
+
+
 async def _stream(request: web.Request, fe: Frontend, body: Any, prompt_ids: list[int], ecr: EngineCoreRequest,
                   run: GenerationRun, headers: dict[str, str], step: Any, tail: Any) -> web.StreamResponse:
     """A streamed answer: pull a remote prefill's blocks if the body names them, then relay the
@@ -223,9 +229,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
             headers,
         )
 
-    opts = body.stream_options
-    include_usage = bool(opts and opts.include_usage)
-    continuous = include_usage and bool(opts and opts.continuous_usage_stats)
+    include_usage, continuous = usage_flags(body.stream_options)
     started: set[int] = set()
 
     def step(out: RequestOutput, moved: list[Choice]) -> bytes:
@@ -302,9 +306,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             headers,
         )
 
-    opts = body.stream_options
-    include_usage = bool(opts and opts.include_usage)
-    continuous = include_usage and bool(opts and opts.continuous_usage_stats)
+    include_usage, continuous = usage_flags(body.stream_options)
     first_step = [True]
 
     def chunk(choices: list[ChatStreamChoice], usage: bool = False, prompt: bool = False) -> bytes:
@@ -400,9 +402,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
             headers,
         )
 
-    opts = body.stream_options
-    include_usage = bool(opts and opts.include_usage)
-    continuous = include_usage and bool(opts and opts.continuous_usage_stats)
+    include_usage, continuous = usage_flags(body.stream_options)
     first = [True]
 
     def step(out: RequestOutput, moved: list[Choice]) -> bytes:
