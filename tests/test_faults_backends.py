@@ -20,9 +20,9 @@ from typing import Any
 
 import aiohttp
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support import Proc, start_backend, start_router, wait_until
+from tests.support import metric_sum as metric
 
 pytestmark = pytest.mark.slow
 
@@ -48,16 +48,6 @@ def router_config(tmp_path: Path, backends: list[str], **settings: Any) -> str:
     lines += [f'[[backends]]\nurl = "{url}"' for url in backends]
     path.write_text("\n".join(lines) + "\n")
     return str(path)
-
-
-def metric(text: str, name: str, **labels: str) -> float:
-    """Sum of the samples of ``name`` whose labels include ``labels`` (0 when there are none)."""
-    total = 0.0
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                total += sample.value
-    return total
 
 
 async def get_json(http: aiohttp.ClientSession, url: str) -> Any:

@@ -10,9 +10,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support import Proc, start_backend, start_router, wait_until
+from tests.support import Proc, metric_sum, start_backend, start_router, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -58,12 +57,7 @@ def get_json(url: str) -> Any:
 
 def metric(url: str, name: str, **labels: str) -> float:
     _, text = get_json(url + "/metrics")
-    total = 0.0
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                total += sample.value
-    return total
+    return metric_sum(text, name, **labels)
 
 
 def test_multi_turn_sessions_stick_and_hit_the_prefix_cache(topology: tuple[Proc, list[Proc]]) -> None:
