@@ -75,10 +75,6 @@ def decode_routing_fields(body: bytes) -> RoutingFields:
         raise InvalidJSONError("request body nests JSON arrays or objects too deeply; flatten it") from None
 
 
-def wants_stream(fields: RoutingFields) -> bool:
-    return fields.stream is True
-
-
 def wants_stream_usage(fields: RoutingFields) -> bool:
     opts = fields.stream_options
     return isinstance(opts, dict) and opts.get("include_usage") is True

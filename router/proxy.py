@@ -91,7 +91,7 @@ ROUTES: tuple[Route, ...] = (
 class Attempt:
     """One request's journey: what it resolved to and where it went."""
 
-    __slots__ = ("route", "request_id", "session_id", "entry", "started", "backend", "status", "first_byte")
+    __slots__ = ("route", "request_id", "session_id", "entry", "started", "backend", "status")
 
     def __init__(self, route: Route, request_id: str, started: float) -> None:
         self.route = route
@@ -101,7 +101,6 @@ class Attempt:
         self.started = started
         self.backend: Backend | None = None
         self.status = 0
-        self.first_byte = 0.0
 
 
 class Proxy:
@@ -280,8 +279,7 @@ class Proxy:
                 if upstream.status not in RETRY_STATUSES or retries_left <= 0 or loop.time() >= deadline:
                     if upstream.status < 500 and state.health is not None:
                         state.health.record_success(backend)
-                    attempt.first_byte = loop.time()
-                    state.metrics.first_byte(route.name, attempt.first_byte - attempt.started)
+                    state.metrics.first_byte(route.name, loop.time() - attempt.started)
                     return upstream, backend
                 upstream.close()
                 backend.in_flight -= 1
