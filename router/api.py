@@ -12,8 +12,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from router.errors import BadRequestError, NotFoundError, SessionRouterError
-from router.pool import POOL_DECODE, POOL_DEFAULT
-from router.state import ROUTER_STATE, RouterState
+from router.state import ROUTER_STATE
 
 log = logging.getLogger(__name__)
 _json = msgspec.json.Encoder()
@@ -27,13 +26,9 @@ def error_response(exc: SessionRouterError) -> web.Response:
     return web.Response(body=exc.body(), status=exc.status, content_type="application/json")
 
 
-def serving_pool(state: RouterState) -> str:
-    return POOL_DECODE if POOL_DECODE in state.pools else POOL_DEFAULT
-
-
 async def health(request: web.Request) -> web.Response:
     state = request.app[ROUTER_STATE]
-    pool = state.pools[serving_pool(state)]
+    pool = state.serving_pool
     available = len(pool.available())
     payload = {
         "status": "ok" if available else "unavailable",

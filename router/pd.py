@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from router.errors import NoHealthyBackendError, UpstreamConnectError, UpstreamError, UpstreamStatusError
-from router.pool import POOL_DECODE, POOL_PREFILL
+from router.pool import POOL_PREFILL
 from router.upstream import request_head
 
 if TYPE_CHECKING:
@@ -85,7 +85,6 @@ class PDHandoff:
     def __init__(self, state: "RouterState") -> None:
         self.state = state
         self.prefill_pool = state.pools[POOL_PREFILL]
-        self.decode_pool = state.pools[POOL_DECODE]
 
     async def prefill(self, route: "Route", body: bytes, attempt: "Attempt",
                       headers: str, path: str) -> bytes:

@@ -31,7 +31,7 @@ from router.errors import (
 )
 from router.placement.base import Outcome, Placement
 from router.pd import PD_ROUTE_KINDS, PDHandoff
-from router.pool import POOL_DECODE, POOL_DEFAULT, Backend, BackendPool
+from router.pool import Backend, BackendPool
 from router.session import SESSION_HEADER, resolve_session_id, session_from_headers
 from router.upstream import UpstreamResponse, UpstreamTimeouts, render_headers, request_head
 
@@ -109,7 +109,7 @@ class Proxy:
         self.config = state.config
         self.pd = PDHandoff(state) if state.config.pd_mode else None
         #: where requests go: the decode pool in P/D mode (prefill legs are the hand-off's business)
-        self.pool = state.pools[POOL_DECODE if self.pd is not None else POOL_DEFAULT]
+        self.pool = state.serving_pool
 
     # ------------------------------------------------------------------ entry point
     def handler(self, route: Route):  # type: ignore[no-untyped-def]

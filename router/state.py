@@ -12,7 +12,7 @@ from router.health import HealthChecker
 from router.ids import IdGenerator
 from router.metrics import RouterMetrics
 from router.placement.base import Policy
-from router.pool import BackendPool
+from router.pool import POOL_DECODE, POOL_DEFAULT, Backend, BackendPool
 from router.responses import ResponseIndex
 from router.sessions import SessionTable
 from router.upstream import UpstreamPool
@@ -35,7 +35,12 @@ class RouterState:
     def all_pools(self) -> list[BackendPool]:
         return list(self.pools.values())
 
-    def find_backend(self, name_or_url: str):  # type: ignore[no-untyped-def]
+    @property
+    def serving_pool(self) -> BackendPool:
+        """The pool that answers clients: the decode pool in P/D mode, else the only one."""
+        return self.pools[POOL_DECODE if POOL_DECODE in self.pools else POOL_DEFAULT]
+
+    def find_backend(self, name_or_url: str) -> Backend | None:
         for pool in self.pools.values():
             backend = pool.find(name_or_url)
             if backend is not None:
