@@ -619,10 +619,12 @@ def summarize(config: BenchConfig, variant: Variant, label: str, kind: str, comm
     repinned: set[int] = set()
     last_pin: dict[int, str] = {}
     for r in sorted(ok, key=lambda r: (r.session, r.turn)):
-        if r.pin and r.backend and r.backend != r.pin:
+        before = last_pin.get(r.session)  # the pin after the previous turn = the pin this turn met
+        # served off its pin: a spill (the router moves the pin with a load spill) or a re-pin
+        if r.backend and ((before and r.backend != before) or (r.pin and r.backend != r.pin)):
             spilled.add(r.session)
         if r.pin:
-            if r.session in last_pin and last_pin[r.session] != r.pin:
+            if before and before != r.pin:
                 repinned.add(r.session)
             last_pin[r.session] = r.pin
     result.sessions_spilled, result.sessions_repinned = len(spilled), len(repinned)

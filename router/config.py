@@ -43,6 +43,8 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     #: derive | mint | none
     stamp: str = "derive"
     load_factor: float = 1.25
+    #: requests of room over the mean a pinned session keeps on its pin before it spills (0 = plain bound)
+    sticky_headroom: int = 2
     #: weight of the backends' scraped running+waiting count in the load signal (0 = own in-flight only)
     reported_load_weight: float = 0.0
     session_ttl_s: float = 3600.0
@@ -184,6 +186,12 @@ def validate_config(config: RouterConfig, *, labels: Mapping[str, str] | None = 
         "load_factor",
         f"must be at least 1 (1 = perfectly even load; the default 1.25 allows 25% over the mean), "
         f"got {config.load_factor}",
+    )
+    check(
+        config.sticky_headroom >= 0,
+        "sticky_headroom",
+        f"must be an integer >= 0 (requests a pinned session may go over the mean; 0 = plain load bound), "
+        f"got {config.sticky_headroom}",
     )
     check(config.reported_load_weight >= 0, "reported_load_weight", f"must be >= 0, got {config.reported_load_weight}")
     for name in (

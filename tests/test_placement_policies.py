@@ -40,6 +40,8 @@ def test_make_policy_rejects_unknown_names_and_bad_numbers() -> None:
             make_policy(name, load_factor=0.5, reported_load_weight=0.0)
         with pytest.raises(ConfigError, match="reported_load_weight"):
             make_policy(name, load_factor=1.25, reported_load_weight=float("inf"))
+        with pytest.raises(ConfigError, match="sticky_headroom"):
+            make_policy(name, load_factor=1.25, reported_load_weight=0.0, sticky_headroom=-1)
 
 
 # -- round_robin -----------------------------------------------------------------------------

@@ -6,7 +6,14 @@ from router.errors import ConfigError
 from router.placement.base import Outcome, Placement, Policy, SessionPins
 from router.placement.least_loaded import LeastLoadedPolicy
 from router.placement.round_robin import RoundRobinPolicy
-from router.placement.session import SessionPolicy, check_load_settings, load_bound, session_score
+from router.placement.session import (
+    DEFAULT_STICKY_HEADROOM,
+    SessionPolicy,
+    check_load_settings,
+    load_bound,
+    session_score,
+    sticky_bound,
+)
 
 POLICY_NAMES = ("session", "round_robin", "least_loaded")
 
@@ -23,19 +30,22 @@ __all__ = [
     "load_bound",
     "make_policy",
     "session_score",
+    "sticky_bound",
 ]
 
 
-def make_policy(name: str, *, load_factor: float, reported_load_weight: float) -> Policy:
+def make_policy(name: str, *, load_factor: float, reported_load_weight: float,
+                sticky_headroom: int = DEFAULT_STICKY_HEADROOM) -> Policy:
     """The policy called ``name`` (``session``, ``round_robin`` or ``least_loaded``).
 
-    Raises ``ConfigError`` for an unknown name or a bad ``load_factor`` (< 1) or
-    ``reported_load_weight`` (< 0); ``load_factor`` is checked for every policy so that a bad
-    config fails the same way whichever policy it names.
+    Raises ``ConfigError`` for an unknown name or a bad ``load_factor`` (< 1),
+    ``reported_load_weight`` (< 0) or ``sticky_headroom`` (< 0); they are checked for every policy
+    so that a bad config fails the same way whichever policy it names.
     """
-    check_load_settings(load_factor, reported_load_weight)
+    check_load_settings(load_factor, reported_load_weight, sticky_headroom)
     if name == "session":
-        return SessionPolicy(load_factor=load_factor, reported_load_weight=reported_load_weight)
+        return SessionPolicy(load_factor=load_factor, reported_load_weight=reported_load_weight,
+                             sticky_headroom=sticky_headroom)
     if name == "round_robin":
         return RoundRobinPolicy()
     if name == "least_loaded":

@@ -14,7 +14,7 @@ class Outcome(enum.Enum):
 
     NEW = "new"  # session seen for the first time in this pool: pinned now
     STICKY = "sticky"  # went to its pin
-    SPILL = "spill"  # pin over the load bound: this request elsewhere, pin kept
+    SPILL = "spill"  # pin over its load bound (the pin moves along) or failed for this request (pin kept)
     REPIN_UNHEALTHY = "repin_unhealthy"  # pin unhealthy (health check or failed connection): re-pinned
     REPIN_REMOVED = "repin_removed"  # pin no longer in the pool: re-pinned
     NO_SESSION = "no_session"  # request without a session (or a session-blind policy)
