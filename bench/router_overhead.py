@@ -87,6 +87,12 @@ def process_tree(root: int) -> list[int]:
     return out
 
 
+def router_supports_front() -> bool:
+    out = subprocess.run([sys.executable, "-m", "router", "--help"], check=False, capture_output=True, text=True,
+                         cwd=REPO)
+    return "--front" in out.stdout
+
+
 def router_supports_workers() -> bool:
     out = subprocess.run([sys.executable, "-m", "router", "--help"], check=False, capture_output=True, text=True,
                          cwd=REPO, timeout=60)
@@ -163,6 +169,8 @@ def render(cells: dict[tuple[str, int, str], Cell], targets: Sequence[Target], f
     concurrencies = sorted({c for (_, c, _) in cells})
     workers_note = next((f"**{n}**: the same with `--workers {n.split('×')[1]}`. " for n in names
                          if n.startswith("router×")), "")
+    if "router(aiohttp)" in names:
+        workers_note += "**router(aiohttp)**: the same with `--front aiohttp` (aiohttp serves every route). "
     nginx_note = ("**nginx**: plain reverse proxy, 1 worker, round-robin, keep-alive upstream, `proxy_buffering off`, "
                   "no access log. " if "nginx" in names else "**nginx**: not run. ")
     machine = (f"- Machine: {facts['nproc']} CPUs ({facts['cpu']}), {facts['kernel']}; load average at start "
@@ -342,6 +350,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=2,
                    help="also run the router with --workers N when its CLI supports it (0 or 1: skip; default 2)")
     p.add_argument("--no-nginx", action="store_true", help="skip the nginx row")
+    p.add_argument("--aiohttp-front", action="store_true",
+                   help="also run the router with --front aiohttp (row router(aiohttp)), to compare the fronts")
     p.add_argument("--out", default=DEFAULT_OUT, help="markdown file to write the report into (default bench/RESULTS.md)")
     p.add_argument("--jsonl", default=JSONL, help="raw results, one JSON line per run appended")
     args = p.parse_args(argv)
@@ -379,6 +389,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 targets.append(Target(f"router×{args.workers}", [multi.url], lambda p=multi.pid: process_tree(p)))
             elif args.workers > 1:
                 print("router has no --workers option: skipping that row", file=sys.stderr)
+            if args.aiohttp_front and router_supports_front():
+                aio = start_router(tmp, *route_args, "--policy", "session", "--front", "aiohttp")
+                started.append(aio)
+                targets.append(Target("router(aiohttp)", [aio.url], lambda p=aio.pid: process_tree(p)))
+            elif args.aiohttp_front:
+                print("router has no --front option: skipping the router(aiohttp) row", file=sys.stderr)
             if nginx_binary is not None:
                 try:
                     ngx = start_nginx(os.path.join(tmp, "nginx"), backend_urls, binary=nginx_binary)

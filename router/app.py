@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 from router import admin, api
 from router.config import RouterConfig
 from router.errors import error_body
+from router.front.aiohttp_adapter import proxy_handler
 from router.health import HealthChecker
 from router.metrics import RouterMetrics
 from router.placement import make_policy
@@ -22,6 +23,9 @@ from router.responses import ResponseIndex
 from router.sessions import SessionTable
 from router.state import ROUTER_STATE, RouterState
 from router.upstream import UpstreamLimits, UpstreamPool, UpstreamTimeouts
+
+#: the app's ``Proxy``: the raw front (``router.front``) serves the hot routes through the same one
+PROXY: web.AppKey[Proxy] = web.AppKey("proxy", Proxy)
 
 
 def build_pools(config: RouterConfig) -> dict[str, BackendPool]:
@@ -96,9 +100,9 @@ def create_app(config: RouterConfig, *, registry: CollectorRegistry | None = Non
     state = build_state(config, registry)
     app[ROUTER_STATE] = state
     app.cleanup_ctx.append(_lifecycle)
-    proxy = Proxy(state)
+    proxy = app[PROXY] = Proxy(state)
     for route in ROUTES:
-        app.router.add_post(route.path, proxy.handler(route))
+        app.router.add_post(route.path, proxy_handler(proxy, route))
     app.router.add_get("/health", api.health)
     app.router.add_get("/v1/models", api.models)
     app.router.add_get("/metrics", api.metrics)

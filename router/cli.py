@@ -3,9 +3,12 @@
 Process model:
 
 - ``workers = 1`` (the default): this process serves. On SIGTERM or SIGINT it stops accepting
-  (the listening socket closes, so new connections are refused), lets in-flight requests and
-  streams finish for up to ``drain_timeout_s``, cancels what is left, closes the app's
-  resources (its ``cleanup_ctx``) and exits 0.
+  (the listening socket closes, so new connections are refused), closes idle keep-alive
+  connections, lets in-flight requests and streams finish for up to ``drain_timeout_s``,
+  cancels what is left, closes the app's resources (its ``cleanup_ctx``) and exits 0.
+- ``front = "raw"`` (the default): the port is served by ``router.front.RawFront`` (the hot
+  POST routes natively, everything else relayed to the aiohttp app, which listens on an
+  internal 127.0.0.1 ephemeral port); ``front = "aiohttp"``: aiohttp serves the port itself.
 - ``workers = N > 1``: this process becomes a supervisor. It reserves the port (a socket bound
   with SO_REUSEPORT that never listens, so ``--port 0`` resolves once for everybody), starts N
   worker processes that each listen on that port with SO_REUSEPORT (the kernel spreads new
@@ -47,9 +50,11 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from router.http_server import JsonErrorAppRunner
-from router.config import RouterConfig, build_config
+from router.app import PROXY
+from router.config import MiB, RouterConfig, build_config
 from router.errors import ConfigError
+from router.front.server import RawFront
+from router.http_server import JsonErrorAppRunner
 
 logger = logging.getLogger("router.cli")
 
@@ -62,6 +67,8 @@ DEFAULT_ADMIN_FACTORY = "router.app:create_admin_app"
 LISTEN_BACKLOG = 1024
 #: how long a worker may take from spawn to listening
 WORKER_START_TIMEOUT_S = 60.0
+#: where the raw front reaches the aiohttp app (an ephemeral port)
+INTERNAL_HOST = "127.0.0.1"
 #: a supervisor gives up after this many restarts within RESTART_WINDOW_S
 MAX_RESTARTS = 5
 RESTART_WINDOW_S = 60.0
@@ -148,6 +155,8 @@ def run_worker(
             config.host,
             config.port,
             drain_timeout_s=config.drain_timeout_s,
+            front=config.front,
+            max_body_bytes=config.max_body_bytes,
             reuse_port=reuse_port,
             on_ready=on_ready,
             admin=admin,
@@ -172,6 +181,8 @@ async def serve(
     port: int,
     *,
     drain_timeout_s: float,
+    front: str = "raw",
+    max_body_bytes: int = 8 * MiB,
     reuse_port: bool = False,
     on_ready: Callable[[int], None] | None = None,
     admin: tuple[web.Application, int] | None = None,
@@ -181,6 +192,9 @@ async def serve(
     """Serve ``app`` on ``host:port`` (and ``admin = (app, port)`` beside it) until SIGTERM/SIGINT,
     then drain and clean up.
 
+    ``front``: ``"raw"`` serves the port with ``router.front.RawFront`` (request bodies over
+    ``max_body_bytes`` get a 413 there), the app then listening on an internal loopback port for
+    the requests the raw front relays; ``"aiohttp"`` serves the port with aiohttp itself.
     Draining: the listening sockets close at once, in-flight requests (streams included) get up
     to ``drain_timeout_s`` to finish, then are cancelled; the app's cleanup runs last.
     ``lifeline``: a file descriptor that turns readable (EOF) when the supervisor dies; it
@@ -199,6 +213,8 @@ async def serve(
     # aiohttp reads a shutdown timeout of 0 as "no timeout": 0 here means "do not wait"
     shutdown_timeout = max(drain_timeout_s, 0.001)
     runners: list[web.AppRunner] = []
+    raw: RawFront | None = None
+    internal: web.TCPSite | None = None
     try:
         bound_port = port
         for served, served_port in [(app, port)] + ([admin] if admin is not None else []):
@@ -208,24 +224,41 @@ async def serve(
                                    handler_cancellation=True)
             await runner.setup()
             runners.append(runner)
-            site = web.TCPSite(runner, host, served_port, backlog=LISTEN_BACKLOG, reuse_port=reuse_port or None)
+            if served is app and front == "raw":
+                where = f"{INTERNAL_HOST}:0"
+                internal = site = web.TCPSite(runner, INTERNAL_HOST, 0, backlog=LISTEN_BACKLOG)
+            else:
+                where = f"{host}:{served_port}"
+                site = web.TCPSite(runner, host, served_port, backlog=LISTEN_BACKLOG, reuse_port=reuse_port or None)
             try:
                 await site.start()
             except OSError as exc:
-                raise StartupError(f"cannot listen on {host}:{served_port}: {exc.strerror or exc}") from None
+                raise StartupError(f"cannot listen on {where}: {exc.strerror or exc}") from None
             if served is app:
                 bound_port = site.port
+        if internal is not None:
+            raw = RawFront(app.get(PROXY), INTERNAL_HOST, internal.port, max_body_bytes=max_body_bytes)
+            try:
+                bound_port = await raw.start(host, port, backlog=LISTEN_BACKLOG, reuse_port=reuse_port)
+            except OSError as exc:
+                raise StartupError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
         if on_ready is not None:
             on_ready(bound_port)
         await stop.wait()
         logger.info("stopping: draining in-flight requests for up to %gs", drain_timeout_s)
     finally:
         try:
-            # Stop accepting everywhere first, then drain (the main app last: its cleanup
-            # closes what the admin app shares).
+            # Stop accepting everywhere first, then drain: the raw front first (what it relays
+            # still needs the app's internal listener), the main app last (its cleanup closes
+            # what the admin app shares).
+            if raw is not None:
+                raw.stop_accepting()
             for runner in runners:
                 for site in list(runner.sites):
-                    await site.stop()
+                    if site is not internal:
+                        await site.stop()
+            if raw is not None:
+                await raw.shutdown(drain_timeout_s)
             for runner in reversed(runners):
                 await runner.cleanup()
         finally:

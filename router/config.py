@@ -70,6 +70,9 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     drain_timeout_s: float = 30.0
     #: SO_REUSEPORT worker processes
     workers: int = 1
+    #: raw: the hot POST routes on an asyncio Protocol + httptools, the rest relayed to the aiohttp
+    #: app on an internal loopback port; aiohttp: everything served by aiohttp
+    front: str = "raw"
     #: bound on remembered Responses API ids (previous_response_id -> backend)
     max_response_ids: int = 100_000
 
@@ -83,6 +86,7 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 # --------------------------------------------------------------------------------------------
 
 POLICIES = ("session", "round_robin", "least_loaded")
+FRONTS = ("raw", "aiohttp")
 STAMPS = ("derive", "mint", "none")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 _POOL_FIELDS = ("backends", "prefill", "decode")
@@ -181,6 +185,7 @@ def validate_config(config: RouterConfig, *, labels: Mapping[str, str] | None = 
     check(log_level in LOG_LEVELS, "log_level", f"must be one of {', '.join(LOG_LEVELS)}, got {config.log_level!r}")
     check(config.policy in POLICIES, "policy", f"must be one of {', '.join(POLICIES)}, got {config.policy!r}")
     check(config.stamp in STAMPS, "stamp", f"must be one of {', '.join(STAMPS)}, got {config.stamp!r}")
+    check(config.front in FRONTS, "front", f"must be one of {', '.join(FRONTS)}, got {config.front!r}")
     check(
         config.load_factor >= 1,
         "load_factor",
@@ -313,6 +318,7 @@ _SCALAR_FLAGS = {
     "load_factor": "--load-factor",
     "admin_token": "--admin-token",
     "workers": "--workers",
+    "front": "--front",
 }
 
 
@@ -355,5 +361,10 @@ def _parser() -> _Parser:
     parser.add_argument("--admin-token", metavar="TOKEN", help="bearer token required by /admin")
     parser.add_argument(
         "--workers", type=int, metavar="N", help="SO_REUSEPORT worker processes sharing the port (default 1)"
+    )
+    parser.add_argument(
+        "--front", choices=FRONTS,
+        help="HTTP front: raw (the proxied POST routes on asyncio + httptools, the rest relayed to "
+        "aiohttp; the default) or aiohttp (everything on aiohttp)",
     )
     return parser

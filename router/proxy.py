@@ -5,6 +5,10 @@ when none resolves, places the request with the configured policy, sends the ori
 bytes to the chosen backend over the pooled raw upstream client, retries on another
 candidate while nothing has reached the client yet, then relays the response (streams chunk
 by chunk) and accounts it to the session.
+
+The proxy is front-agnostic: it reads the client's request through a ``RequestView`` and
+answers through a ``ResponseWriter`` (``router.front.exchange``); the aiohttp app and the raw
+front (``router.front``) each implement those two.
 """
 
 from __future__ import annotations
@@ -16,9 +20,6 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from aiohttp import web
-from multidict import CIMultiDict
-
 from router import inspect
 from router.errors import (
     BadRequestError,
@@ -29,6 +30,7 @@ from router.errors import (
     UpstreamTimeoutError,
     error_body,
 )
+from router.front.exchange import REQUEST_ID_HEADER, Headers, RequestView, ResponseWriter
 from router.placement.base import Outcome, Placement
 from router.pd import PD_ROUTE_KINDS, PDHandoff
 from router.pool import Backend, BackendPool
@@ -41,20 +43,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-REQUEST_ID_HEADER = "X-Request-Id"
 JSON_CONTENT_TYPE = "application/json"
 RETRY_STATUSES = frozenset((502, 503, 504))
 _REPINS = frozenset((Outcome.REPIN_UNHEALTHY, Outcome.REPIN_REMOVED))
 
-# Request headers never forwarded as received: hop-by-hop ones, and the ones the router sets.
-_DROP_REQUEST = frozenset(
-    h.lower()
-    for h in (
-        "Host", "Content-Length", "Connection", "Keep-Alive", "Proxy-Authenticate", "Proxy-Authorization",
-        "TE", "Trailer", "Transfer-Encoding", "Upgrade", "Expect", SESSION_HEADER, REQUEST_ID_HEADER,
-    )
-)
-# Response headers the router sets itself (or aiohttp does) instead of relaying.
+# Request headers never forwarded as received: router.front.exchange.DROP_REQUEST.
+# Response headers the router (or its front) sets itself instead of relaying.
 _DROP_RESPONSE = frozenset(
     h.lower()
     for h in (
@@ -112,16 +106,13 @@ class Proxy:
         self.pool = state.serving_pool
 
     # ------------------------------------------------------------------ entry point
-    def handler(self, route: Route):  # type: ignore[no-untyped-def]
-        async def handle(request: web.Request) -> web.StreamResponse:
-            return await self.handle(request, route)
-
-        return handle
-
-    async def handle(self, request: web.Request, route: Route) -> web.StreamResponse:
+    async def handle(self, request: RequestView, writer: ResponseWriter, route: Route) -> None:
+        """Answer one request of ``route`` through ``writer``. Raises only ``CancelledError`` (the
+        client went away, or the front gave up draining), or what the writer raises when a
+        failure after a stream started leaves no way to answer but cutting the connection."""
         loop = asyncio.get_running_loop()
         state = self.state
-        attempt = Attempt(route, request.headers.get(REQUEST_ID_HEADER) or state.request_ids.next(), loop.time())
+        attempt = Attempt(route, request.request_id or state.request_ids.next(), loop.time())
         try:
             if request.raw_path[:1] != "/":
                 raise BadRequestError(
@@ -130,9 +121,9 @@ class Proxy:
                 )
             body = await self._read_body(request)
             fields = self._resolve(request, route, body, attempt)
-            response = await self._dispatch(request, route, body, fields, attempt)
+            await self._dispatch(request, writer, route, body, fields, attempt)
         except SessionRouterError as exc:
-            response = self._error(exc.status, exc.body(), attempt)
+            self._error(writer, exc.status, exc.body(), attempt)
         except asyncio.CancelledError:
             # client went away: the upstream connection was closed in _relay/_dispatch
             attempt.status = 499
@@ -140,29 +131,23 @@ class Proxy:
             raise
         except Exception:  # never a traceback to the client; keep serving
             log.exception("unexpected error on %s", route.path)
-            response = self._error(500, error_body(500, "internal router error; see the router's log"), attempt)
+            self._error(writer, 500, error_body(500, "internal router error; see the router's log"), attempt)
         self._finish(attempt, loop.time())
-        return response
 
     # ------------------------------------------------------------------ session
-    async def _read_body(self, request: web.Request) -> bytes:
+    async def _read_body(self, request: RequestView) -> bytes:
         length = request.content_length
         if length is not None and length > self.config.max_body_bytes:
             raise PayloadTooLargeError(
                 f"request body is {length} bytes; the limit is {self.config.max_body_bytes} (max_body_bytes)"
             )
-        try:
-            return await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise PayloadTooLargeError(
-                f"request body exceeds the limit of {self.config.max_body_bytes} bytes (max_body_bytes)"
-            ) from None
+        return await request.read_body()
 
-    def _resolve(self, request: web.Request, route: Route, body: bytes, attempt: Attempt) -> inspect.RoutingFields | None:
+    def _resolve(self, request: RequestView, route: Route, body: bytes, attempt: Attempt) -> inspect.RoutingFields | None:
         if route.kind == "plain":
             return None
         fields = inspect.decode_routing_fields(body)
-        headers = request.headers.getall(SESSION_HEADER, ())
+        headers = request.session_headers
         if route.kind == "generate":
             session_id = session_from_headers(headers)  # tokens-in: the header is the only channel, as in vLLM
         else:
@@ -217,8 +202,8 @@ class Proxy:
             state.metrics.placement(state.policy.name, placement.outcome.value)
         return placement
 
-    async def _dispatch(self, request: web.Request, route: Route, body: bytes,
-                        fields: inspect.RoutingFields | None, attempt: Attempt) -> web.StreamResponse:
+    async def _dispatch(self, request: RequestView, writer: ResponseWriter, route: Route, body: bytes,
+                        fields: inspect.RoutingFields | None, attempt: Attempt) -> None:
         pool = self.pool
         headers = self.forward_headers(request, attempt)
         first: Placement | None = None
@@ -228,18 +213,17 @@ class Proxy:
         upstream, backend = await self.send(pool, route, request.method, request.path_qs, headers, body, fields,
                                             attempt, first)
         try:
-            return await self._relay(request, route, fields, upstream, backend, attempt)
+            await self._relay(writer, route, fields, upstream, backend, attempt)
         finally:
             upstream.close()
             backend.in_flight -= 1
 
-    def forward_headers(self, request: web.Request, attempt: Attempt) -> str:
+    def forward_headers(self, request: RequestView, attempt: Attempt) -> str:
         """The header lines every upstream leg of this request carries, rendered once."""
-        out = [(k, v) for k, v in request.headers.items() if k.lower() not in _DROP_REQUEST]
-        out.append((REQUEST_ID_HEADER, attempt.request_id))
+        own = [(REQUEST_ID_HEADER, attempt.request_id)]
         if attempt.session_id is not None:
-            out.append((SESSION_HEADER, attempt.session_id))
-        return render_headers(out)
+            own.append((SESSION_HEADER, attempt.session_id))
+        return request.forward_headers() + render_headers(own)
 
     async def send(self, pool: BackendPool, route: Route, method: str, path: str, headers: str,
                    body: bytes, fields: inspect.RoutingFields | None, attempt: Attempt,
@@ -309,8 +293,8 @@ class Proxy:
             backend.healthy = False
 
     # ------------------------------------------------------------------ relay
-    async def _relay(self, request: web.Request, route: Route, fields: inspect.RoutingFields | None,
-                     upstream: UpstreamResponse, backend: Backend, attempt: Attempt) -> web.StreamResponse:
+    async def _relay(self, writer: ResponseWriter, route: Route, fields: inspect.RoutingFields | None,
+                     upstream: UpstreamResponse, backend: Backend, attempt: Attempt) -> None:
         attempt.status = upstream.status
         headers = self._response_headers(upstream, attempt)
         if not upstream.content_type.startswith("text/event-stream"):
@@ -322,14 +306,14 @@ class Proxy:
                     self.state.responses.remember(response_id, backend.url, attempt.session_id)
             elif upstream.status >= 400:
                 self._account_error(attempt)
-            return web.Response(status=upstream.status, body=data, headers=headers)
-        return await self._relay_stream(request, route, fields, upstream, backend, attempt, headers)
+            writer.respond(upstream.status, headers, data)
+            return
+        await self._relay_stream(writer, route, fields, upstream, backend, attempt, headers)
 
-    async def _relay_stream(self, request: web.Request, route: Route, fields: inspect.RoutingFields | None,
+    async def _relay_stream(self, writer: ResponseWriter, route: Route, fields: inspect.RoutingFields | None,
                             upstream: UpstreamResponse, backend: Backend, attempt: Attempt,
-                            headers: CIMultiDict[str]) -> web.StreamResponse:
-        response = web.StreamResponse(status=upstream.status, headers=headers)
-        await response.prepare(request)  # aiohttp sets TCP_NODELAY on every connection
+                            headers: Headers) -> None:
+        await writer.start(upstream.status, headers)
         track_usage = route.session_aware and fields is not None and (
             route.kind == "responses" or inspect.wants_stream_usage(fields)
         )
@@ -337,7 +321,7 @@ class Proxy:
         last: deque[bytes] = deque(maxlen=3)
         try:
             async for chunk in upstream:
-                await response.write(chunk)
+                await writer.write(chunk)
                 if track_usage:
                     last.append(chunk)
                 if want_id:
@@ -350,24 +334,20 @@ class Proxy:
             self._record_failure(backend, exc.reason, connect_error=False)
             attempt.status = exc.status
             self._account_error(attempt)
-            await response.write(b"data: " + exc.body() + b"\n\ndata: [DONE]\n\n")
-            await response.write_eof()
-            return response
+            await writer.write(b"data: " + exc.body() + b"\n\ndata: [DONE]\n\n")
+            await writer.end()
+            return
         if track_usage:
             self._account(attempt, inspect.usage_from_sse_tail(b"".join(last)))
         else:
             self._account(attempt, None)
-        await response.write_eof()
-        return response
+        await writer.end()
 
-    def _response_headers(self, upstream: UpstreamResponse, attempt: Attempt) -> CIMultiDict[str]:
-        headers: CIMultiDict[str] = CIMultiDict()
-        for name, value in upstream.headers:
-            if name.lower() not in _DROP_RESPONSE:
-                headers.add(name, value)
-        headers[REQUEST_ID_HEADER] = attempt.request_id
+    def _response_headers(self, upstream: UpstreamResponse, attempt: Attempt) -> list[tuple[str, str]]:
+        headers = [h for h in upstream.headers if h[0].lower() not in _DROP_RESPONSE]
+        headers.append((REQUEST_ID_HEADER, attempt.request_id))
         if attempt.session_id is not None:
-            headers[SESSION_HEADER] = attempt.session_id
+            headers.append((SESSION_HEADER, attempt.session_id))
         return headers
 
     # ------------------------------------------------------------------ accounting
@@ -384,14 +364,14 @@ class Proxy:
         if attempt.entry is not None:
             attempt.entry.errors += 1
 
-    def _error(self, status: int, body: bytes, attempt: Attempt) -> web.Response:
+    def _error(self, writer: ResponseWriter, status: int, body: bytes, attempt: Attempt) -> None:
         attempt.status = status
-        headers = {REQUEST_ID_HEADER: attempt.request_id}
+        headers = [("Content-Type", JSON_CONTENT_TYPE), (REQUEST_ID_HEADER, attempt.request_id)]
         if attempt.session_id is not None:
-            headers[SESSION_HEADER] = attempt.session_id
+            headers.append((SESSION_HEADER, attempt.session_id))
         if status >= 500 or attempt.backend is not None:
             self._account_error(attempt)
-        return web.Response(status=status, body=body, content_type=JSON_CONTENT_TYPE, headers=headers)
+        writer.respond(status, headers, body)
 
     def _finish(self, attempt: Attempt, now: float) -> None:
         backend = attempt.backend.name if attempt.backend is not None else "none"

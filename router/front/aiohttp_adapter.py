@@ -1,0 +1,109 @@
+"""The proxy's request view and response writer over aiohttp (``web.Request`` / ``web.StreamResponse``).
+
+``proxy_handler(proxy, route)`` is the aiohttp handler of a proxied route: it wraps the request,
+lets ``Proxy.handle`` answer through the writer, and returns the response aiohttp sends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from router.errors import PayloadTooLargeError
+from router.front.exchange import DROP_REQUEST, REQUEST_ID_HEADER, Headers
+from router.session import SESSION_HEADER
+from router.upstream import render_headers
+
+if TYPE_CHECKING:
+    from router.proxy import Proxy, Route
+
+
+class AiohttpRequest:
+    """``RequestView`` over ``web.Request``."""
+
+    __slots__ = ("_request",)
+
+    def __init__(self, request: web.Request) -> None:
+        self._request = request
+
+    @property
+    def method(self) -> str:
+        return self._request.method
+
+    @property
+    def raw_path(self) -> str:
+        return self._request.raw_path
+
+    @property
+    def path_qs(self) -> str:
+        return self._request.path_qs
+
+    @property
+    def session_headers(self) -> Sequence[str]:
+        return self._request.headers.getall(SESSION_HEADER, ())
+
+    @property
+    def request_id(self) -> str | None:
+        return self._request.headers.get(REQUEST_ID_HEADER)
+
+    @property
+    def content_length(self) -> int | None:
+        return self._request.content_length
+
+    def forward_headers(self) -> str:
+        return render_headers((k, v) for k, v in self._request.headers.items() if k.lower() not in DROP_REQUEST)
+
+    async def read_body(self) -> bytes:
+        try:
+            return await self._request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise PayloadTooLargeError(
+                f"request body exceeds the limit of {self._request.client_max_size} bytes (max_body_bytes)"
+            ) from None
+
+
+class AiohttpWriter:
+    """``ResponseWriter`` building the ``web.StreamResponse`` the handler returns."""
+
+    __slots__ = ("_request", "response")
+
+    def __init__(self, request: web.Request) -> None:
+        self._request = request
+        self.response: web.StreamResponse | None = None
+
+    @property
+    def started(self) -> bool:
+        return self.response is not None and self.response.prepared
+
+    def respond(self, status: int, headers: Headers, body: bytes) -> None:
+        if self.started:
+            # a stream is under way: the only honest answer is to cut the connection
+            raise ConnectionResetError("cannot send a whole response after a stream started")
+        self.response = web.Response(status=status, body=body, headers=list(headers))
+
+    async def start(self, status: int, headers: Headers) -> None:
+        response = web.StreamResponse(status=status, headers=list(headers))
+        self.response = response
+        await response.prepare(self._request)  # aiohttp sets TCP_NODELAY on every connection
+
+    async def write(self, chunk: bytes) -> None:
+        assert self.response is not None
+        await self.response.write(chunk)
+
+    async def end(self) -> None:
+        assert self.response is not None
+        await self.response.write_eof()
+
+
+def proxy_handler(proxy: "Proxy", route: "Route") -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    """The aiohttp handler of one proxied route."""
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        writer = AiohttpWriter(request)
+        await proxy.handle(AiohttpRequest(request), writer, route)
+        assert writer.response is not None, "Proxy.handle always answers"
+        return writer.response
+
+    return handle

@@ -1,0 +1,532 @@
+"""One client connection of the raw front: an ``asyncio.Protocol`` fed to ``httptools``.
+
+Life of a connection::
+
+    data_received ─> parser ─ on_headers_complete ─> Exchange queued; the first one runs:
+                                                     Proxy.handle (hot POST routes) or the relay
+                   on_body / on_message_complete ──> the exchange's body (bounded by max_body_bytes)
+    response written ──> next queued exchange (pipelining: one at a time, in order),
+                         or idle (keep-alive), or close (Connection: close, HTTP/1.0, unread body)
+
+Pipelined requests are parsed as they arrive, but only the first one runs; while a second one
+is queued the socket is not read (so at most one read's worth of requests waits). A client
+that goes away cancels the running exchange at once (its upstream connection is closed, so the
+backend aborts). A slow reader pauses the stream relay (``pause_writing``). Requests the parser
+rejects get a 400 in OpenAI's error shape with ``Connection: close`` (one pipelined behind valid
+requests: those are answered, the last with ``Connection: close``, then the connection closes);
+a connection closed before
+its request body was read is closed "lingering" (write side first, input discarded for a
+bounded time) so the client reads the answer instead of a reset.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from typing import TYPE_CHECKING
+
+import httptools
+
+from router.errors import BadRequestError, PayloadTooLargeError, error_body
+from router.front.exchange import DROP_REQUEST, REQUEST_ID_HEADER, Headers
+from router.front.wire import CONTINUE, LAST_CHUNK, chunk, error_headers, header_lines, status_line
+from router.http_server import MALFORMED_MESSAGE, MAX_LINE_BYTES
+
+if TYPE_CHECKING:
+    from router.front.server import RawFront
+    from router.proxy import Route
+
+log = logging.getLogger(__name__)
+
+#: a request head (request line + headers) larger than this is refused
+MAX_HEAD_BYTES = 256 * 1024
+MAX_HEADERS = 256
+#: how long a connection closed with unread input keeps discarding it (so the client reads the answer)
+LINGER_S = 5.0
+
+_DROP_B = frozenset(h.encode() for h in DROP_REQUEST)
+_SESSION_B = b"x-session-id"
+_REQUEST_ID_B = REQUEST_ID_HEADER.lower().encode()
+_NO_BODY_STATUSES = frozenset((204, 304))
+
+
+class _Rejected(Exception):
+    """Raised from a parser callback: the request is malformed (answered 400, then closed)."""
+
+    def __init__(self, message: str = MALFORMED_MESSAGE) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class Exchange:
+    """One request and its answer: the proxy's ``RequestView`` and ``ResponseWriter`` on the raw
+    front (one object for both: one allocation per request)."""
+
+    __slots__ = (
+        "conn", "method", "raw_path", "path_qs", "route", "http10", "keep_alive", "head_only",
+        "lines", "session_headers", "request_id", "content_length", "expect_continue",
+        "conn_close", "conn_keep_alive", "url",
+        "complete", "too_large", "bad", "_chunks", "_size", "_waiter",
+        "started", "finished", "_pending", "_chunked",
+    )  # fmt: skip
+
+    def __init__(self, conn: "FrontConnection") -> None:
+        self.conn = conn
+        self.method = ""
+        self.raw_path = ""
+        self.path_qs = ""
+        self.route: Route | None = None
+        self.http10 = False
+        self.keep_alive = True
+        self.head_only = False
+        #: end-to-end header lines as received (``name: value\r\n``), DROP_REQUEST left out
+        self.lines: list[bytes] = []
+        self.session_headers: list[str] = []
+        self.request_id: str | None = None
+        self.content_length: int | None = None
+        self.expect_continue = False
+        self.conn_close = False
+        self.conn_keep_alive = False
+        self.url = b""
+        #: the whole body arrived
+        self.complete = False
+        self.too_large = False
+        #: the body could not be parsed (bad chunking): why
+        self.bad: str | None = None
+        self._chunks: list[bytes] = []
+        self._size = 0
+        self._waiter: asyncio.Future[None] | None = None
+        self.started = False
+        self.finished = False
+        self._pending = b""
+        self._chunked = False
+
+    # ------------------------------------------------------------------ RequestView
+    def forward_headers(self) -> str:
+        # names were checked by the parser (tokens), values in on_header (no CR, LF or NUL)
+        return b"".join(self.lines).decode("utf-8", "surrogateescape")
+
+    async def read_body(self) -> bytes:
+        if not self.complete and not self.too_large and self.bad is None:
+            conn = self.conn
+            if self.expect_continue and not self.http10:
+                self.expect_continue = False
+                conn.write(CONTINUE)
+            waiter = self._waiter = conn.loop.create_future()
+            try:
+                await waiter
+            finally:
+                self._waiter = None
+        if self.too_large:
+            raise PayloadTooLargeError(
+                f"request body exceeds the limit of {self.conn.front.max_body_bytes} bytes (max_body_bytes)"
+            )
+        if self.bad is not None:
+            raise BadRequestError(self.bad)
+        chunks = self._chunks
+        if not chunks:
+            return b""
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    # ------------------------------------------------------------------ ResponseWriter
+    def respond(self, status: int, headers: Headers, body: bytes) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        conn = self.conn
+        if self.started:  # a stream is under way: cutting the connection is the only honest end
+            conn.abort()
+            return
+        close = self._decide_close()
+        if status in _NO_BODY_STATUSES or status < 200:
+            framing = b""
+            body = b""
+        else:
+            framing = b"Content-Length: %d\r\n" % len(body)
+        head = b"".join((status_line(status, self.http10), conn.front.dates.lines(), header_lines(headers),
+                         framing, self._connection_line(close), b"\r\n"))
+        if self.head_only or not body:
+            conn.write(head)
+        elif len(body) < 65536:
+            conn.write(head + body)
+        else:
+            conn.write(head)
+            conn.write(body)
+
+    async def start(self, status: int, headers: Headers) -> None:
+        self.started = True
+        if self.http10:
+            self.keep_alive = False  # close-delimited
+        close = self._decide_close()
+        self._chunked = not self.http10 and not self.head_only
+        framing = b"Transfer-Encoding: chunked\r\n" if self._chunked else b""
+        # sent with the first chunk (one write instead of two)
+        self._pending = b"".join((status_line(status, self.http10), self.conn.front.dates.lines(),
+                                  header_lines(headers), framing, self._connection_line(close), b"\r\n"))
+
+    async def write(self, data: bytes) -> None:
+        if not data or self.head_only:
+            return
+        conn = self.conn
+        if self._chunked:
+            data = chunk(data)
+        if self._pending:
+            data = self._pending + data
+            self._pending = b""
+        conn.write(data)
+        if conn.write_paused:
+            await conn.drained()
+
+    async def end(self) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        tail = LAST_CHUNK if self._chunked else b""
+        if self._pending or tail:
+            self.conn.write(self._pending + tail)
+            self._pending = b""
+
+    def _decide_close(self) -> bool:
+        """Whether the connection closes after this answer (fixed once the head is rendered)."""
+        close = not self.keep_alive or not self.complete or self.conn.closing
+        self.keep_alive = not close
+        return close
+
+    def _connection_line(self, close: bool) -> bytes:
+        if close:
+            return b"Connection: close\r\n"
+        return b"Connection: keep-alive\r\n" if self.http10 else b""
+
+
+class FrontConnection(asyncio.Protocol):
+    """One client connection; created by ``RawFront`` for every accepted socket."""
+
+    __slots__ = (
+        "front", "loop", "transport", "closed", "closing", "write_paused", "idle_since",
+        "_parser", "_queue", "_parsing", "task", "_in_head", "_head_bytes", "_reading_paused",
+        "_drain", "_stopped", "_linger",
+    )  # fmt: skip
+
+    def __init__(self, front: "RawFront") -> None:
+        self.front = front
+        self.loop = front.loop
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        #: no request after the current one (drain, Connection: close, an error)
+        self.closing = False
+        self.write_paused = False
+        self.idle_since = self.loop.time()
+        self._parser = httptools.HttpRequestParser(self)
+        #: parsed exchanges in order; the first one is running
+        self._queue: deque[Exchange] = deque()
+        #: the exchange whose bytes are being parsed (may be queued already, waiting for its body)
+        self._parsing: Exchange | None = None
+        self.task: asyncio.Task[None] | None = None
+        self._in_head = False
+        self._head_bytes = 0
+        self._reading_paused = False
+        self._drain: asyncio.Future[None] | None = None
+        #: the parser stopped (error or upgrade): input is discarded
+        self._stopped = False
+        self._linger: asyncio.TimerHandle | None = None
+
+    # ------------------------------------------------------------------ asyncio.Protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's transports are not asyncio.Transport subclasses
+        self.front.connections.add(self)
+        if self.front.draining:
+            self.closing = True
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.front.forget(self)
+        if self._linger is not None:
+            self._linger.cancel()
+            self._linger = None
+        task = self.task
+        if task is not None and not task.done():
+            task.cancel()  # the client went away: the upstream request is closed at once
+        self._queue.clear()
+        drain = self._drain
+        if drain is not None and not drain.done():
+            drain.set_result(None)
+
+    def data_received(self, data: bytes) -> None:
+        if self._stopped or self.closed:
+            return  # lingering, or the parser gave up: discard
+        if self._in_head:
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_HEAD_BYTES:
+                self._parse_error(_Rejected())
+                return
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._upgrade()
+        except httptools.HttpParserError as exc:
+            cause = exc.__context__
+            self._parse_error(cause if isinstance(cause, _Rejected) else _Rejected())
+
+    def eof_received(self) -> bool:
+        # The client's FIN counts as going away (as on aiohttp's server): the transport closes and
+        # connection_lost cancels the exchange in flight, so the backend aborts it. A client that
+        # only half-closes loses its answer; HTTP/1.1 clients do not do that.
+        return False
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        drain = self._drain
+        if drain is not None and not drain.done():
+            drain.set_result(None)
+
+    # ------------------------------------------------------------------ httptools callbacks
+    def on_message_begin(self) -> None:
+        self._parsing = Exchange(self)
+        self._in_head = True
+        self._head_bytes = 0
+
+    def on_url(self, url: bytes) -> None:
+        ex = self._parsing
+        assert ex is not None
+        ex.url += url
+        if len(ex.url) > MAX_LINE_BYTES:
+            raise _Rejected()
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        ex = self._parsing
+        assert ex is not None
+        if len(value) + len(name) > MAX_LINE_BYTES or len(ex.lines) >= MAX_HEADERS:
+            raise _Rejected()
+        value = value.strip(b" \t")
+        if b"\r" in value or b"\n" in value or b"\x00" in value:  # never reaches a backend
+            raise _Rejected()
+        lname = name.lower()
+        if lname not in _DROP_B:
+            ex.lines.append(b"%b: %b\r\n" % (name, value))
+        elif lname == _SESSION_B:
+            ex.session_headers.append(value.decode("utf-8", "surrogateescape"))
+        elif lname == _REQUEST_ID_B:
+            if ex.request_id is None:
+                ex.request_id = value.decode("utf-8", "surrogateescape")
+        elif lname == b"content-length":
+            ex.content_length = int(value)  # llhttp checked the digits and refused duplicates
+        elif lname == b"connection":
+            for token in value.lower().split(b","):
+                token = token.strip()
+                if token == b"close":
+                    ex.conn_close = True
+                elif token == b"keep-alive":
+                    ex.conn_keep_alive = True
+        elif lname == b"expect":
+            ex.expect_continue = value.lower() == b"100-continue"
+
+    def on_headers_complete(self) -> None:
+        ex = self._parsing
+        assert ex is not None
+        self._in_head = False
+        parser = self._parser
+        version = parser.get_http_version()
+        if version == "1.1":
+            ex.keep_alive = not ex.conn_close
+        elif version == "1.0":
+            ex.http10 = True
+            ex.keep_alive = ex.conn_keep_alive and not ex.conn_close
+        else:
+            raise _Rejected(f"HTTP/{version} is not supported: send HTTP/1.1 (or HTTP/1.0)")
+        url = ex.url
+        if url[:1] != b"/":
+            raise _Rejected(
+                "the request target must be a path starting with '/' (origin-form): this router is a "
+                "reverse proxy, not a forward proxy; send e.g. POST /v1/completions with the router's "
+                "address in the Host header"
+            )
+        method = parser.get_method()
+        ex.method = method.decode("ascii")
+        ex.head_only = method == b"HEAD"
+        ex.raw_path = ex.path_qs = url.decode("utf-8", "surrogateescape")
+        front = self.front
+        if method == b"POST":
+            ex.route = front.hot.get(url.partition(b"?")[0])
+        if ex.content_length is not None and ex.content_length > front.max_body_bytes:
+            ex.too_large = True  # decided before the body: it is discarded, not buffered
+        if self.closing:
+            ex.keep_alive = False
+        queue = self._queue
+        queue.append(ex)
+        if len(queue) == 1:
+            self._start(ex)
+        elif not self._reading_paused and self.transport is not None:
+            self._reading_paused = True  # a request is in flight: read no more until it is answered
+            self.transport.pause_reading()
+
+    def on_body(self, body: bytes) -> None:
+        ex = self._parsing
+        if ex is None or ex.too_large:
+            return
+        ex._size += len(body)
+        if ex._size > self.front.max_body_bytes:
+            ex.too_large = True  # stop buffering: the answer is a 413
+            ex._chunks.clear()
+            ex._wake()
+            return
+        ex._chunks.append(body)
+
+    def on_message_complete(self) -> None:
+        ex = self._parsing
+        self._parsing = None
+        if ex is not None:
+            ex.complete = True
+            ex._wake()
+
+    # ------------------------------------------------------------------ running exchanges
+    def _start(self, ex: Exchange) -> None:
+        self.task = self.loop.create_task(self._run(ex))
+
+    async def _run(self, ex: Exchange) -> None:
+        front = self.front
+        try:
+            route = ex.route
+            if route is not None:
+                await front.proxy.handle(ex, ex, route)  # type: ignore[union-attr]  # routes imply a proxy
+            else:
+                await front.relay.forward(ex)
+        except asyncio.CancelledError:
+            self.abort()  # the client left, or the drain gave up: never a truncated-but-framed answer
+            raise
+        except Exception:  # never a traceback to the client; keep serving
+            log.exception("unexpected error on %s %s", ex.method, ex.route.path if ex.route else "(relayed)")
+            if not ex.started and not ex.finished:
+                request_id = ex.request_id or front.ids.next()
+                ex.respond(500, error_headers(request_id), error_body(500, "internal router error; see the router's log"))
+            else:
+                self.abort()
+        self._done(ex)
+
+    def _done(self, ex: Exchange) -> None:
+        if self.closed:
+            return
+        if not ex.finished:
+            if ex.started:
+                self.abort()  # a stream that never ended
+                return
+            log.error("no answer for %s %s; closing the connection", ex.method, ex.raw_path[:64])
+            self.abort()
+            return
+        queue = self._queue
+        if queue and queue[0] is ex:
+            queue.popleft()
+        self.task = None
+        if not ex.keep_alive or self.closing:
+            if ex.complete and not queue and self._parsing is None:
+                self._close()
+            else:
+                self._linger_close()  # input we will not read may follow: let the client read the answer
+            return
+        if queue:
+            self._start(queue[0])
+        else:
+            self.idle_since = self.loop.time()
+        if len(queue) <= 1:
+            self.resume_reading()
+
+    # ------------------------------------------------------------------ errors
+    def _parse_error(self, rejected: _Rejected) -> None:
+        self._stopped = True
+        ex = self._parsing
+        if ex is not None and ex in self._queue:
+            # the head was fine, the body is not (bad chunking): its read fails with a 400
+            ex.bad = rejected.message
+            ex.keep_alive = False
+            ex._wake()
+            return
+        log.debug("rejected a malformed request from %s", self.peer())
+        if self._queue:
+            # requests before it are answered (the last with Connection: close), then the
+            # connection closes without a second answer, as aiohttp's server does
+            self.closing = True
+        else:
+            self._reject_now(rejected.message)
+
+    def _reject_now(self, message: str) -> None:
+        ex = Exchange(self)
+        ex.keep_alive = False
+        ex.respond(400, error_headers(self.front.ids.next()), error_body(400, message))
+        self._linger_close()
+
+    def _upgrade(self) -> None:
+        """``Upgrade``/``CONNECT``: the router speaks plain HTTP only. A request whose head was
+        accepted is answered as a normal request, then the connection closes."""
+        self._stopped = True
+        queue = self._queue
+        if queue:
+            queue[-1].keep_alive = False
+        else:
+            self._parse_error(_Rejected("protocol upgrades (Upgrade, CONNECT) are not supported by this router"))
+
+    # ------------------------------------------------------------------ transport helpers
+    def write(self, data: bytes) -> None:
+        if not self.closed and self.transport is not None:
+            self.transport.write(data)
+
+    async def drained(self) -> None:
+        """Wait until the client reads again (``resume_writing``) or goes away."""
+        if not self.write_paused or self.closed:
+            return
+        drain = self._drain = self.loop.create_future()
+        try:
+            await drain
+        finally:
+            self._drain = None
+
+    def resume_reading(self) -> None:
+        if self._reading_paused and not self.closed and self.transport is not None:
+            self._reading_paused = False
+            self.transport.resume_reading()
+
+    def busy(self) -> bool:
+        """An exchange is queued or running."""
+        return bool(self._queue)
+
+    def shutdown(self) -> None:
+        """The front is draining: close now when idle, else after the answer in flight."""
+        self.closing = True
+        if not self._queue:
+            self._close()
+
+    def _close(self) -> None:
+        if not self.closed and self.transport is not None:
+            self.transport.close()
+
+    def _linger_close(self) -> None:
+        """Close after the client had time to read the answer, discarding its unread input."""
+        transport = self.transport
+        if self.closed or transport is None or self._linger is not None:
+            return
+        self._stopped = True
+        self.closing = True
+        self._queue.clear()
+        if transport.can_write_eof():
+            transport.write_eof()
+        self.resume_reading()
+        self._linger = self.loop.call_later(LINGER_S, self.abort)
+
+    def abort(self) -> None:
+        """Close at once (no flush); the running exchange is cancelled by ``connection_lost``."""
+        if self.transport is not None and not self.closed:
+            self.transport.abort()
+        task = self.task
+        if task is not None and not task.done() and task is not asyncio.current_task():
+            task.cancel()
+
+    def peer(self) -> str:
+        peer = self.transport.get_extra_info("peername") if self.transport is not None else None
+        return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else "?"

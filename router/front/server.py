@@ -1,0 +1,112 @@
+"""The raw front's listening socket, its connections, the idle sweeper and the graceful drain.
+
+``RawFront`` serves the router's port: the hot POST routes (``router.proxy.ROUTES``) go
+straight to the app's ``Proxy``; everything else is relayed to the aiohttp app on its internal
+listener (``router.front.relay``). Drain (``shutdown``): stop accepting, close idle keep-alive
+connections, let exchanges in flight finish for up to the drain timeout (each connection
+closes after its answer), then cancel what is left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from typing import TYPE_CHECKING
+
+from router.front.connection import FrontConnection
+from router.front.relay import Relay
+from router.front.wire import DateServer
+from router.ids import IdGenerator
+from router.proxy import ROUTES
+
+if TYPE_CHECKING:
+    from router.proxy import Proxy, Route
+
+log = logging.getLogger(__name__)
+
+#: an idle keep-alive connection is closed after this long (aiohttp's default)
+KEEPALIVE_TIMEOUT_S = 75.0
+SWEEP_INTERVAL_S = 1.0
+#: after the drain timeout, how long cancelled exchanges get to unwind
+CANCEL_GRACE_S = 5.0
+
+
+class RawFront:
+    """The router's port on an ``asyncio.Protocol`` + httptools (uvloop's loop when running on it)."""
+
+    def __init__(self, proxy: "Proxy | None", app_host: str, app_port: int, *, max_body_bytes: int) -> None:
+        """``proxy``: the app's (None: relay everything); ``app_host:app_port``: the aiohttp app's
+        internal listener; ``max_body_bytes``: larger request bodies get a 413."""
+        self.proxy = proxy
+        self.max_body_bytes = max_body_bytes
+        #: request ids for the answers the front makes itself (the proxy's, when there is one)
+        self.ids = proxy.state.request_ids if proxy is not None else IdGenerator()
+        self.relay = Relay(app_host, app_port, self.ids)
+        #: POST path -> route, for the routes served natively (none without a proxy: all relayed)
+        self.hot: dict[bytes, Route] = {r.path.encode(): r for r in ROUTES} if proxy is not None else {}
+        self.dates = DateServer()
+        self.connections: set[FrontConnection] = set()
+        self.draining = False
+        self.loop = asyncio.get_running_loop()
+        self._server: asyncio.AbstractServer | None = None
+        self._sweeper: asyncio.Task[None] | None = None
+        self._empty: asyncio.Event | None = None
+
+    async def start(self, host: str, port: int, *, backlog: int = 1024, reuse_port: bool = False) -> int:
+        """Listen on ``host:port``; return the bound port. Raises ``OSError`` (e.g. the port is taken)."""
+        server = await self.loop.create_server(lambda: FrontConnection(self), host, port, backlog=backlog,
+                                               reuse_port=reuse_port or None)
+        self._server = server
+        self._sweeper = self.loop.create_task(self._sweep(), name="raw-front-sweeper")
+        sockets = server.sockets or ()
+        for sock in sockets:
+            if sock.family in (socket.AF_INET, socket.AF_INET6):
+                return int(sock.getsockname()[1])
+        return port
+
+    def forget(self, conn: FrontConnection) -> None:
+        self.connections.discard(conn)
+        if not self.connections and self._empty is not None:
+            self._empty.set()
+
+    def stop_accepting(self) -> None:
+        """Close the listening socket (new connections are refused)."""
+        if self._server is not None:
+            self._server.close()
+
+    async def shutdown(self, drain_timeout_s: float) -> None:
+        """Drain: stop accepting, close idle connections, give exchanges in flight up to
+        ``drain_timeout_s``, cancel the rest, then close the relay's pool."""
+        self.stop_accepting()
+        self.draining = True
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+        for conn in list(self.connections):
+            conn.shutdown()
+        if self.connections:
+            self._empty = asyncio.Event()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._empty.wait(), drain_timeout_s)
+        tasks = [t for conn in self.connections if (t := conn.task) is not None and not t.done()]
+        if self.connections:
+            log.warning("drain timeout (%gs): cutting %d connection(s) still busy", drain_timeout_s,
+                        sum(1 for c in self.connections if c.busy()))
+        for conn in list(self.connections):
+            conn.abort()
+        if tasks:
+            await asyncio.wait(tasks, timeout=CANCEL_GRACE_S)
+        await self.relay.close()
+        if self._server is not None:
+            self._server.close()
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(SWEEP_INTERVAL_S)
+            deadline = self.loop.time() - KEEPALIVE_TIMEOUT_S
+            for conn in list(self.connections):
+                if not conn.busy() and conn.idle_since < deadline:
+                    conn.shutdown()
