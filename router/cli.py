@@ -157,6 +157,7 @@ def run_worker(
             drain_timeout_s=config.drain_timeout_s,
             front=config.front,
             max_body_bytes=config.max_body_bytes,
+            body_timeout_s=config.body_timeout_s,
             reuse_port=reuse_port,
             on_ready=on_ready,
             admin=admin,
@@ -183,6 +184,7 @@ async def serve(
     drain_timeout_s: float,
     front: str = "raw",
     max_body_bytes: int = 8 * MiB,
+    body_timeout_s: float = 60.0,
     reuse_port: bool = False,
     on_ready: Callable[[int], None] | None = None,
     admin: tuple[web.Application, int] | None = None,
@@ -193,7 +195,7 @@ async def serve(
     then drain and clean up.
 
     ``front``: ``"raw"`` serves the port with ``router.front.RawFront`` (request bodies over
-    ``max_body_bytes`` get a 413 there), the app then listening on an internal loopback port for
+    ``max_body_bytes`` get a 413 there, bodies not whole ``body_timeout_s`` after their head a 408), the app then listening on an internal loopback port for
     the requests the raw front relays; ``"aiohttp"`` serves the port with aiohttp itself.
     Draining: the listening sockets close at once, in-flight requests (streams included) get up
     to ``drain_timeout_s`` to finish, then are cancelled; the app's cleanup runs last.
@@ -237,7 +239,8 @@ async def serve(
             if served is app:
                 bound_port = site.port
         if internal is not None:
-            raw = RawFront(app.get(PROXY), INTERNAL_HOST, internal.port, max_body_bytes=max_body_bytes)
+            raw = RawFront(app.get(PROXY), INTERNAL_HOST, internal.port, max_body_bytes=max_body_bytes,
+                           body_timeout_s=body_timeout_s)
             try:
                 bound_port = await raw.start(host, port, backlog=LISTEN_BACKLOG, reuse_port=reuse_port)
             except OSError as exc:

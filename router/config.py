@@ -51,6 +51,8 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_sessions: int = 100_000
     session_metrics_top_k: int = 100
     max_body_bytes: int = 8 * MiB
+    #: a request body must arrive whole within this long after its head (else 408, connection closed)
+    body_timeout_s: float = 60.0
     connect_timeout_s: float = 5.0
     first_byte_timeout_s: float = 30.0
     total_timeout_s: float = 600.0
@@ -206,6 +208,7 @@ def validate_config(config: RouterConfig, *, labels: Mapping[str, str] | None = 
         "total_timeout_s",
         "health_interval_s",
         "health_timeout_s",
+        "body_timeout_s",
     ):
         value = getattr(config, name)
         check(value > 0, name, f"must be a positive number of seconds, got {value}")

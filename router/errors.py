@@ -86,6 +86,11 @@ class NotFoundError(ClientError):
     error_type = "NotFoundError"
 
 
+class RequestTimeoutError(ClientError):
+    status = 408
+    error_type = "RequestTimeoutError"
+
+
 class PayloadTooLargeError(ClientError):
     status = 413
     error_type = "PayloadTooLargeError"
@@ -146,6 +151,7 @@ def _default_type(status: int) -> str:
         403: "PermissionDeniedError",
         404: "NotFoundError",
         405: "MethodNotAllowedError",
+        408: "RequestTimeoutError",
         413: "PayloadTooLargeError",
         502: "BadGatewayError",
         503: "ServiceUnavailableError",

@@ -124,6 +124,7 @@ def test_missing_file_and_bad_toml(tmp_path: Path) -> None:
         ("load_factor = inf\n", "load_factor: must be a finite number, got inf"),
         ("reported_load_weight = -0.5\n", "reported_load_weight: must be >= 0"),
         ("sticky_headroom = -1\n", "sticky_headroom: must be an integer >= 0"),
+        ("body_timeout_s = 0\n", "body_timeout_s: must be a positive number of seconds"),
         ("sticky_headroom = 1.5\n", "sticky_headroom: expected int, got float"),
         ("session_ttl_s = 0\n", "session_ttl_s: must be a positive number of seconds, got 0"),
         ("connect_timeout_s = 0\n", "connect_timeout_s: must be a positive number of seconds"),

@@ -176,7 +176,8 @@ async def served(aiohttp_server: Any) -> AsyncIterator[Factory]:
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
-        front = RawFront(app[PROXY], "127.0.0.1", site.port, max_body_bytes=config.max_body_bytes)
+        front = RawFront(app[PROXY], "127.0.0.1", site.port, max_body_bytes=config.max_body_bytes,
+                         body_timeout_s=config.body_timeout_s)
         port = await front.start("127.0.0.1", 0)
         result = Served(front, port, site.port, app[ROUTER_STATE], fakes)
         cleanups.append((result, runner))
@@ -297,6 +298,31 @@ async def test_413_from_content_length_before_the_body_is_sent(served: Factory) 
     answer = await router.once(f"POST /v1/sessions HTTP/1.1\r\nHost: r\r\nContent-Length: {LIMIT + 1}\r\n\r\n".encode())
     assert answer.status == 413
     assert (await router.once(post("/v1/completions"))).status == 200
+
+
+@pytest.mark.parametrize("front", ["raw", "aiohttp"])
+async def test_a_body_that_stalls_gets_a_408_and_the_router_keeps_serving(served: Factory, front: str) -> None:
+    router = await served(body_timeout_s=0.3)
+    port = router.port if front == "raw" else router.aiohttp_port  # the app's own listener = the aiohttp front
+    conn = await Conn.open(port)
+    router.opened.append(conn)
+    started = time.monotonic()
+    answer = await conn.ask(b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\n"
+                            b"Content-Length: 100\r\nX-Request-Id: slow-1\r\n\r\n{\"model\": ")
+    assert answer.status == 408 and answer.error()["type"] == "RequestTimeoutError"
+    assert "body_timeout_s" in answer.error()["message"]
+    assert answer.header("x-request-id") == "slow-1"
+    assert time.monotonic() - started >= 0.3
+    assert not router.fakes[0].seen and in_flight(router.state) == 0
+    if front == "raw":  # the rest of the body was never read: the connection closes
+        assert answer.header("connection") == "close"
+        assert await conn.closed_by_peer()
+        # a relayed route's body is bounded the same way
+        slow_admin = await router.once(b"POST /v1/sessions HTTP/1.1\r\nHost: r\r\nContent-Length: 10\r\n\r\n{")
+        assert slow_admin.status == 408
+    fresh = await Conn.open(port)
+    router.opened.append(fresh)
+    assert (await fresh.ask(post("/v1/completions"))).status == 200
 
 
 async def test_chunked_body_over_the_limit_is_a_413_as_soon_as_it_exceeds_it(served: Factory) -> None:

@@ -6,12 +6,13 @@ lets ``Proxy.handle`` answer through the writer, and returns the response aiohtt
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from router.errors import PayloadTooLargeError
+from router.errors import PayloadTooLargeError, RequestTimeoutError
 from router.front.exchange import DROP_REQUEST, REQUEST_ID_HEADER, Headers
 from router.session import SESSION_HEADER
 from router.upstream import render_headers
@@ -23,10 +24,11 @@ if TYPE_CHECKING:
 class AiohttpRequest:
     """``RequestView`` over ``web.Request``."""
 
-    __slots__ = ("_request",)
+    __slots__ = ("_request", "_body_timeout_s")
 
-    def __init__(self, request: web.Request) -> None:
+    def __init__(self, request: web.Request, body_timeout_s: float) -> None:
         self._request = request
+        self._body_timeout_s = body_timeout_s
 
     @property
     def method(self) -> str:
@@ -56,8 +58,18 @@ class AiohttpRequest:
         return render_headers((k, v) for k, v in self._request.headers.items() if k.lower() not in DROP_REQUEST)
 
     async def read_body(self) -> bytes:
+        request = self._request
+        if request.content.is_eof():  # the whole body arrived with the head: no timer needed
+            return await request.read()
+        timeout = self._body_timeout_s
         try:
-            return await self._request.read()
+            async with asyncio.timeout(timeout):
+                return await request.read()
+        except TimeoutError:
+            raise RequestTimeoutError(
+                f"the request body did not arrive within {timeout:g} s (body_timeout_s); send the whole "
+                "body right after the head"
+            ) from None
         except web.HTTPRequestEntityTooLarge:
             raise PayloadTooLargeError(
                 f"request body exceeds the limit of {self._request.client_max_size} bytes (max_body_bytes)"
@@ -100,9 +112,11 @@ class AiohttpWriter:
 def proxy_handler(proxy: "Proxy", route: "Route") -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
     """The aiohttp handler of one proxied route."""
 
+    body_timeout = proxy.config.body_timeout_s
+
     async def handle(request: web.Request) -> web.StreamResponse:
         writer = AiohttpWriter(request)
-        await proxy.handle(AiohttpRequest(request), writer, route)
+        await proxy.handle(AiohttpRequest(request, body_timeout), writer, route)
         assert writer.response is not None, "Proxy.handle always answers"
         return writer.response
 

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import httptools
 
-from router.errors import BadRequestError, PayloadTooLargeError, error_body
+from router.errors import BadRequestError, PayloadTooLargeError, RequestTimeoutError, error_body
 from router.front.exchange import DROP_REQUEST, REQUEST_ID_HEADER, Headers
 from router.front.wire import CONTINUE, LAST_CHUNK, chunk, error_headers, header_lines, status_line
 from router.http_server import MALFORMED_MESSAGE, MAX_LINE_BYTES
@@ -114,8 +114,15 @@ class Exchange:
                 self.expect_continue = False
                 conn.write(CONTINUE)
             waiter = self._waiter = conn.loop.create_future()
+            timeout = conn.front.body_timeout_s
             try:
-                await waiter
+                async with asyncio.timeout(timeout):
+                    await waiter
+            except TimeoutError:
+                raise RequestTimeoutError(
+                    f"the request body did not arrive within {timeout:g} s (body_timeout_s); send the whole "
+                    "body right after the head"
+                ) from None
             finally:
                 self._waiter = None
         if self.too_large:

@@ -36,11 +36,14 @@ CANCEL_GRACE_S = 5.0
 class RawFront:
     """The router's port on an ``asyncio.Protocol`` + httptools (uvloop's loop when running on it)."""
 
-    def __init__(self, proxy: "Proxy | None", app_host: str, app_port: int, *, max_body_bytes: int) -> None:
+    def __init__(self, proxy: "Proxy | None", app_host: str, app_port: int, *, max_body_bytes: int,
+                 body_timeout_s: float = 60.0) -> None:
         """``proxy``: the app's (None: relay everything); ``app_host:app_port``: the aiohttp app's
-        internal listener; ``max_body_bytes``: larger request bodies get a 413."""
+        internal listener; ``max_body_bytes``: larger request bodies get a 413; ``body_timeout_s``:
+        a body not whole this long after its head gets a 408."""
         self.proxy = proxy
         self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
         #: request ids for the answers the front makes itself (the proxy's, when there is one)
         self.ids = proxy.state.request_ids if proxy is not None else IdGenerator()
         self.relay = Relay(app_host, app_port, self.ids)
