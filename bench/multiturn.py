@@ -53,7 +53,7 @@ import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench import peers as peer_mod
-from bench.procs import Proc, start_backend, start_router
+from bench.procs import Proc, free_ports, start_backend, start_router
 from bench.workload import SessionPlan, Workload, WorkloadSpec, generate, system_message
 
 SESSION_HEADER = "X-Session-ID"
@@ -495,7 +495,8 @@ def _scrape(url: str) -> Samples:
 def start_backends(config: BenchConfig, log_dir: str) -> list[Proc]:
     extra = ("--num-blocks", str(config.num_blocks), "--block-size", str(config.block_size), "--log-level", "WARNING")
     with concurrent.futures.ThreadPoolExecutor(config.num_backends) as pool:
-        futures = [pool.submit(start_backend, log_dir, *extra, speed=config.speed) for _ in range(config.num_backends)]
+        futures = [pool.submit(start_backend, log_dir, *extra, port=port, speed=config.speed)
+                   for port in free_ports(config.num_backends)]
         procs: list[Proc] = []
         errors: list[str] = []
         for f in futures:

@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from bench.procs import LOOPBACK, Proc, free_port, http_status, wait_until
+from bench.procs import LOOPBACK, Proc, free_ports, http_status, wait_until
 
 DEFAULT_VENV = "/tmp/session-router-peers"
 INSTALL_TIMEOUT_S = 300.0
@@ -127,7 +127,7 @@ def start_peer(install: PeerInstall, backend_urls: Sequence[str], log_dir: str, 
     if install.executable is None:
         raise AssertionError(f"{install.name} is not installed: {install.reason}")
     spec = PEERS[install.name]
-    port, metrics_port = free_port(), free_port()
+    port, metrics_port = free_ports(2)
     cmd = [install.executable, *spec.args(port, metrics_port, backend_urls)]
     log_path = os.path.join(log_dir, f"{install.name}-{port}.log")
     with open(log_path, "wb") as log_file:

@@ -390,6 +390,7 @@ MALFORMED = {
     "long_header": post("/v1/completions", extra="X-Long: " + "a" * 40_000 + "\r\n"),
     "long_target": get("/health?" + "q" * 40_000),
     "connect": b"CONNECT 127.0.0.1:9 HTTP/1.1\r\nHost: 127.0.0.1:9\r\n\r\n",
+    "connect_with_a_path": b"CONNECT /v1/completions HTTP/1.1\r\nHost: r\r\n\r\n",
     "absolute_form_post": post("http://127.0.0.77:9/v1/completions"),
     "absolute_form_get": get("http://router/health"),
     "asterisk": get("*", method="OPTIONS"),

@@ -357,6 +357,8 @@ class FrontConnection(asyncio.Protocol):
                 "address in the Host header"
             )
         method = parser.get_method()
+        if method == b"CONNECT":  # even with a path target: tunnels are a forward proxy's business
+            raise _Rejected("CONNECT is not supported: this router is a reverse proxy, not a forward proxy")
         ex.method = method.decode("ascii")
         ex.head_only = method == b"HEAD"
         ex.raw_path = ex.path_qs = url.decode("utf-8", "surrogateescape")
