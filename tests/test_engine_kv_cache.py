@@ -133,6 +133,27 @@ def test_insert_cached_for_pulled_blocks() -> None:
     assert kv.insert_cached(keys) == 4
 
 
+def test_pulled_blocks_count_as_external_until_their_first_hit() -> None:
+    kv = KVCacheManager(num_blocks=6, block_size=B)
+    local = kv.allocate(1)
+    keys = hash_full_blocks(list(range(16)), B)  # 4 keys
+    assert kv.cache_block(local[0], keys[0])  # the first block was already cached here
+    assert kv.insert_cached(keys) == 4
+    blocks = [kv.cached_block(k) for k in keys]
+    assert kv.take_external(blocks) == 3  # only the three the pull added
+    assert kv.take_external(blocks) == 0  # after the first hit they are local cache
+    # a pulled block evicted before anyone hit it is forgotten with its key
+    kv.free(local)
+    kv.insert_cached(hash_full_blocks(list(range(100, 108)), B))  # 2 new external blocks, 0 free left
+    fresh = [kv.cached_block(k) for k in hash_full_blocks(list(range(100, 108)), B)]
+    reused = kv.allocate(kv.num_free_blocks)  # evicts everything, the external blocks included
+    assert set(fresh) <= set(reused) and kv.take_external(fresh) == 0
+    kv.free(reused)
+    kv.insert_cached(hash_full_blocks(list(range(200, 204)), B))
+    assert kv.reset_prefix_cache() >= 1
+    assert kv.take_external(range(6)) == 0
+
+
 def test_reset_prefix_cache_drops_only_unreferenced_keys() -> None:
     kv = KVCacheManager(num_blocks=2, block_size=B)
     a, b = kv.allocate(2)

@@ -197,6 +197,9 @@ async def test_decode_pulls_the_prompt_and_the_prefill_frees_it(prefill: Any, de
     assert d[("vllm:prompt_tokens_by_source_total", "external_kv_transfer")] == cached
     assert d[("vllm:prompt_tokens_by_source_total", "local_compute")] == prompt - cached
     assert d[("vllm:prompt_tokens_by_source_total", "local_cache_hit")] == 0
+    # as in vLLM, pulled blocks are external hits, not local prefix-cache hits
+    assert d[("vllm:prefix_cache_queries_total", "")] == prompt
+    assert d[("vllm:prefix_cache_hits_total", "")] == 0
     assert sum(d[("session_backend_kv_pull_failures_total", r)] for r in FAILURE_REASONS) == 0
 
     p = await scrape(prefill)
@@ -210,6 +213,12 @@ async def test_decode_pulls_the_prompt_and_the_prefill_frees_it(prefill: Any, de
         assert resp.status == 200 and stats["requests"] == 1 and stats["generated_tokens"] == generated
         assert stats["prompt_tokens"] == prompt
     assert (await (await decode.get("/v1/sessions/pd-sess")).json())["cached_tokens"] == cached
+    # the same prompt again, computed on the decode alone: those blocks are its local cache now
+    status, again = await post(decode, path, BODIES[path], session="pd-local")
+    assert status == 200 and again["usage"]["prompt_tokens_details"]["cached_tokens"] == cached
+    d = await scrape(decode)
+    assert d[("vllm:prefix_cache_hits_total", "")] == cached
+    assert d[("vllm:prefix_cache_queries_total", "")] == 2 * prompt
 
 
 async def test_streamed_decode_leg_reports_pulled_tokens(prefill: Any, decode: Any) -> None:

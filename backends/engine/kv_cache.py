@@ -61,7 +61,7 @@ def hash_full_blocks(
 class KVCacheManager:
     """``num_blocks`` blocks of ``block_size`` tokens, reference counts and the prefix cache."""
 
-    __slots__ = ("num_blocks", "block_size", "ref_cnt", "block_hash", "_cached", "_free", "_evictable")
+    __slots__ = ("num_blocks", "block_size", "ref_cnt", "block_hash", "_cached", "_free", "_evictable", "_external")
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         if num_blocks < 1 or block_size < 1:
@@ -74,6 +74,9 @@ class KVCacheManager:
         # popped from the end: block 0 is handed out first
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._evictable: OrderedDict[int, None] = OrderedDict()
+        #: blocks put in by ``insert_cached`` (pulled from a remote prefill) that no sequence has hit
+        #: yet: their first hit is an external hit, not a local prefix-cache hit (as vLLM counts them)
+        self._external: set[int] = set()
 
     # -- state -----------------------------------------------------------------------------
     @property
@@ -131,6 +134,8 @@ class KVCacheManager:
                     self.block_hash[b] = None
                     if self._cached.get(key) == b:
                         del self._cached[key]
+                if self._external:
+                    self._external.discard(b)
             ref_cnt[b] = 1
             out.append(b)
         return out
@@ -183,13 +188,28 @@ class KVCacheManager:
             self.block_hash[b] = key
             self.ref_cnt[b] = 0
             evictable[b] = None
+            self._external.add(b)
             mine += 1
             present += 1
         return present
 
+    def take_external(self, block_ids: Sequence[int]) -> int:
+        """How many of ``block_ids`` (a sequence's prefix hits) were pulled from a remote prefill and
+        not hit before; from now on they count as local cache."""
+        external = self._external
+        if not external:
+            return 0
+        n = 0
+        for b in block_ids:
+            if b in external:
+                external.discard(b)
+                n += 1
+        return n
+
     def reset_prefix_cache(self) -> int:
         """Drop every evictable cached block's key (referenced blocks keep theirs); returns how many."""
         n = len(self._evictable)
+        self._external.difference_update(self._evictable)
         for b in self._evictable:
             key = self.block_hash[b]
             self.block_hash[b] = None

@@ -193,7 +193,9 @@ class Scheduler:
                 if seq.num_cached_tokens < 0:
                     seq.num_cached_tokens = min(num_hit_tokens, seq.num_prompt_tokens)
                     out.prefix_queries += seq.num_prompt_tokens
-                    out.prefix_hits += seq.num_cached_tokens
+                    # blocks a P/D pull just put in are external hits (vllm:external_prefix_cache_*),
+                    # not local ones, as vLLM counts them
+                    out.prefix_hits += max(seq.num_cached_tokens - kv.take_external(hits) * bs, 0)
                 self._key_full_blocks(seq, num_hit_tokens + num_new)
                 seq.status = SeqStatus.RUNNING
                 running.append(seq)
