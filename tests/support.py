@@ -1,4 +1,8 @@
-"""Test helpers for real processes (shared with the demo and benchmarks)."""
+"""Test helpers: real processes (shared with the demo and benchmarks), metrics, bounded waits."""
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
 
 from bench.procs import (  # noqa: F401
     LOOPBACK,
@@ -23,3 +27,19 @@ def metric_sum(text: str, name: str, **labels: str) -> float:
             if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
                 total += sample.value
     return total
+
+
+async def eventually(check: Callable[[], bool | Awaitable[bool]], *, timeout: float, what: str = "condition",
+                     interval: float = 0.01) -> None:
+    """Poll ``check`` (returning a bool, or an awaitable of one) until true; fail after ``timeout``
+    seconds (a bound, not a sleep). The async twin of ``wait_until``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if not isinstance(result, bool):
+            result = await result
+        if result:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(interval)

@@ -5,6 +5,7 @@ really close, against a backend at speed 1 (so the request is still running when
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 from typing import Any
@@ -14,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from backends.engine.outputs import EngineConfig
 from backends.server import ENGINE, create_app
+from tests.support import eventually
 
 MODEL = "disc-model"
 LABELS = {"model_name": MODEL, "engine": "0"}
@@ -41,13 +43,7 @@ ABORTS = key("vllm:request_success_total", finished_reason="abort")
 RUNNING = key("vllm:num_requests_running")
 
 
-async def wait_for(check: Any, timeout: float = 5.0, what: str = "condition") -> None:
-    """Poll an async condition until true, failing after ``timeout`` seconds (a bound, not a sleep)."""
-    deadline = time.monotonic() + timeout
-    while not await check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.01)
+wait_for = functools.partial(eventually, timeout=5.0)
 
 
 async def raw_post(port: int, path: str, body: dict[str, Any]) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -14,6 +15,7 @@ from backends.engine.client import AsyncEngine, DuplicateRequestIdError, EngineD
 from backends.engine.outputs import EngineConfig, RequestOutput
 from backends.engine.request import EngineCoreRequest, SamplingParams
 from router.errors import BadRequestError
+from tests.support import eventually
 
 
 def request(rid: str, prompt: list[int], session: str | None = None, **sp: Any) -> EngineCoreRequest:
@@ -21,13 +23,7 @@ def request(rid: str, prompt: list[int], session: str | None = None, **sp: Any) 
     return EngineCoreRequest(rid, prompt, None, params, None, time.time(), None, None, None, session_id=session)
 
 
-async def wait_for(cond: Callable[[], bool], timeout: float = 5.0) -> None:
-    """Wait until ``cond()`` holds, yielding to the loop; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.001)
+wait_for = functools.partial(eventually, timeout=5.0, interval=0.001)
 
 
 @pytest.fixture

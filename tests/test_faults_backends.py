@@ -8,6 +8,7 @@ conditions, never sleeps that a result depends on.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import signal
@@ -23,6 +24,7 @@ import pytest
 
 from tests.support import Proc, start_backend, start_router, wait_until
 from tests.support import metric_sum as metric
+from tests.support import eventually
 
 pytestmark = pytest.mark.slow
 
@@ -70,13 +72,7 @@ async def backends_view(http: aiohttp.ClientSession, router: Proc) -> dict[str, 
     return {b["url"]: b for b in data["data"]}
 
 
-async def wait_for(condition: Any, timeout: float = 15.0, what: str = "condition") -> None:
-    """Await ``condition()`` (a coroutine function returning bool) until true, bounded."""
-    deadline = time.monotonic() + timeout
-    while not await condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.02)
+wait_for = functools.partial(eventually, timeout=15.0, interval=0.02)
 
 
 async def complete(http: aiohttp.ClientSession, router: Proc, session: str, max_tokens: int = 4) -> int:

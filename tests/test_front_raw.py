@@ -31,7 +31,7 @@ from router.front.server import RawFront
 from router.http_server import JsonErrorAppRunner
 from router.state import ROUTER_STATE, RouterState
 from tests.fakes import EchoBackend
-from tests.support import metric_sum, start_backend, start_router, wait_until
+from tests.support import eventually, metric_sum, start_backend, start_router, wait_until
 
 TOKEN = "raw-front-admin-token"
 LIMIT = 4096  # max_body_bytes of the in-process routers
@@ -191,15 +191,6 @@ async def served(aiohttp_server: Any) -> AsyncIterator[Factory]:
         await runner.cleanup()
 
 
-async def eventually(condition: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    """Wait (bounded) for a condition the event loop makes true."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.005)
-
-
 def in_flight(state: RouterState) -> int:
     return sum(b.in_flight for pool in state.pools.values() for b in pool.members)
 
@@ -238,7 +229,7 @@ async def test_pipelined_requests_are_answered_in_order(served: Factory) -> None
     await conn.send(post("/v1/completions", b'{"prompt": "a", "stream": true}', extra="X-Request-Id: rid-1\r\n")
                     + post("/v1/completions", extra="X-Request-Id: rid-2\r\n")
                     + get("/health", extra="X-Request-Id: rid-3\r\n"))
-    await eventually(lambda: len(router.fakes[0].seen) == 1, "the first request upstream")
+    await eventually(lambda: len(router.fakes[0].seen) == 1, timeout=10.0, what="the first request upstream")
     gate.set()
     answers = [await read_answer(conn.reader) for _ in range(3)]
     assert [a.header("x-request-id") for a in answers] == ["rid-1", "rid-2", "rid-3"]
@@ -500,11 +491,11 @@ async def test_client_disconnect_mid_stream_cancels_the_upstream_request(served:
     await conn.send(post("/v1/completions", b'{"prompt": "a", "stream": true}'))
     answer_head = await asyncio.wait_for(conn.reader.readuntil(b"\r\n\r\n"), 10)
     assert answer_head.startswith(b"HTTP/1.1 200")
-    await eventually(lambda: in_flight(router.state) == 1, "the stream in flight")
+    await eventually(lambda: in_flight(router.state) == 1, timeout=10.0, what="the stream in flight")
     conn.close()
-    await eventually(fake.cancelled.is_set, "the backend to see the client go")
-    await eventually(lambda: in_flight(router.state) == 0, "the router's in-flight count back to 0")
-    await eventually(lambda: not router.front.connections, "the front to forget the connection")
+    await eventually(fake.cancelled.is_set, timeout=10.0, what="the backend to see the client go")
+    await eventually(lambda: in_flight(router.state) == 0, timeout=10.0, what="the router's in-flight count back to 0")
+    await eventually(lambda: not router.front.connections, timeout=10.0, what="the front to forget the connection")
 
 
 class Firehose:
@@ -547,8 +538,8 @@ async def test_a_slow_reader_pauses_the_upstream_and_nothing_piles_up(served: Fa
     # the client reads nothing: the front's socket fills, it pauses the relay, the pool stops reading
     # the backend's socket, and the backend's writes block
     upstream = router.state.upstream
-    await eventually(lambda: any(c.write_paused for c in router.front.connections), "the front to pause writing")
-    await eventually(lambda: any(c.paused for c in upstream._conns), "the upstream reads to pause")
+    await eventually(lambda: any(c.write_paused for c in router.front.connections), timeout=10.0, what="the front to pause writing")
+    await eventually(lambda: any(c.paused for c in upstream._conns), timeout=10.0, what="the upstream reads to pause")
     front_conn = next(iter(router.front.connections))
     assert front_conn.transport is not None
     buffered = front_conn.transport.get_write_buffer_size()
@@ -565,7 +556,7 @@ async def test_a_slow_reader_pauses_the_upstream_and_nothing_piles_up(served: Fa
             break
         received += size
     assert received == hose.sent >= total
-    await eventually(lambda: in_flight(router.state) == 0, "the request to finish")
+    await eventually(lambda: in_flight(router.state) == 0, timeout=10.0, what="the request to finish")
     writer.close()
 
 
@@ -601,7 +592,7 @@ async def test_shutdown_cuts_what_outlives_the_drain_timeout(served: Factory) ->
     await asyncio.wait_for(router.front.shutdown(0.2), 10)
     rest = await asyncio.wait_for(conn.reader.read(), 10)
     assert not rest.endswith(b"0\r\n\r\n")  # cut: never a cleanly terminated chunked body
-    await eventually(router.fakes[0].cancelled.is_set, "the backend to see the request go")
+    await eventually(router.fakes[0].cancelled.is_set, timeout=10.0, what="the backend to see the request go")
     assert in_flight(router.state) == 0
 
 

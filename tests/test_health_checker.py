@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from aiohttp.test_utils import TestServer
 from router.config import config_from_mapping
 from router.health import HealthChecker
 from router.pool import Backend, BackendPool
+from tests.support import eventually
 
 
 @dataclass
@@ -109,10 +111,7 @@ async def make_harness() -> AsyncIterator[MakeHarness]:
         await session.close()
 
 
-async def wait_for(condition: Callable[[], bool], timeout: float = 5.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not condition():
-            await asyncio.sleep(0.01)
+wait_for = functools.partial(eventually, timeout=5.0)
 
 
 # --------------------------------------------------------------------- active checks

@@ -11,6 +11,7 @@ exact multiples of those.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
@@ -26,6 +27,7 @@ from router.config import BackendConfig, RouterConfig
 from router.state import ROUTER_STATE
 from tests.fakes import EchoBackend
 from tests.support import free_port
+from tests.support import eventually as shared_eventually
 
 K = 5
 PROMPT, COMPLETION, CACHED = 10, 3, 4  # EchoBackend's usage per answer
@@ -93,13 +95,7 @@ async def scrape(client: TestClient) -> Exposition:
     return parse_exposition(await resp.text())
 
 
-async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 10.0, what: str = "condition") -> None:
-    """Poll an async condition until true, failing after ``timeout`` seconds (a bound, not a sleep)."""
-    deadline = time.monotonic() + timeout
-    while not await check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.01)
+eventually = functools.partial(shared_eventually, timeout=10.0)
 
 
 # --------------------------------------------------------------------------- the router under test

@@ -7,8 +7,7 @@ The router and both backends run in process on real loopback sockets (the router
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Awaitable, Callable
+import functools
 from typing import Any
 
 import pytest
@@ -19,19 +18,10 @@ from backends.server import create_app as create_backend_app
 from router.app import create_app as create_router_app
 from router.config import config_from_mapping
 from router.state import ROUTER_STATE
+from tests.support import eventually
 
 
-async def wait_for(check: Callable[[], bool | Awaitable[bool]], timeout: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if not isinstance(result, bool):
-            result = await result
-        if result:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.01)
+wait_for = functools.partial(eventually, timeout=10.0)
 
 
 async def topology(aiohttp_server: Any, aiohttp_client: Any, prefill_speed: float,

@@ -6,10 +6,11 @@ refuses hosts before any connection; held blocks are freed on pull, on timeout a
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -29,6 +30,7 @@ from backends.kv_transfer import (
     prompt_digest,
 )
 from backends.server import ENGINE, FRONTEND, create_app, create_side_channel_app
+from tests.support import eventually
 
 BS = 16
 PLACEHOLDER = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
@@ -51,12 +53,7 @@ async def scrape(client: Any) -> dict[tuple[str, str], float]:
     return out
 
 
-async def wait_for(check: Callable[[], Awaitable[bool]], timeout: float = 5.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not await check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.01)
+wait_for = functools.partial(eventually, timeout=5.0)
 
 
 async def post(client: Any, path: str, body: dict[str, Any], session: str | None = "pd-sess") -> tuple[int, Any]:

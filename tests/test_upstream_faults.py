@@ -4,6 +4,7 @@ the keep-alive race, refused and unanswered connects. Each scenario also runs un
 from __future__ import annotations
 
 import asyncio
+import functools
 import socket
 import struct
 import time
@@ -14,6 +15,7 @@ import pytest
 
 from router.errors import UpstreamConnectError, UpstreamError, UpstreamProtocolError, UpstreamTimeoutError
 from router.upstream import UpstreamLimits, UpstreamPool, UpstreamTimeouts, build_request_head
+from tests.support import eventually
 
 LIMITS = UpstreamLimits(sweep_interval_s=0.02)
 TIMEOUTS = UpstreamTimeouts(connect_s=2.0, first_byte_s=5.0, total_s=10.0)
@@ -120,12 +122,7 @@ def _post(port: int, body: bytes) -> bytes:
     return build_request_head("POST", "/v1/completions", f"127.0.0.1:{port}", [("Content-Type", "application/json")], len(body))
 
 
-async def _until(pred: Callable[[], bool], timeout: float = 5.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not pred():
-        assert loop.time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.005)
+_until = functools.partial(eventually, timeout=5.0, interval=0.005)
 
 
 # ---------------------------------------------------------------------- timeouts

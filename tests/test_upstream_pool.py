@@ -4,6 +4,7 @@ back-pressure, client disconnect, idle expiry. Every scenario also runs once und
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import json
 import socket
@@ -16,6 +17,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from router.upstream import UpstreamLimits, UpstreamPool, UpstreamTimeouts, build_request_head
+from tests.support import eventually
 
 TIMEOUTS = UpstreamTimeouts(connect_s=2.0, first_byte_s=5.0, total_s=10.0)
 LIMITS = UpstreamLimits(sweep_interval_s=0.02)
@@ -139,12 +141,7 @@ def _head(method: str, path: str, server: TestServer, body: bytes = b"", headers
     return build_request_head(method, path, f"127.0.0.1:{server.port}", headers or [], len(body))
 
 
-async def _until(pred: Callable[[], bool], timeout: float = 5.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not pred():
-        assert loop.time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.005)
+_until = functools.partial(eventually, timeout=5.0, interval=0.005)
 
 
 # ---------------------------------------------------------------------- scenarios
