@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from bench.procs import LOOPBACK, Proc, free_ports, http_status, wait_until
+from bench.procs import LOOPBACK, Proc, free_ports, launch
 
 DEFAULT_VENV = "/tmp/session-router-peers"
 INSTALL_TIMEOUT_S = 300.0
@@ -129,19 +129,8 @@ def start_peer(install: PeerInstall, backend_urls: Sequence[str], log_dir: str, 
     spec = PEERS[install.name]
     port, metrics_port = free_ports(2)
     cmd = [install.executable, *spec.args(port, metrics_port, backend_urls)]
-    log_path = os.path.join(log_dir, f"{install.name}-{port}.log")
-    with open(log_path, "wb") as log_file:
-        popen = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, "NO_COLOR": "1"})
-    proc = Proc(cmd, port, popen, log_path)
-    try:
-        wait_until(lambda: not proc.alive() or http_status(proc.url + "/health") == 200,
-                   timeout=timeout, interval=0.1, what=f"{install.name} on port {port}")
-    except AssertionError:
-        proc.kill()
-        raise AssertionError(f"{install.name} was not ready in {timeout:.0f}s:\n{proc.log()[-2000:]}") from None
-    if not proc.alive():
-        raise AssertionError(f"{install.name} exited with {popen.returncode}:\n{proc.log()[-2000:]}")
-    return proc
+    return launch(install.name, cmd, port, log_dir, ready_statuses=(200,), timeout=timeout, interval=0.1,
+                  env={"NO_COLOR": "1"}, log_tail=2000)
 
 
 def main() -> int:

@@ -96,26 +96,41 @@ class Proc:
             return ""
 
 
-def start_process(module: str, args: Sequence[str], port: int, log_dir: str, ready_path: str = "/health",
-                  timeout: float = 20.0, env: dict[str, str] | None = None) -> Proc:
-    log_path = os.path.join(log_dir, f"{module}-{port}.log")
-    log_file = open(log_path, "wb")  # noqa: SIM115 - closed with the process
-    full_env = dict(os.environ)
-    full_env.update(env or {})
-    full_env.setdefault("PYTHONUNBUFFERED", "1")
-    cmd = [sys.executable, "-m", module, *args]
-    popen = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, cwd=REPO, env=full_env)
-    log_file.close()
-    proc = Proc(cmd, port, popen, log_path)
+def launch(name: str, cmd: Sequence[str], port: int, log_dir: str, *, ready_path: str = "/health",
+           ready_statuses: tuple[int, ...] = (200, 503), timeout: float = 20.0, interval: float = 0.02,
+           env: dict[str, str] | None = None, cwd: str | None = None, log_tail: int | None = None) -> Proc:
+    """Start ``cmd`` (output to ``<log_dir>/<name>-<port>.log``) and wait until ``ready_path`` on
+    ``port`` answers one of ``ready_statuses``. Raises ``AssertionError`` with the log (its last
+    ``log_tail`` characters) when the process exits or is not ready within ``timeout`` seconds."""
+    log_path = os.path.join(log_dir, f"{name}-{port}.log")
+    with open(log_path, "wb") as log_file:
+        popen = subprocess.Popen(list(cmd), stdout=log_file, stderr=subprocess.STDOUT, cwd=cwd,
+                                 env={**os.environ, **(env or {})})
+    proc = Proc(list(cmd), port, popen, log_path)
+
+    def log() -> str:
+        text = proc.log()
+        return text if log_tail is None else text[-log_tail:]
+
     try:
-        wait_until(lambda: not proc.alive() or http_status(proc.url + ready_path) in (200, 503),
-                   timeout=timeout, what=f"{module} on port {port}")
+        wait_until(lambda: not proc.alive() or http_status(proc.url + ready_path) in ready_statuses,
+                   timeout=timeout, interval=interval, what=f"{name} on port {port}")
     except AssertionError:
         proc.kill()
-        raise AssertionError(f"{module} did not start:\n{proc.log()}") from None
+        raise AssertionError(f"{name} was not ready in {timeout:.0f}s:\n{log()}") from None
     if not proc.alive():
-        raise AssertionError(f"{module} exited with {proc.popen.returncode}:\n{proc.log()}")
+        raise AssertionError(f"{name} exited with {popen.returncode}:\n{log()}")
     return proc
+
+
+def start_process(module: str, args: Sequence[str], port: int, log_dir: str, ready_path: str = "/health",
+                  timeout: float = 20.0, env: dict[str, str] | None = None) -> Proc:
+    """``python -m module args`` from the repository, ready when ``ready_path`` answers 200 or 503."""
+    extra = dict(env or {})
+    if "PYTHONUNBUFFERED" not in os.environ:
+        extra.setdefault("PYTHONUNBUFFERED", "1")
+    return launch(module, [sys.executable, "-m", module, *args], port, log_dir, ready_path=ready_path,
+                  timeout=timeout, env=extra, cwd=REPO)
 
 
 def start_backend(log_dir: str, *extra: str, port: int | None = None, speed: str = "0", model: str = "session-sim") -> Proc:
