@@ -59,10 +59,7 @@ def normalize_url(url: str) -> str:
     comma-joined list the advice to give one URL per backend.
     """
     if "," in url:
-        raise ConfigError(
-            f"backend URL {url!r} holds a comma: give one URL per backend "
-            f"(each its own --backend flag, or its own [[backends]] entry)"
-        )
+        raise ConfigError(f"backend URL {url!r} holds a comma: give one URL per backend")
     if "://" not in url:
         raise ConfigError(f"backend URL {url!r} has no scheme: add one, e.g. http://{url.lstrip('/')}")
     parts = urlsplit(url)
