@@ -22,10 +22,8 @@ import pytest
 
 from backends.engine.outputs import EngineConfig
 from backends.server import create_app as create_backend_app
-from bench.demo import (RED, DemoTraffic, error_banner, port_or_free, ratio_line, render, router_lists_flag)
+from bench.demo import RED, DemoTraffic, error_banner, port_or_free, ratio_line, render, router_lists_flag
 from bench.traffic import NEXT_MESSAGE_TOKENS, Conversation, Stats, TrafficConfig, Usage, run
-from router.app import create_app as create_router_app
-from router.config import BackendConfig, RouterConfig
 from tests.support import LOOPBACK, REPO, wait_until
 
 ROW = re.compile(r"^(conv-|demo-)")
