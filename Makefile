@@ -8,11 +8,17 @@ PD ?=
 
 .PHONY: demo test bench bench-backend install clean
 
+# One recipe, so that any failed (or interrupted) step removes the venv: no half-made .venv is left behind.
 $(STAMP): pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
-	touch $(STAMP)
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || \
+		{ echo "make: session-router needs Python >= 3.11; $(PYTHON) is older (run: make PYTHON=python3.11 ...)" >&2; exit 1; }
+	@echo "make: creating $(VENV) and installing session-router with its test extras"
+	@trap 'rm -rf $(VENV); exit 130' INT TERM; \
+	( $(PYTHON) -m venv $(VENV) \
+		&& $(PY) -m pip install -q --upgrade pip \
+		&& $(PY) -m pip install -q -e '.[test]' \
+		&& touch $(STAMP) ) || \
+		{ rm -rf $(VENV); echo "make: installing into $(VENV) failed (see above); removed $(VENV), run make again once fixed" >&2; exit 1; }
 
 install: $(STAMP)
 

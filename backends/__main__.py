@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from aiohttp import web
 
 from router.http_server import JsonErrorAppRunner
+from backends import __version__
 from backends.engine.outputs import EngineConfig
 from backends.kv_transfer import DEFAULT_PULL_TIMEOUT_S, parse_allow_entry
 from backends.server import create_app, create_side_channel_app
@@ -37,41 +38,68 @@ from backends.server import create_app, create_side_channel_app
 log = logging.getLogger("backends")
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's help ends with its default; flags whose help already says it are left alone."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "default" in text.lower():
+            return text
+        return super()._get_help_string(action)
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def build_parser() -> argparse.ArgumentParser:
     d = EngineConfig()
-    p = argparse.ArgumentParser(prog="session-backend", description=__doc__.split("\n\n")[0])
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8100, help="port to bind; 0 = any free port (default 8100)")
-    p.add_argument("--role", choices=("both", "prefill", "decode"), default=d.role)
+    p = argparse.ArgumentParser(prog="session-backend", description=__doc__.split("\n\n")[0],
+                                formatter_class=_HelpFormatter)
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind")
+    p.add_argument("--port", type=int, default=8100, help="port to bind; 0 = any free port")
+    p.add_argument("--role", choices=("both", "prefill", "decode"), default=d.role,
+                   help="both: a whole request; prefill/decode: one side of a P/D hand-off")
     p.add_argument("--model", default=d.model, help="served model name")
-    p.add_argument("--block-size", type=int, default=d.block_size)
+    p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV-cache block")
     p.add_argument("--num-blocks", type=int, default=d.num_blocks, help="KV-cache capacity in blocks")
-    p.add_argument("--max-model-len", type=int, default=d.max_model_len)
-    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    p.add_argument("--max-model-len", type=int, default=d.max_model_len,
+                   help="context length in tokens: longer prompts (+ max_tokens) get a 400")
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="requests the scheduler runs at once")
+    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                   help="tokens the scheduler processes per step")
     p.add_argument("--speed", type=float, default=d.speed,
                    help="latency-model scale: 1 = a small model on one GPU, 0 = no sleeping")
-    p.add_argument("--max-tracked-sessions", type=int, default=d.max_tracked_sessions)
-    p.add_argument("--session-metrics-top-k", type=int, default=d.session_metrics_top_k)
-    p.add_argument("--shutdown-timeout", type=float, default=5.0,
-                   help="seconds in-flight requests get on SIGTERM (default 5)")
-    p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    p.add_argument("--max-tracked-sessions", type=int, default=d.max_tracked_sessions,
+                   help="sessions the engine keeps accounting for (least recently active dropped)")
+    p.add_argument("--session-metrics-top-k", type=int, default=d.session_metrics_top_k,
+                   help="most recently active sessions with per-session metric series")
+    p.add_argument("--shutdown-timeout", type=float, default=5.0, metavar="SECONDS",
+                   help="seconds in-flight requests get on SIGTERM")
+    p.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS,
+                   help="log level (any case)")
     pd = p.add_argument_group("P/D disaggregation (kv_transfer_params, vLLM NixlConnector semantics)")
     pd.add_argument("--kv-hold-timeout", type=float, default=d.kv_hold_timeout_s, metavar="SECONDS",
-                    help="prefill: free held KV blocks no decode instance pulled after this long (default 480)")
+                    help="prefill: free held KV blocks no decode instance pulled after this long")
     pd.add_argument("--kv-allow", action="append", default=[], metavar="HOST:PORT",
                     help="decode: a prefill side channel this instance may pull KV from (repeatable); "
                          "default: loopback hosts only")
     pd.add_argument("--kv-pull-timeout", type=float, default=DEFAULT_PULL_TIMEOUT_S, metavar="SECONDS",
-                    help="decode: give up a pull (and recompute) after this long (default 10)")
+                    help="decode: give up a pull (and recompute) after this long")
     pd.add_argument("--kv-port", type=int, default=None, metavar="PORT",
-                    help="prefill: serve the side channel on this dedicated port instead of the HTTP port")
+                    help="prefill: serve the side channel on this dedicated port instead of the HTTP port "
+                         "(default: on the HTTP port)")
     pd.add_argument("--kv-host", default=None, metavar="HOST",
                     help="prefill: the host advertised as remote_host (e.g. a name decode instances resolve and "
                          "allow); default: the address the prefill request reached. With --kv-port, also the "
                          "address that listener binds (default --host)")
     pd.add_argument("--kv-engine-id", default="", metavar="ID",
                     help="engine id advertised as remote_engine_id (default: unique per process)")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = build_parser()
     args = p.parse_args(argv)
     for name in ("block_size", "num_blocks", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                  "max_tracked_sessions", "session_metrics_top_k"):

@@ -1,13 +1,22 @@
 """`make demo`: three backends and the router on loopback, multi-turn chat traffic through it,
-and a live per-session summary (backend, turns, cached-token ratio). Ctrl-C stops everything.
+and a live view: request and error counts, the cached-token ratio of the last seconds, and one
+row per running conversation (session, backend, turns, tokens). Ctrl-C stops everything.
 
     python -m bench.demo                 # runs until Ctrl-C
     python -m bench.demo --rounds 4      # a bounded run (CI smoke test)
     python -m bench.demo --pd            # P/D: 1 prefill + 2 decode backends (make demo DEMO_ARGS=--pd)
 
+Conversations end and new ones (new sessions) start: after ``--turns`` turns, or before a turn
+could take the context past ``--max-context-tokens`` (default: half the backends' context
+length), or when the router refuses a turn with a 4xx. Failed requests are shown in a banner at
+the top of the view (count, rate, the last status and message), never folded into the ratio.
+
 With ``--pd`` the backends run ``--role prefill`` (port 8200 when free) and ``--role decode``
 (8201, 8202; each with ``--kv-allow`` naming the prefill), the router gets ``--prefill``/``--decode``,
-and the summary shows each session's decode instance plus the KV hand-off counters.
+and the view adds each P/D backend's KV hand-off counters.
+
+The router runs with ``--access-log text`` when its ``--help`` lists that flag; the log is in the
+directory printed under "where to look".
 """
 
 from __future__ import annotations
@@ -16,20 +25,36 @@ import argparse
 import asyncio
 import contextlib
 import random
+import re
 import signal
+import socket
+import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import msgspec
 
-from bench.procs import LOOPBACK, Proc, free_port, start_backend, start_router
-from bench.traffic import TOPICS, Conversation, Stats, TrafficConfig, run_turn
+from bench.procs import LOOPBACK, REPO, Proc, free_port, start_backend, start_router
+from bench.traffic import (NEXT_MESSAGE_TOKENS, TOPICS, Conversation, Stats, TrafficConfig, conversation_over,
+                           run_turn)
+
+#: the backends' context length when --max-model-len is not given (session-backend's default)
+BACKEND_CONTEXT_TOKENS = 8192
+#: seconds of recent requests the view's rates and ratio are computed over
+WINDOW_S = 30.0
+RED, YELLOW, BOLD, RESET = "\x1b[1;37;41m", "\x1b[1;33m", "\x1b[1m", "\x1b[0m"
+
 
 def port_or_free(preferred: int) -> int:
-    import socket
-
-    with socket.socket() as sock:
+    """``preferred`` when nothing listens on it, else a free port. A port held only by TIME_WAIT
+    connections of an earlier run counts as free (SO_REUSEADDR, as the servers themselves bind)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((LOOPBACK, preferred))
             return preferred
@@ -37,19 +62,160 @@ def port_or_free(preferred: int) -> int:
             return free_port()
 
 
-async def summary(http: aiohttp.ClientSession, router_url: str, clear: bool) -> str:
-    async with http.get(router_url + "/v1/sessions?limit=20") as resp:
-        sessions = (await resp.json())["data"]
-    lines = [f"{'session':<40} {'backend':<24} {'turns':>5} {'prompt':>7} {'cached':>7} {'ratio':>6}"]
-    for s in sorted(sessions, key=lambda s: s["session_id"]):
-        prompt, cached = s.get("prompt_tokens", 0), s.get("cached_tokens", 0)
-        ratio = cached / prompt if prompt else 0.0
-        pins = s.get("pins", {})
+def router_lists_flag(flag: str, command: Sequence[str] | None = None) -> bool:
+    """Whether the router's ``--help`` (or ``command``'s output) lists ``flag``."""
+    cmd = list(command) if command is not None else [sys.executable, "-m", "router", "--help"]
+    try:
+        out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", out.stdout) is not None
+
+
+# ------------------------------------------------------------------------------ the traffic
+
+
+@dataclass(eq=False)
+class Lane:
+    """One of the demo's concurrent clients: one conversation at a time, a new one when it ends."""
+
+    index: int
+    #: even lanes send X-Session-ID (demo-<lane>-<n>); the router derives the others' ids
+    with_header: bool
+    conv: Conversation
+    #: conversations this lane started
+    started: int = 1
+
+
+class DemoTraffic:
+    """Rounds of one turn per lane; a lane whose conversation is over starts a new one first."""
+
+    def __init__(self, config: TrafficConfig, seed: int) -> None:
+        self.config = config
+        self.rng = random.Random(seed)
+        self.stats = Stats()
+        #: conversation numbers name the first message, so derived session ids never repeat
+        self._next_number = self.rng.randrange(1_000_000)
+        self.lanes = [Lane(i, i % 2 == 0, self._conversation(i, 0, i % 2 == 0)) for i in range(config.sessions)]
+
+    def _conversation(self, lane: int, nth: int, with_header: bool) -> Conversation:
+        number = self._next_number
+        self._next_number += 1
+        session_id = f"demo-{lane}-{nth}" if with_header else None
+        return Conversation(number, TOPICS[number % len(TOPICS)], session_id, self.config.model)
+
+    def rotate(self) -> None:
+        """Replace every conversation that is over (turns, token budget or refused) by a new one."""
+        for lane in self.lanes:
+            if conversation_over(lane.conv, self.config):
+                self.stats.conversations += 1
+                lane.conv = self._conversation(lane.index, lane.started, lane.with_header)
+                lane.started += 1
+
+    async def round(self, http: aiohttp.ClientSession) -> None:
+        self.rotate()
+        await asyncio.gather(*(run_turn(http, self.config, lane.conv, self.rng, self.stats) for lane in self.lanes))
+
+
+# ------------------------------------------------------------------------------ the view
+
+
+@dataclass
+class Row:
+    lane: int
+    session: str
+    backend: str
+    turns: int
+    context: int
+    prompt: int
+    cached: int
+    errors: int
+
+
+def error_banner(stats: Stats, now: float, window_s: float = WINDOW_S, color: bool = False) -> list[str]:
+    """Lines nobody misses when requests failed: in the window (red), or earlier (a yellow note)."""
+    if not stats.failed:
+        return []
+    window = stats.window(window_s, now)
+    status = f"HTTP {stats.last_error_status}" if stats.last_error_status else "no answer"
+    by_status = ", ".join(f"{'HTTP ' + str(k) if k else 'no answer'}: {v}" for k, v in sorted(stats.errors_by_status.items()))
+    ago = max(0.0, now - stats.last_error_at)
+    last = stats.last_error
+    if stats.last_error_status and last.startswith(f"HTTP {stats.last_error_status}: "):
+        last = last[len(f"HTTP {stats.last_error_status}: "):]
+    if window.failed:
+        lines = [
+            "!" * 100,
+            f"!! ERRORS: {window.failed} of {window.requests} requests FAILED in the last {window_s:.0f} s "
+            f"({window.error_rate:.0%}); {stats.failed} failed since the start ({by_status})",
+            f"!! last error {ago:.0f} s ago: {status}: {last}",
+            "!" * 100,
+        ]
+        return [f"{RED}{line}{RESET}" for line in lines] if color else lines
+    line = (f"note: {stats.failed} requests failed earlier ({by_status}), none in the last {window_s:.0f} s; "
+            f"last error {ago:.0f} s ago: {status}: {last}")
+    return [f"{YELLOW}{line}{RESET}" if color else line]
+
+
+def ratio_line(stats: Stats, now: float, window_s: float = WINDOW_S) -> str:
+    """The cached-token ratio of the requests answered in the window, said together with how many
+    requests that is and how many failed (failed requests have no usage: they are not in it)."""
+    window = stats.window(window_s, now)
+    head = f"last {window_s:.0f} s: {window.requests} requests, {window.failed} failed ({window.error_rate:.0%})"
+    ratio = window.cached_ratio
+    if ratio is None:
+        return head + "; cached-token ratio n/a (no request answered)"
+    text = f"{head}; cached-token ratio {ratio:.2f} over the {window.answered} answered"
+    return text + (f" (the {window.failed} failed are not in it)" if window.failed else "")
+
+
+def render(stats: Stats, rows: Sequence[Row], *, now: float, round_no: int, config: TrafficConfig,
+           urls: dict[str, str], pd_lines: Sequence[str] = (), color: bool = False, clear: bool = False) -> str:
+    lines = error_banner(stats, now, color=color)
+    total = stats.ok + stats.failed
+    rate = stats.failed / total if total else 0.0
+    title = f"round {round_no}: {stats.ok} ok, {stats.failed} failed ({rate:.1%}) since the start"
+    lines.append(f"{BOLD}{title}{RESET}" if color else title)
+    lines.append(ratio_line(stats, now))
+    lines.append(f"conversations: {stats.conversations} finished, {len(rows)} running (each ends after "
+                 f"{config.turns} turns, before its context passes {config.max_context_tokens} tokens, "
+                 f"or on a 4xx); longest context answered: {stats.max_context_tokens} tokens")
+    lines.append("")
+    lines.append(f"{'session':<40} {'backend':<24} {'turns':>5} {'context':>7} {'prompt':>7} {'cached':>7} "
+                 f"{'ratio':>6} {'errors':>6}")
+    for r in rows:
+        ratio = f"{r.cached / r.prompt:.2f}" if r.prompt else "-"
+        lines.append(f"{r.session:<40} {r.backend:<24} {r.turns:>5} {r.context:>7} {r.prompt:>7} {r.cached:>7} "
+                     f"{ratio:>6} {r.errors:>6}")
+    if pd_lines:
+        lines += ["", *pd_lines]
+    lines.append("")
+    lines.append("where to look: " + "  ".join(f"{k}={v}" for k, v in urls.items()))
+    lines.append(f"round {round_no}; {stats.line()}")
+    lines.append("even-numbered lanes send X-Session-ID, odd ones are derived by the router. Ctrl-C stops every process.")
+    return ("\x1b[2J\x1b[H" if clear else "") + "\n".join(lines)
+
+
+async def lane_rows(http: aiohttp.ClientSession, router_url: str, lanes: Sequence[Lane]) -> list[Row]:
+    """One row per lane's running conversation; the backend from ``GET /v1/sessions/{id}``."""
+
+    async def backend_of(session_id: str | None) -> str:
+        if session_id is None:
+            return "-"
+        try:
+            async with http.get(f"{router_url}/v1/sessions/{session_id}") as resp:
+                if resp.status != 200:
+                    return "-"
+                pins = (await resp.json()).get("pins") or {}
+        except (aiohttp.ClientError, ValueError):
+            return "?"
         # in P/D mode the decode pin is where the session's answers come from
-        backend = pins["decode"] if "decode" in pins else ",".join(pins.values())
-        lines.append(f"{s['session_id']:<40} {backend:<24} {s['requests']:>5} {prompt:>7} {cached:>7} {ratio:>6.2f}")
-    prefix = "\x1b[2J\x1b[H" if clear else ""
-    return prefix + "\n".join(lines)
+        return str(pins["decode"]) if "decode" in pins else ",".join(pins.values()) or "-"
+
+    backends = await asyncio.gather(*(backend_of(lane.conv.session_id) for lane in lanes))
+    return [Row(lane.index, lane.conv.session_id or "(not yet answered)", backend, lane.conv.turns,
+                lane.conv.context_tokens, lane.conv.prompt_tokens, lane.conv.cached_tokens, lane.conv.errors)
+            for lane, backend in zip(lanes, backends, strict=True)]
 
 
 async def scrape_sum(http: aiohttp.ClientSession, url: str, names: tuple[str, ...]) -> dict[str, float]:
@@ -69,7 +235,7 @@ async def scrape_sum(http: aiohttp.ClientSession, url: str, names: tuple[str, ..
     return totals
 
 
-async def pd_summary(http: aiohttp.ClientSession, router_url: str, pd: dict[str, list[str]]) -> str:
+async def pd_summary(http: aiohttp.ClientSession, router_url: str, pd: dict[str, list[str]]) -> list[str]:
     """One line per P/D backend: pulls served / held blocks (prefill), pulls and pulled tokens (decode)."""
     lines = []
     for url in pd["prefill"]:
@@ -86,41 +252,41 @@ async def pd_summary(http: aiohttp.ClientSession, router_url: str, pd: dict[str,
                      f"{m['session_backend_kv_pull_failures_total']:.0f}")
     fb = await scrape_sum(http, router_url, ("session_router_pd_fallback_total",))
     lines.append(f"router: decode-only fallbacks {fb['session_router_pd_fallback_total']:.0f}")
-    return "\n".join(lines)
+    return lines
 
 
-async def traffic(router_url: str, sessions: int, rounds: int | None, seed: int, urls: dict[str, str],
-                  pd: dict[str, list[str]] | None = None) -> None:
-    """Rounds of one turn per conversation (the traffic generator's conversations), then a summary."""
-    rng = random.Random(seed)
-    config = TrafficConfig(router=router_url, sessions=sessions, seed=seed, stream_share=0.3)
-    # even-numbered conversations send X-Session-ID; the router derives the others' ids
-    convs = [Conversation(i, TOPICS[i % len(TOPICS)], f"demo-session-{i}" if i % 2 == 0 else None, config.model)
-             for i in range(sessions)]
-    stats = Stats()
-    clear = sys.stdout.isatty()
-    async with aiohttp.ClientSession() as http:
+async def traffic(config: TrafficConfig, rounds: int | None, seed: int, urls: dict[str, str],
+                  pd: dict[str, list[str]] | None = None) -> Stats:
+    """Rounds of one turn per lane, each followed by the live view; returns the counts."""
+    demo = DemoTraffic(config, seed)
+    tty = sys.stdout.isatty()
+    timeout = aiohttp.ClientTimeout(total=config.request_timeout_s)
+    async with aiohttp.ClientSession(timeout=timeout) as http:
         done = 0
         while rounds is None or done < rounds:
-            await asyncio.gather(*(run_turn(http, config, c, rng, stats) for c in convs))
+            await demo.round(http)
             done += 1
-            print(await summary(http, router_url, clear))
-            if pd is not None:
-                print(await pd_summary(http, router_url, pd))
-            print("\nwhere to look: " + "  ".join(f"{k}={v}" for k, v in urls.items()))
-            print(f"round {done}; {stats.line()}")
-            print("even-numbered sessions send X-Session-ID, odd ones are derived by the router."
-                  " Ctrl-C stops every process.", flush=True)
+            rows = await lane_rows(http, config.router, demo.lanes)
+            pd_lines = await pd_summary(http, config.router, pd) if pd is not None else []
+            print(render(demo.stats, rows, now=time.monotonic(), round_no=done, config=config, urls=urls,
+                         pd_lines=pd_lines, color=tty, clear=tty), flush=True)
             if rounds is None:
-                await asyncio.sleep(rng.uniform(0.5, 1.5))
+                await asyncio.sleep(demo.rng.uniform(0.5, 1.5))
+    return demo.stats
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="make demo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backends", type=int, default=3)
-    parser.add_argument("--sessions", type=int, default=6)
-    parser.add_argument("--rounds", type=int, default=None, help="stop after this many turns per session")
+    parser.add_argument("--sessions", type=int, default=6, help="concurrent conversations (lanes)")
+    parser.add_argument("--turns", type=int, default=10, help="turns per conversation before a new one starts")
+    parser.add_argument("--max-context-tokens", type=int, default=None, metavar="TOKENS",
+                        help="end a conversation before its context could pass this many tokens "
+                             "(default: half the backends' context length)")
+    parser.add_argument("--max-model-len", type=int, default=None, metavar="TOKENS",
+                        help=f"the backends' context length (default: theirs, {BACKEND_CONTEXT_TOKENS})")
+    parser.add_argument("--rounds", type=int, default=None, help="stop after this many rounds (one turn per lane each)")
     parser.add_argument("--speed", default="1", help="backend latency model (1 = small model on a GPU, 0 = instant)")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--any-ports", action="store_true",
@@ -128,45 +294,58 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pd", action="store_true",
                         help="prefill/decode topology: 1 prefill + 2 decode backends (ignores --backends)")
     args = parser.parse_args(argv)
+    context = args.max_model_len or BACKEND_CONTEXT_TOKENS
+    budget = args.max_context_tokens or context // 2
+    if budget > context:
+        parser.error(f"--max-context-tokens ({budget}) must not exceed the backends' context length ({context})")
+    config = TrafficConfig(router="", sessions=args.sessions, turns=args.turns, seed=args.seed, stream_share=0.3,
+                           max_context_tokens=budget)
+    if budget <= NEXT_MESSAGE_TOKENS + config.max_tokens[1]:
+        parser.error(f"--max-context-tokens must be more than {NEXT_MESSAGE_TOKENS + config.max_tokens[1]} "
+                     "(room for one message and its answer)")
 
     log_dir = tempfile.mkdtemp(prefix="session-router-demo-")
     procs: list[Proc] = []
-    stop = {"now": False}
 
     def on_signal(signum: int, frame: Any) -> None:
-        stop["now"] = True
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
     port_for = (lambda preferred: free_port()) if args.any_ports else port_or_free
+    backend_args = ["--max-model-len", str(args.max_model_len)] if args.max_model_len else []
     try:
         router_args: list[str] = []
         pd: dict[str, list[str]] | None = None
         if args.pd:
-            prefill = start_backend(log_dir, "--role", "prefill", port=port_for(8200), speed=args.speed)
+            prefill = start_backend(log_dir, "--role", "prefill", *backend_args, port=port_for(8200), speed=args.speed)
             procs.append(prefill)
             allow = f"{LOOPBACK}:{prefill.port}"
-            decodes = [start_backend(log_dir, "--role", "decode", "--kv-allow", allow, port=port_for(8201 + i),
-                                     speed=args.speed) for i in range(2)]
+            decodes = [start_backend(log_dir, "--role", "decode", "--kv-allow", allow, *backend_args,
+                                     port=port_for(8201 + i), speed=args.speed) for i in range(2)]
             procs += decodes
             pd = {"prefill": [prefill.url], "decode": [d.url for d in decodes]}
             router_args += ["--prefill", prefill.url]
             for d in decodes:
                 router_args += ["--decode", d.url]
         else:
-            backend_ports = [port_for(8100 + i) for i in range(args.backends)]
-            for port in backend_ports:
-                procs.append(start_backend(log_dir, port=port, speed=args.speed))
+            for preferred in range(8100, 8100 + args.backends):
+                procs.append(start_backend(log_dir, *backend_args, port=port_for(preferred), speed=args.speed))
             for p in procs:
                 router_args += ["--backend", p.url]
+        access_log = router_lists_flag("--access-log")
+        if access_log:
+            router_args += ["--access-log", "text"]
         router = start_router(log_dir, *router_args, port=port_for(8000))
         procs.append(router)
-        urls = {"router": router.url, "sessions": router.url + "/v1/sessions", "metrics": router.url + "/metrics",
-                "logs": log_dir}
+        urls = {"router": router.url, "metrics": router.url + "/metrics",
+                ("access log" if access_log else "router log"): router.log_path}
         if pd is not None:
             urls["prefill"] = pd["prefill"][0] + "/metrics"
-        print("started: " + ", ".join(p.url for p in procs), flush=True)
-        asyncio.run(traffic(router.url, args.sessions, args.rounds, args.seed, urls, pd))
+        print("started: " + ", ".join(p.url for p in procs) + f" (logs in {log_dir})", flush=True)
+        if not access_log:
+            print("note: this router has no --access-log flag; its log has no per-request lines", flush=True)
+        config = msgspec.structs.replace(config, router=router.url)
+        asyncio.run(traffic(config, args.rounds, args.seed, urls, pd))
         return 0
     except KeyboardInterrupt:
         return 0

@@ -2,8 +2,12 @@
 
 Each of ``--sessions`` workers holds one conversation at a time: a shared system prompt, then
 turns whose prompt is the whole conversation so far plus a new user message (so every turn's
-prompt extends the previous one and a sticky backend serves it from its prefix cache). After
-``--turns`` turns the worker starts a new conversation (a new session). Between turns it
+prompt extends the previous one and a sticky backend serves it from its prefix cache). A
+conversation ends after ``--turns`` turns, or earlier when its next turn could take the context
+past ``--max-context-tokens`` (a budget well under a backend's context length, 8,192 tokens by
+default), or at once when the router answers one of its turns with a client error (a 4xx other
+than 408/429: sending it again cannot help); the worker then starts a new conversation (a new
+session). Between turns it
 thinks for about ``--think`` seconds. Some workers send ``X-Session-ID`` (``--header-share``),
 the others leave the id to the router (it derives one from the conversation). A share of the
 turns stream (``--stream-share``) with ``stream_options.include_usage``.
@@ -27,8 +31,9 @@ import random
 import signal
 import sys
 import time
+from collections import deque
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 import msgspec
@@ -39,6 +44,12 @@ TOPICS = ("the tides", "sourdough", "rust lifetimes", "jazz harmony", "orbital m
 SYSTEM = ("You are a concise assistant for a long-running demo. Answer in a few sentences, stay on "
           "the topic and keep the conversation going.")
 MAX_BACKOFF_S = 10.0
+#: room kept for the next user message and its chat-template tokens when checking the token budget
+NEXT_MESSAGE_TOKENS = 64
+#: client errors that a retry may fix (the others end the conversation)
+RETRYABLE_4XX = frozenset({408, 409, 429})
+#: outcomes kept for the recent-window figures (``Stats.window``)
+RECENT_OUTCOMES = 10_000
 
 
 class TrafficConfig(msgspec.Struct, kw_only=True, frozen=True):
@@ -57,6 +68,8 @@ class TrafficConfig(msgspec.Struct, kw_only=True, frozen=True):
     #: share of turns that stream (with include_usage)
     stream_share: float = 0.3
     max_tokens: tuple[int, int] = (16, 48)
+    #: a conversation ends before its next prompt + answer could pass this many tokens
+    max_context_tokens: int = 4096
     #: session ids sent in the header are ``<prefix>-<worker>-<conversation>``
     session_prefix: str = ""
     seed: int = 7
@@ -65,21 +78,107 @@ class TrafficConfig(msgspec.Struct, kw_only=True, frozen=True):
     request_timeout_s: float = 120.0
 
 
+class Usage(msgspec.Struct):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+class Outcome(NamedTuple):
+    """One request's result, for the recent-window figures."""
+
+    at: float  # time.monotonic()
+    ok: bool
+    prompt_tokens: int
+    cached_tokens: int
+
+
+class Window(NamedTuple):
+    """The requests of the last ``seconds``."""
+
+    seconds: float
+    requests: int
+    failed: int
+    #: over the answered requests only (a failed request has no usage)
+    prompt_tokens: int
+    cached_tokens: int
+
+    @property
+    def answered(self) -> int:
+        return self.requests - self.failed
+
+    @property
+    def error_rate(self) -> float:
+        return self.failed / self.requests if self.requests else 0.0
+
+    @property
+    def cached_ratio(self) -> float | None:
+        """Cached share of the answered requests' prompt tokens; None when nothing was answered."""
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else None
+
+
 class Stats(msgspec.Struct):
     ok: int = 0
     failed: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    #: conversations finished (by turns, token budget or a client error)
     conversations: int = 0
     #: session id -> turns answered (only for sessions whose id the router echoed)
     session_turns: dict[str, int] = {}
     last_error: str = ""
+    #: HTTP status of the last failed request (0: no answer, e.g. refused or cut)
+    last_error_status: int = 0
+    #: time.monotonic() of the last failure (0.0: none yet)
+    last_error_at: float = 0.0
+    #: failed requests by HTTP status (0: no answer)
+    errors_by_status: dict[int, int] = {}
+    #: the largest prompt + completion tokens of one answered request
+    max_context_tokens: int = 0
+    recent: deque[Outcome] = msgspec.field(default_factory=lambda: deque(maxlen=RECENT_OUTCOMES))
+
+    def record_ok(self, usage: Usage | None, now: float | None = None) -> None:
+        self.ok += 1
+        prompt = cached = 0
+        if usage is not None:
+            prompt, cached = usage.prompt_tokens, usage.cached_tokens
+            self.prompt_tokens += prompt
+            self.completion_tokens += usage.completion_tokens
+            self.cached_tokens += cached
+            self.max_context_tokens = max(self.max_context_tokens, prompt + usage.completion_tokens)
+        self.recent.append(Outcome(time.monotonic() if now is None else now, True, prompt, cached))
+
+    def record_failure(self, status: int, message: str, now: float | None = None) -> None:
+        at = time.monotonic() if now is None else now
+        self.failed += 1
+        self.last_error = message[:300]
+        self.last_error_status = status
+        self.last_error_at = at
+        self.errors_by_status[status] = self.errors_by_status.get(status, 0) + 1
+        self.recent.append(Outcome(at, False, 0, 0))
+
+    def window(self, seconds: float, now: float | None = None) -> Window:
+        """Counts over the requests that finished in the last ``seconds``."""
+        since = (time.monotonic() if now is None else now) - seconds
+        requests = failed = prompt = cached = 0
+        for outcome in reversed(self.recent):
+            if outcome.at < since:
+                break
+            requests += 1
+            if outcome.ok:
+                prompt += outcome.prompt_tokens
+                cached += outcome.cached_tokens
+            else:
+                failed += 1
+        return Window(seconds, requests, failed, prompt, cached)
 
     def line(self) -> str:
-        ratio = self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-        text = (f"traffic: {self.ok} ok, {self.failed} failed, {self.conversations} conversations, "
-                f"{len(self.session_turns)} sessions, cached-token ratio {ratio:.2f}")
+        total = self.ok + self.failed
+        rate = self.failed / total if total else 0.0
+        ratio = f"{self.cached_tokens / self.prompt_tokens:.2f}" if self.prompt_tokens else "n/a"
+        text = (f"traffic: {self.ok} ok, {self.failed} failed ({rate:.0%}), {self.conversations} conversations "
+                f"finished, {len(self.session_turns)} sessions, cached-token ratio {ratio} (answered requests)")
         return text + (f" (last error: {self.last_error})" if self.failed and self.last_error else "")
 
 
@@ -95,6 +194,14 @@ class Conversation:
         self.model = model
         self.messages: list[dict[str, str]] = [{"role": "system", "content": SYSTEM}]
         self.turns = 0
+        #: prompt + completion tokens of the last answered turn: the context the next turn extends
+        self.context_tokens = 0
+        #: this conversation's usage (answered turns) and failed requests
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        self.errors = 0
+        #: set when the router refused a turn in a way a retry cannot fix (a 4xx): the conversation ends
+        self.abandoned = False
 
     def next_body(self, *, stream: bool, max_tokens: int) -> dict[str, Any]:
         if self.turns == 0:  # unique first message: derived session ids must not collide
@@ -108,18 +215,33 @@ class Conversation:
             body["stream_options"] = {"include_usage": True}
         return body
 
-    def answered(self, text: str) -> None:
+    def answered(self, text: str, usage: Usage | None = None) -> None:
         self.messages.append({"role": "assistant", "content": text})
         self.turns += 1
+        if usage is not None:
+            self.context_tokens = usage.prompt_tokens + usage.completion_tokens
+            self.prompt_tokens += usage.prompt_tokens
+            self.cached_tokens += usage.cached_tokens
+        else:  # no usage in the answer: a rough count (one token per word, plus the template's)
+            self.context_tokens = sum(len(m["content"].split()) + 4 for m in self.messages)
 
-    def failed(self) -> None:
+    def failed(self, status: int = 0) -> None:
         self.messages.pop()  # ask the same question again next time
+        self.errors += 1
+        if 400 <= status < 500 and status not in RETRYABLE_4XX:
+            self.abandoned = True
+
+    def over(self, turns: int, max_context_tokens: int, max_answer_tokens: int) -> bool:
+        """True when this conversation should end: ``turns`` answered, a turn refused for good, or
+        a next turn (new message + an answer of up to ``max_answer_tokens``) that could pass
+        ``max_context_tokens``."""
+        if self.turns >= turns or self.abandoned:
+            return True
+        return self.context_tokens + NEXT_MESSAGE_TOKENS + max_answer_tokens > max_context_tokens
 
 
-class Usage(msgspec.Struct):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
+def conversation_over(conv: Conversation, config: TrafficConfig) -> bool:
+    return conv.over(config.turns, config.max_context_tokens, config.max_tokens[1])
 
 
 _decode = msgspec.json.Decoder()
@@ -162,11 +284,12 @@ async def run_turn(http: aiohttp.ClientSession, config: TrafficConfig, conv: Con
     stream = rng.random() < config.stream_share
     body = conv.next_body(stream=stream, max_tokens=rng.randint(*config.max_tokens))
     headers = {SESSION_HEADER: conv.session_id} if conv.send_header and conv.session_id else {}
+    status = 0
     try:
         async with http.post(config.router + "/v1/chat/completions", json=body, headers=headers) as resp:
             if resp.status != 200:
-                detail = (await resp.read())[:200].decode(errors="replace")
-                raise RuntimeError(f"HTTP {resp.status}: {detail}")
+                status = resp.status
+                raise RuntimeError(f"HTTP {resp.status}: {_error_message(await resp.read())}")
             if stream:
                 text, usage = await _read_stream(resp)
             else:
@@ -176,19 +299,26 @@ async def run_turn(http: aiohttp.ClientSession, config: TrafficConfig, conv: Con
             conv.session_id = resp.headers.get(SESSION_HEADER, conv.session_id)
     except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError, msgspec.DecodeError,
             KeyError, IndexError, TypeError) as exc:
-        conv.failed()
-        stats.failed += 1
-        stats.last_error = f"{type(exc).__name__}: {exc}"[:300]
+        conv.failed(status)
+        message = str(exc) if status else f"{type(exc).__name__}: {exc}"
+        stats.record_failure(status, message)
         return False
-    conv.answered(text)
-    stats.ok += 1
-    if usage is not None:
-        stats.prompt_tokens += usage.prompt_tokens
-        stats.completion_tokens += usage.completion_tokens
-        stats.cached_tokens += usage.cached_tokens
+    conv.answered(text, usage)
+    stats.record_ok(usage)
     if conv.session_id is not None:
         stats.session_turns[conv.session_id] = stats.session_turns.get(conv.session_id, 0) + 1
     return True
+
+
+def _error_message(body: bytes) -> str:
+    """The message of an OpenAI-shaped error body, else the body's start."""
+    try:
+        error = _decode.decode(body).get("error")
+        if isinstance(error, dict) and isinstance(error.get("message"), str):
+            return str(error["message"])
+    except (msgspec.DecodeError, AttributeError):
+        pass
+    return body[:200].decode(errors="replace")
 
 
 async def _pause(stop: asyncio.Event, seconds: float) -> None:
@@ -209,12 +339,12 @@ async def worker(index: int, http: aiohttp.ClientSession, config: TrafficConfig,
         counter[0] += 1
         session_id = f"{config.session_prefix or 'traffic'}-{index}-{done}" if with_header else None
         conv = Conversation(number, TOPICS[number % len(TOPICS)], session_id, config.model)
-        while conv.turns < config.turns and not stop.is_set():
+        while not conversation_over(conv, config) and not stop.is_set():
             if await run_turn(http, config, conv, rng, stats):
                 backoff = 0.5
-                if conv.turns < config.turns:
+                if not conversation_over(conv, config):
                     await _pause(stop, config.think_s * rng.uniform(0.5, 1.5))
-            else:
+            else:  # a retry (or, for an abandoned conversation, the next one) waits
                 await _pause(stop, backoff)
                 backoff = min(MAX_BACKOFF_S, backoff * 2)
         done += 1
@@ -261,6 +391,9 @@ def parse_args(argv: Sequence[str] | None = None) -> TrafficConfig:
     p.add_argument("--turns", type=int, default=d.turns, help="turns per conversation")
     p.add_argument("--conversations", type=int, default=None,
                    help="conversations per worker, then stop (default: forever)")
+    p.add_argument("--max-context-tokens", type=int, default=d.max_context_tokens, metavar="TOKENS",
+                   help="end a conversation before its context could pass this (keep it under the backends' "
+                        "context length)")
     p.add_argument("--think", type=float, default=d.think_s, metavar="SECONDS", help="mean pause between turns")
     p.add_argument("--header-share", type=float, default=d.header_share,
                    help="share of conversations that send X-Session-ID")
@@ -275,6 +408,9 @@ def parse_args(argv: Sequence[str] | None = None) -> TrafficConfig:
     for name in ("sessions", "turns"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1")
+    if args.max_context_tokens < NEXT_MESSAGE_TOKENS + d.max_tokens[1] + 1:
+        p.error(f"--max-context-tokens must be more than {NEXT_MESSAGE_TOKENS + d.max_tokens[1]} "
+                "(room for one message and its answer)")
     if args.conversations is not None and args.conversations < 1:
         p.error("--conversations must be at least 1")
     if args.think < 0 or args.report < 0:
@@ -284,6 +420,7 @@ def parse_args(argv: Sequence[str] | None = None) -> TrafficConfig:
             p.error(f"--{name.replace('_', '-')} must be between 0 and 1")
     return TrafficConfig(router=args.router.rstrip("/"), model=args.model, sessions=args.sessions,
                          turns=args.turns, conversations=args.conversations, think_s=args.think,
+                         max_context_tokens=args.max_context_tokens,
                          header_share=args.header_share, stream_share=args.stream_share,
                          session_prefix=args.session_prefix, seed=args.seed, report_s=args.report)
 

@@ -136,15 +136,15 @@ def build_config(argv: list[str]) -> RouterConfig:
             "use one or the other"
         )
     if args.backend:
-        overrides.update(backends=_backend_list(args.backend), prefill=[], decode=[])
+        overrides.update(backends=_backend_list(args.backend, "--backend"), prefill=[], decode=[])
         labels["backends"] = "--backend"
     if args.prefill or args.decode:
         overrides["backends"] = []
     if args.prefill:
-        overrides["prefill"] = _backend_list(args.prefill)
+        overrides["prefill"] = _backend_list(args.prefill, "--prefill")
         labels["prefill"] = "--prefill"
     if args.decode:
-        overrides["decode"] = _backend_list(args.decode)
+        overrides["decode"] = _backend_list(args.decode, "--decode")
         labels["decode"] = "--decode"
     if overrides:
         config = msgspec.structs.replace(config, **overrides)
@@ -307,7 +307,15 @@ def _translate(error: str) -> str:
     return f"{path}: {text}" if path else text
 
 
-def _backend_list(urls: list[str]) -> list[BackendConfig]:
+def _backend_list(urls: list[str], flag: str) -> list[BackendConfig]:
+    """The URLs of a repeatable flag; a comma-joined value gets the flags to write instead."""
+    for url in urls:
+        parts = [part.strip() for part in url.split(",") if part.strip()]
+        if len(parts) > 1:
+            instead = " ".join(f"{flag} {part}" for part in parts)
+            raise ConfigError(
+                f"{flag}: {url!r} names {len(parts)} backends; give each backend its own {flag} flag: {instead}"
+            )
     return [BackendConfig(url=url) for url in urls]
 
 

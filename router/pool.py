@@ -53,7 +53,15 @@ class Backend:
 
 
 def normalize_url(url: str) -> str:
-    """Validate a backend base URL (``http://host:port``) and return it without a trailing slash."""
+    """Validate a backend base URL (``http://host:port``) and return it without a trailing slash.
+
+    The messages say what to write instead: a URL without a scheme gets the ``http://`` form, a
+    comma-joined list the advice to give one URL per backend.
+    """
+    if "," in url:
+        raise ConfigError(f"backend URL {url!r} holds a comma: give one URL per backend")
+    if "://" not in url:
+        raise ConfigError(f"backend URL {url!r} has no scheme: add one, e.g. http://{url.lstrip('/')}")
     parts = urlsplit(url)
     if parts.scheme != "http":
         raise ConfigError(f"backend URL {url!r}: only http:// URLs are supported")

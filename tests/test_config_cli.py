@@ -464,3 +464,67 @@ def test_the_admin_api_on_its_own_port(tmp_path: Path, children: list[Child]) ->
     os.kill(child.pid, signal.SIGTERM)
     assert child.wait() == 0
     assert refused(admin_port) and refused(port)
+
+
+# ------------------------------------------------------- what a new user types (issue 11, item 22)
+
+
+def _pyproject_version() -> str:
+    import tomllib
+
+    with open(REPO / "pyproject.toml", "rb") as fh:
+        return str(tomllib.load(fh)["project"]["version"])
+
+
+@pytest.mark.parametrize("module", ["router", "backends"])
+def test_version_on_both_commands_is_the_package_version(module: str) -> None:
+    from importlib.metadata import version
+
+    out = subprocess.run([sys.executable, "-m", module, "--version"], cwd=REPO, capture_output=True, text=True,
+                         timeout=PROC_TIMEOUT)
+    assert out.returncode == 0, out.stderr
+    prog = {"router": "session-router", "backends": "session-backend"}[module]
+    assert out.stdout.strip() == f"{prog} {version('session-router')}"
+    assert version("session-router") == _pyproject_version()
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--backend", "http://127.0.0.1:8100,http://127.0.0.1:8101"],
+         "--backend: 'http://127.0.0.1:8100,http://127.0.0.1:8101' names 2 backends; give each backend its own "
+         "--backend flag: --backend http://127.0.0.1:8100 --backend http://127.0.0.1:8101"),
+        (["--decode", "http://127.0.0.1:1, http://127.0.0.1:2"],
+         "--decode: 'http://127.0.0.1:1, http://127.0.0.1:2' names 2 backends; give each backend its own "
+         "--decode flag: --decode http://127.0.0.1:1 --decode http://127.0.0.1:2"),
+        (["--backend", "127.0.0.1:8100"],
+         "--backend: backend URL '127.0.0.1:8100' has no scheme: add one, e.g. http://127.0.0.1:8100"),
+        (["--backend", "localhost:8100"],
+         "--backend: backend URL 'localhost:8100' has no scheme: add one, e.g. http://localhost:8100"),
+        (["--backend", "http://127.0.0.1:8100,"],
+         "--backend: backend URL 'http://127.0.0.1:8100,' holds a comma: give one URL per backend"),
+    ],
+)
+def test_backend_flag_mistakes_say_what_to_write_instead(argv: list[str], expected: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        build_config(argv)
+    assert info.value.message.startswith(expected), info.value.message
+
+
+def test_a_comma_in_a_config_file_url_names_the_entry(tmp_path: Path) -> None:
+    from router.config import load_config
+
+    path = tmp_path / "r.toml"
+    path.write_text('[[backends]]\nurl = "http://127.0.0.1:1,http://127.0.0.1:2"\n')
+    with pytest.raises(ConfigError) as info:
+        load_config(str(path))
+    assert info.value.message.startswith("backends[0].url: backend URL 'http://127.0.0.1:1,http://127.0.0.1:2' "
+                                         "holds a comma: give one URL per backend"), info.value.message
+
+
+@pytest.mark.parametrize("level", ["INFO", "info", "Warning", "DEBUG"])
+def test_router_log_level_is_case_insensitive(level: str, tmp_path: Path) -> None:
+    assert build_config(["--backend", "http://127.0.0.1:1", "--log-level", level]).log_level == level.lower()
+    path = tmp_path / "r.toml"
+    path.write_text(f'log_level = "{level}"\n[[backends]]\nurl = "http://127.0.0.1:1"\n')
+    assert build_config(["--config", str(path)]).log_level == level.lower()
