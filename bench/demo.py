@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import contextlib
 import random
+import secrets
 import signal
 import sys
 import tempfile
@@ -25,6 +26,9 @@ import aiohttp
 
 from bench.procs import LOOPBACK, Proc, free_port, start_backend, start_router
 from bench.traffic import TOPICS, Conversation, Stats, TrafficConfig, run_turn
+
+#: the demo router's admin token: the session listing (GET /v1/sessions) is an admin action
+ADMIN_TOKEN = secrets.token_hex(16)
 
 def port_or_free(preferred: int) -> int:
     import socket
@@ -38,7 +42,7 @@ def port_or_free(preferred: int) -> int:
 
 
 async def summary(http: aiohttp.ClientSession, router_url: str, clear: bool) -> str:
-    async with http.get(router_url + "/v1/sessions?limit=20") as resp:
+    async with http.get(router_url + "/v1/sessions?limit=20", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}) as resp:
         sessions = (await resp.json())["data"]
     lines = [f"{'session':<40} {'backend':<24} {'turns':>5} {'prompt':>7} {'cached':>7} {'ratio':>6}"]
     for s in sorted(sessions, key=lambda s: s["session_id"]):
@@ -159,10 +163,10 @@ def main(argv: list[str] | None = None) -> int:
                 procs.append(start_backend(log_dir, port=port, speed=args.speed))
             for p in procs:
                 router_args += ["--backend", p.url]
-        router = start_router(log_dir, *router_args, port=port_for(8000))
+        router = start_router(log_dir, *router_args, "--admin-token", ADMIN_TOKEN, port=port_for(8000))
         procs.append(router)
-        urls = {"router": router.url, "sessions": router.url + "/v1/sessions", "metrics": router.url + "/metrics",
-                "logs": log_dir}
+        urls = {"router": router.url, "sessions": router.url + "/v1/sessions", "admin_token": ADMIN_TOKEN,
+                "metrics": router.url + "/metrics", "logs": log_dir}
         if pd is not None:
             urls["prefill"] = pd["prefill"][0] + "/metrics"
         print("started: " + ", ".join(p.url for p in procs), flush=True)
