@@ -89,15 +89,14 @@ async def add_backend(request: web.Request) -> web.Response:
         pool = state.pools.get(spec.pool)
         if pool is None:
             raise BadRequestError(f"unknown pool {spec.pool!r}; pools: {', '.join(state.pools)}", param="pool")
-        candidate = _new_backend(spec, state)
+        candidate = _new_backend(spec)
+        _check_unique(candidate, spec.pool, state)
         try:
             await request.app[BACKEND_ALLOW].check(candidate.host, candidate.port)
         except BackendNotAllowed as exc:
             raise PermissionDeniedError(str(exc), param="url") from None
-        try:
-            backend = pool.add(candidate)
-        except ConfigError as exc:  # added by a concurrent call while this one was resolving the host
-            raise BadRequestError(str(exc), param="url") from None
+        _check_unique(candidate, spec.pool, state)  # again: a concurrent call may have added it meanwhile
+        backend = pool.add(candidate)
         if state.health is not None:
             await state.health.check_backend(backend)
     except SessionRouterError as exc:
@@ -105,10 +104,9 @@ async def add_backend(request: web.Request) -> web.Response:
     return json_response(_view(backend), status=201)
 
 
-def _new_backend(spec: AddBackend, state: RouterState) -> Backend:
+def _new_backend(spec: AddBackend) -> Backend:
     """The backend ``spec`` asks for, or ``BadRequestError``: a URL that is not ``http://host:port``
-    (port 1..65535), a name that is too long or not visible ASCII, a URL already in the pool, or a
-    name already used by any backend (``DELETE /admin/backends/{name}`` must name one backend)."""
+    (port 1..65535) or is over ``MAX_URL_CHARS``, a name over ``MAX_NAME_CHARS`` or not visible ASCII."""
     if len(spec.url) > MAX_URL_CHARS:
         raise BadRequestError(f"url: at most {MAX_URL_CHARS} characters, got {len(spec.url)}", param="url")
     try:
@@ -124,18 +122,21 @@ def _new_backend(spec: AddBackend, state: RouterState) -> Backend:
                               f"ASCII characters (no spaces or control characters), or leave it out to use "
                               f"the URL", param="name")
     try:
-        backend = Backend(spec.url, name=spec.name)
+        return Backend(spec.url, name=spec.name)
     except ConfigError as exc:
         raise BadRequestError(exc.message, param="url") from None
-    pool = state.pools[spec.pool]
-    if pool.get(backend.url) is not None:
-        raise BadRequestError(f"backend {backend.url} is already in pool {spec.pool!r}; "
+
+
+def _check_unique(backend: Backend, pool_name: str, state: RouterState) -> None:
+    """``BadRequestError`` for a URL already in the pool, or a name already used by any backend as
+    its name or URL (``DELETE /admin/backends/{name}`` must name exactly one backend)."""
+    if state.pools[pool_name].get(backend.url) is not None:
+        raise BadRequestError(f"backend {backend.url} is already in pool {pool_name!r}; "
                               f"GET /admin/backends lists them", param="url")
     for other in (b for p in state.pools.values() for b in p.members):
         if backend.name in (other.name, other.url):
             raise BadRequestError(f"backend name {backend.name!r} is already used by {other.url} in pool "
                                   f"{other.pool!r}; give this backend a name of its own", param="name")
-    return backend
 
 
 async def list_sessions(request: web.Request) -> web.Response:
