@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+from urllib.parse import urlsplit
 
 import msgspec
 from aiohttp import web
-
-from urllib.parse import urlsplit
 
 from router import api
 from router.api import error_response, json_response

@@ -6,10 +6,10 @@ Closed label sets: ``route`` (the proxied routes), ``backend`` (configured backe
 Per-session series carry a ``session`` label only for the ``top_k`` most recently active
 sessions of the session table. Its value follows ``session_label``: ``"hash"`` (the default)
 ``router.ids.session_hash`` of the id (16 hex digits; the id is a capability for
-``GET``/``DELETE /v1/sessions/{id}``, so it is not shown to whoever reads /metrics),
-``"id"`` the id itself, ``"none"`` no per-session series at all. They are not updated on the request path at all: a collector
-reads them from the table's entries (cumulative requests, tokens, errors, last backend) at scrape
-time. So a session that leaves the top K, or the table (expiry, capacity, DELETE), has no series
+``GET``/``DELETE /v1/sessions/{id}``, so it is not shown to whoever reads /metrics), ``"id"``
+the id itself, ``"none"`` no per-session series at all. They are not updated on the request
+path at all: a collector reads them from the table's entries (cumulative requests, tokens,
+errors, last backend) at scrape time. So a session that leaves the top K, or the table (expiry, capacity, DELETE), has no series
 from the next scrape on, the number of session-labelled series per metric never exceeds
 ``top_k``, and a session that comes back shows its cumulative totals again.
 
