@@ -30,6 +30,9 @@ import aiohttp
 
 from bench.procs import Proc, start_backend, start_router, wait_until
 
+#: the router's admin token here (the admin API and the session listing need one on the data port)
+ADMIN_TOKEN = "bench-admin-token"
+
 
 def raise_fd_limit(need: int) -> int:
     """Raise this process's soft RLIMIT_NOFILE towards ``need`` (children inherit it); return it."""
@@ -51,7 +54,7 @@ def proc_usage(pid: int) -> tuple[int, int]:
 
 
 async def _in_flight(http: aiohttp.ClientSession, router: Proc) -> int:
-    async with http.get(router.url + "/admin/backends") as resp:
+    async with http.get(router.url + "/admin/backends", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}) as resp:
         return sum(b["in_flight"] for b in (await resp.json())["data"])
 
 
@@ -128,7 +131,7 @@ async def run(log_dir: str, *, clients: int = 1000, backends: int = 4, max_token
     results: list[dict[str, Any]] = []
     try:
         procs += [start_backend(log_dir, "--max-num-seqs", str(clients), speed=speed) for _ in range(backends)]
-        router = start_router(log_dir, *[a for b in procs for a in ("--backend", b.url)])
+        router = start_router(log_dir, "--admin-token", ADMIN_TOKEN, *[a for b in procs for a in ("--backend", b.url)])
         procs.append(router)
         fds, rss = proc_usage(router.pid)
         fds_seen, rss_seen = [fds], [rss]

@@ -58,6 +58,8 @@ from bench.workload import SessionPlan, Workload, WorkloadSpec, generate, system
 
 SESSION_HEADER = "X-Session-ID"
 MODEL = "session-sim"
+#: our router's admin token here (sampling /admin/backends needs one on the data port)
+ADMIN_TOKEN = "bench-admin-token"
 POLICIES = ("session", "round_robin", "least_loaded")
 VARIANTS = ("uniform", "noheader", "skewed")
 
@@ -428,7 +430,8 @@ class Driver:
         async def router_load() -> list[int] | None:
             if not self.router_api:
                 return None
-            async with http.get(self.target + "/admin/backends") as resp:
+            async with http.get(self.target + "/admin/backends",
+                                headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}) as resp:
                 data = (await resp.json())["data"]
             loads = [0] * len(self.backends)
             for row in data:
@@ -521,7 +524,7 @@ def run_cell(config: BenchConfig, variant: Variant, workload: Workload, target: 
     try:
         if peer is None:
             policy, _, factor = target.partition(":")
-            args = ["--policy", policy, "--stamp", "derive", "--log-level", "warning"]
+            args = ["--policy", policy, "--stamp", "derive", "--log-level", "warning", "--admin-token", ADMIN_TOKEN]
             if factor:
                 args += ["--load-factor", factor]
             if config.router_config:

@@ -47,6 +47,9 @@ import msgspec
 
 from bench.procs import Proc, free_port, start_backend, start_router
 
+#: the router's admin token here (the admin API and the session listing need one on the data port)
+ADMIN_TOKEN = "bench-admin-token"
+
 SESSION_LABEL = re.compile(rb'session="([^"]*)"')
 SYSTEM = "You are a patient assistant in a long soak test. Answer briefly and keep the thread going."
 TOPICS = ("rivers", "bread", "lighthouses", "chess", "bees", "glaciers", "compilers", "jazz")
@@ -184,7 +187,7 @@ async def sampler(router: Proc, http: aiohttp.ClientSession, args: argparse.Name
                   stop: asyncio.Event, samples: list[Sample], started: float) -> None:
     while True:
         rss, fds = _proc_status(router.pid)
-        async with http.get(router.url + "/v1/sessions?limit=1") as resp:
+        async with http.get(router.url + "/v1/sessions?limit=1", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}) as resp:
             sessions = int((await resp.json())["total"])
         async with http.get(router.url + "/metrics") as resp:
             text = await resp.read()
@@ -205,6 +208,7 @@ def start_topology(args: argparse.Namespace, log_dir: str) -> tuple[list[Proc], 
     config = os.path.join(log_dir, "router.toml")
     with open(config, "w") as fh:
         fh.write(f"max_sessions = {args.max_sessions}\nsession_metrics_top_k = {args.top_k}\n"
+                 f'admin_token = "{ADMIN_TOKEN}"\n'  # for the session count (GET /v1/sessions)
                  "health_interval_s = 0.5\nhealth_timeout_s = 0.5\nretries = 2\n"
                  "first_byte_timeout_s = 10\ntotal_timeout_s = 60\n")
         fh.writelines(f'[[backends]]\nurl = "{b.url}"\n' for b in backends)

@@ -1,4 +1,4 @@
-"""The router's own read-only endpoints: /health, /v1/models, /metrics, /v1/sessions."""
+"""The router's own endpoints: /health, /v1/models, /metrics, /v1/sessions (the listing through router.admin)."""
 
 from __future__ import annotations
 
@@ -71,6 +71,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def list_sessions(request: web.Request) -> web.Response:
+    """Every session, most recently active first: an admin action, routed through ``router.admin``."""
     state = request.app[ROUTER_STATE]
     try:
         limit = int(request.query.get("limit", "100"))

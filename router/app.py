@@ -38,7 +38,8 @@ def build_pools(config: RouterConfig) -> dict[str, BackendPool]:
 
 
 def build_state(config: RouterConfig, registry: CollectorRegistry | None = None) -> RouterState:
-    metrics = RouterMetrics(registry or CollectorRegistry(), top_k=config.session_metrics_top_k)
+    metrics = RouterMetrics(registry or CollectorRegistry(), top_k=config.session_metrics_top_k,
+                            session_label=config.session_label)
     sessions = SessionTable(config.max_sessions, config.session_ttl_s)
     sessions.on_evict = metrics.session_evicted
     state = RouterState(
@@ -106,11 +107,12 @@ def create_app(config: RouterConfig, *, registry: CollectorRegistry | None = Non
     app.router.add_get("/health", api.health)
     app.router.add_get("/v1/models", api.models)
     app.router.add_get("/metrics", api.metrics)
-    app.router.add_get("/v1/sessions", api.list_sessions)
     app.router.add_get("/v1/sessions/{session_id}", api.get_session)
     app.router.add_delete("/v1/sessions/{session_id}", api.delete_session)
-    if config.admin_port == 0:
-        admin.add_admin_routes(app)
+    if admin.on_data_port(config):  # GET /v1/sessions (every session) is an admin action
+        admin.add_admin_routes(app, config)
+    else:
+        admin.add_unserved_routes(app, config)
     app.router.add_route("*", "/{tail:.*}", _not_found)
     return app
 
@@ -118,7 +120,7 @@ def create_app(config: RouterConfig, *, registry: CollectorRegistry | None = Non
 def create_admin_app(main_app: web.Application) -> web.Application:
     """The admin API on its own app, sharing the main app's state (for ``admin_port``)."""
     app = web.Application()
-    app[ROUTER_STATE] = main_app[ROUTER_STATE]
-    admin.add_admin_routes(app)
+    state = app[ROUTER_STATE] = main_app[ROUTER_STATE]
+    admin.add_admin_routes(app, state.config)
     app.router.add_route("*", "/{tail:.*}", _not_found)
     return app

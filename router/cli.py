@@ -24,7 +24,8 @@ and the configured backends, so every worker sends a session's first request to 
 backend and keeps it there. Each worker has its own session table, in-flight counts and health
 view, so the load bound (spills) and re-pins are decided per worker; with a healthy, not
 overloaded cluster all workers agree on every session. The same holds for runtime state:
-an admin API change (adding or removing a backend), ``DELETE /v1/sessions/{id}`` and the
+an admin API change (adding or removing a backend; with ``admin_port`` every worker listens there
+too, with SO_REUSEPORT), ``DELETE /v1/sessions/{id}`` and the
 ``/metrics`` and ``/v1/sessions`` views reach only the worker that took the connection.
 
 Exit codes: 0 after a graceful stop, 2 for a configuration error (message on stderr as
@@ -135,7 +136,7 @@ def run_worker(
 ) -> int:
     """Build the app and serve it in this process until SIGTERM/SIGINT; return the exit code.
 
-    With ``config.admin_port`` set, ``admin_factory(main_app)`` is served on that port too.
+    With ``config.admin_port`` set, ``admin_factory(main_app)`` is served on ``admin_host:admin_port`` too.
     ``on_ready(port)`` is called once listening (default: print the listening line).
     ``lifeline`` and ``ignore_late_signals``: see ``serve``.
     """
@@ -149,7 +150,7 @@ def run_worker(
         app = factory(config)
         admin = None
         if config.admin_port:
-            admin = (load_factory(admin_factory)(app), config.admin_port)
+            admin = (load_factory(admin_factory)(app), config.admin_host, config.admin_port)
         await serve(
             app,
             config.host,
@@ -187,11 +188,11 @@ async def serve(
     body_timeout_s: float = 60.0,
     reuse_port: bool = False,
     on_ready: Callable[[int], None] | None = None,
-    admin: tuple[web.Application, int] | None = None,
+    admin: tuple[web.Application, str, int] | None = None,
     lifeline: int | None = None,
     ignore_late_signals: bool = False,
 ) -> None:
-    """Serve ``app`` on ``host:port`` (and ``admin = (app, port)`` beside it) until SIGTERM/SIGINT,
+    """Serve ``app`` on ``host:port`` (and ``admin = (app, host, port)`` beside it) until SIGTERM/SIGINT,
     then drain and clean up.
 
     ``front``: ``"raw"`` serves the port with ``router.front.RawFront`` (request bodies over
@@ -219,7 +220,7 @@ async def serve(
     internal: web.TCPSite | None = None
     try:
         bound_port = port
-        for served, served_port in [(app, port)] + ([admin] if admin is not None else []):
+        for served, served_host, served_port in [(app, host, port)] + ([admin] if admin is not None else []):
             # handler_cancellation: a client that disconnects cancels its handler at once, which closes
             # the upstream connection so the backend aborts the request (streams and non-streams).
             runner = JsonErrorAppRunner(served, access_log=None, handle_signals=False, shutdown_timeout=shutdown_timeout,
@@ -230,8 +231,9 @@ async def serve(
                 where = f"{INTERNAL_HOST}:0"
                 internal = site = web.TCPSite(runner, INTERNAL_HOST, 0, backlog=LISTEN_BACKLOG)
             else:
-                where = f"{host}:{served_port}"
-                site = web.TCPSite(runner, host, served_port, backlog=LISTEN_BACKLOG, reuse_port=reuse_port or None)
+                where = f"{served_host}:{served_port}"
+                site = web.TCPSite(runner, served_host, served_port, backlog=LISTEN_BACKLOG,
+                                   reuse_port=reuse_port or None)
             try:
                 await site.start()
             except OSError as exc:

@@ -10,14 +10,16 @@ from __future__ import annotations
 import argparse
 import difflib
 import math
+import os
 import re
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NoReturn
 
 import msgspec
 
 from router import __version__
+from router.backend_allow import literal_address, normalize_host, parse_entry
 from router.errors import ConfigError
 from router.pool import normalize_url
 
@@ -65,9 +67,10 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     eject_s: float = 5.0
     #: P/D: on prefill failure fall back to decode-only (true) or answer 502 (false)
     pd_fallback: bool = True
-    #: bearer token for /admin; empty = admin API open (bind loopback only then)
+    #: bearer token for /admin and GET /v1/sessions (also from $SESSION_ROUTER_ADMIN_TOKEN with build_config);
+    #: with admin_port = 0 the admin API is on the data port only when this is set
     admin_token: str = ""
-    #: serve /admin on a separate port (0 = on the data port)
+    #: serve /admin on its own listener on admin_host (0 = no admin listener: see admin_token)
     admin_port: int = 0
     drain_timeout_s: float = 30.0
     #: SO_REUSEPORT worker processes
@@ -77,6 +80,15 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     front: str = "raw"
     #: bound on remembered Responses API ids (previous_response_id -> backend)
     max_response_ids: int = 100_000
+
+    # ---- admin API reach and session privacy (router.admin, router.backend_allow, router.metrics)
+    #: address of the admin listener (admin_port); one that is not loopback needs admin_token
+    admin_host: str = "127.0.0.1"
+    #: hosts, host:port and CIDR blocks POST /admin/backends may add ([] = any host); link-local and
+    #: cloud metadata addresses only when listed explicitly (router.backend_allow)
+    admin_backend_allow: list[str] = []
+    #: the session label of per-session /metrics series: hash (blake2b-64 of the id, hex) | id | none
+    session_label: str = "hash"
 
     @property
     def pd_mode(self) -> bool:
@@ -119,7 +131,9 @@ def build_config(argv: list[str]) -> RouterConfig:
 
     ``--backend`` replaces the file's ``backends`` (and clears its ``prefill``/``decode``);
     ``--prefill``/``--decode`` replace the file's list of the same name (and clear its
-    ``backends``). Raises ``ConfigError`` for bad flags and for every error ``load_config`` finds.
+    ``backends``). ``admin_token`` comes from ``--admin-token``, else from the environment variable
+    ``SESSION_ROUTER_ADMIN_TOKEN`` when set and non-empty, else from the file.
+    Raises ``ConfigError`` for bad flags and for every error ``load_config`` finds.
     """
     args = _parser().parse_args(argv)
     config = _decode(_read_toml(args.config) if args.config is not None else {})
@@ -130,6 +144,9 @@ def build_config(argv: list[str]) -> RouterConfig:
         if value is not None:
             overrides[field_name] = value
             labels[field_name] = flag
+    if "admin_token" not in overrides and os.environ.get(ADMIN_TOKEN_ENV):
+        overrides["admin_token"] = os.environ[ADMIN_TOKEN_ENV]
+        labels["admin_token"] = ADMIN_TOKEN_ENV
     if args.backend and (args.prefill or args.decode):
         raise ConfigError(
             "--backend (aggregated mode) cannot be combined with --prefill/--decode (P/D mode); "
@@ -176,13 +193,14 @@ def validate_config(config: RouterConfig, *, labels: Mapping[str, str] | None = 
     check(
         0 <= config.admin_port <= 65535,
         "admin_port",
-        f"must be 0..65535 (0 = serve /admin on the data port), got {config.admin_port}",
+        f"must be 0..65535 (0 = no admin listener of its own), got {config.admin_port}",
     )
     check(
         config.admin_port == 0 or config.admin_port != config.port,
         "admin_port",
-        f"must differ from port ({config.port}); use 0 to serve /admin on the data port",
+        f"must differ from port ({config.port}); use 0 to serve /admin on the data port (with admin_token)",
     )
+    _validate_admin(config, key)
     log_level = config.log_level.lower()
     check(log_level in LOG_LEVELS, "log_level", f"must be one of {', '.join(LOG_LEVELS)}, got {config.log_level!r}")
     check(config.policy in POLICIES, "policy", f"must be one of {', '.join(POLICIES)}, got {config.policy!r}")
@@ -235,6 +253,45 @@ def validate_config(config: RouterConfig, *, labels: Mapping[str, str] | None = 
         raise ConfigError(_NO_BACKEND)
     pools = {name: _validate_pool(getattr(config, name), name, names.get(name)) for name in _POOL_FIELDS}
     return msgspec.structs.replace(config, log_level=log_level, **pools)
+
+
+ADMIN_TOKEN_ENV = "SESSION_ROUTER_ADMIN_TOKEN"
+SESSION_LABELS = ("hash", "id", "none")
+
+
+def _validate_admin(config: RouterConfig, key: Callable[[str], str]) -> None:
+    """The admin block: the token's characters, the allow-list's entries, the session label, and
+    no admin API open to the network (an admin listener off loopback without a token)."""
+    token = config.admin_token
+    if token and not all(0x21 <= ord(c) <= 0x7E for c in token):
+        raise ConfigError(f"{key('admin_token')}: use visible ASCII characters only (no spaces or control "
+                          f"characters: it is sent in an 'Authorization: Bearer' header)")
+    check_host = config.admin_host.strip()
+    if not check_host:
+        raise ConfigError(f"{key('admin_host')}: must not be empty; use 127.0.0.1 (loopback, the default)")
+    if config.admin_port and not token and not is_loopback_host(check_host):
+        raise ConfigError(
+            f"{key('admin_host')}: the admin API on {check_host}:{config.admin_port} would be open to the network "
+            f"(admin_token is empty): set admin_token (or {ADMIN_TOKEN_ENV}), or keep admin_host on a "
+            f"loopback address such as 127.0.0.1"
+        )
+    for index, entry in enumerate(config.admin_backend_allow):
+        try:
+            parse_entry(entry)
+        except ValueError as exc:
+            raise ConfigError(f"{key('admin_backend_allow')}[{index}]: {exc}") from None
+    if config.session_label not in SESSION_LABELS:
+        raise ConfigError(f"{key('session_label')}: must be one of {', '.join(SESSION_LABELS)}, "
+                          f"got {config.session_label!r}")
+
+
+def is_loopback_host(host: str) -> bool:
+    """``localhost`` or a loopback address (127.0.0.0/8, ::1, IPv4-mapped 127.x); names are not resolved."""
+    host = normalize_host(host)
+    if host == "localhost":
+        return True
+    address = literal_address(host)
+    return address is not None and address.is_loopback
 
 
 def _validate_pool(entries: list[BackendConfig], field_name: str, flag: str | None) -> list[BackendConfig]:
@@ -369,7 +426,8 @@ def _parser() -> _Parser:
         "--stamp", choices=STAMPS, help="session id for requests without one: derive (then mint), mint or none"
     )
     parser.add_argument("--load-factor", type=float, metavar="C", help="load bound factor c >= 1 (default 1.25)")
-    parser.add_argument("--admin-token", metavar="TOKEN", help="bearer token required by /admin")
+    parser.add_argument("--admin-token", metavar="TOKEN",
+                        help=f"bearer token required by /admin and GET /v1/sessions (default ${ADMIN_TOKEN_ENV})")
     parser.add_argument(
         "--workers", type=int, metavar="N", help="SO_REUSEPORT worker processes sharing the port (default 1)"
     )

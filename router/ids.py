@@ -6,6 +6,7 @@ and cheap on the hot path.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import secrets
 
@@ -19,3 +20,11 @@ class IdGenerator:
 
     def next(self) -> str:
         return f"{self._prefix}{next(self._counter):08x}"
+
+
+def session_hash(session_id: str) -> str:
+    """A short stable stand-in for a session id where the id itself must not appear (metrics labels):
+    BLAKE2b with a 64-bit digest of the id's UTF-8 bytes, as 16 hex digits. The same everywhere and
+    across restarts; an operator computes it with ``printf %s ID | b2sum -l 64`` or
+    ``hashlib.blake2b(ID.encode(), digest_size=8).hexdigest()``."""
+    return hashlib.blake2b(session_id.encode("utf-8", "surrogateescape"), digest_size=8).hexdigest()

@@ -4,9 +4,12 @@ Closed label sets: ``route`` (the proxied routes), ``backend`` (configured backe
 ``status_class`` (2xx..5xx), ``policy``, ``outcome`` (``placement.base.Outcome``), ``reason``.
 
 Per-session series carry a ``session`` label only for the ``top_k`` most recently active
-sessions of the session table. They are not updated on the request path at all: a collector
-reads them from the table's entries (cumulative requests, tokens, errors, last backend) at scrape
-time. So a session that leaves the top K, or the table (expiry, capacity, DELETE), has no series
+sessions of the session table. Its value follows ``session_label``: ``"hash"`` (the default)
+``router.ids.session_hash`` of the id (16 hex digits; the id is a capability for
+``GET``/``DELETE /v1/sessions/{id}``, so it is not shown to whoever reads /metrics), ``"id"``
+the id itself, ``"none"`` no per-session series at all. They are not updated on the request
+path at all: a collector reads them from the table's entries (cumulative requests, tokens,
+errors, last backend) at scrape time. So a session that leaves the top K, or the table (expiry, capacity, DELETE), has no series
 from the next scrape on, the number of session-labelled series per metric never exceeds
 ``top_k``, and a session that comes back shows its cumulative totals again.
 
@@ -24,6 +27,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 from prometheus_client.registry import Collector
+
+from router.ids import session_hash
 
 if TYPE_CHECKING:
     from router.pool import BackendPool
@@ -98,11 +103,16 @@ class _HotCounters:
             yield family
 
 
+SESSION_LABELS: dict[str, Callable[[str], str] | None] = {"hash": session_hash, "id": str, "none": None}
+
+
 class _LiveCollector(Collector):
-    def __init__(self, pools: Callable[[], Iterable["BackendPool"]], table: "SessionTable", top_k: int) -> None:
+    def __init__(self, pools: Callable[[], Iterable["BackendPool"]], table: "SessionTable", top_k: int,
+                 label: Callable[[str], str] | None) -> None:
         self._pools = pools
         self._table = table
         self._top_k = top_k
+        self._label = label
 
     def collect(self):  # type: ignore[no-untyped-def]
         in_flight = GaugeMetricFamily(PREFIX + "backend_in_flight", "Requests in flight per backend", labels=["pool", "backend"])
@@ -113,15 +123,18 @@ class _LiveCollector(Collector):
                 healthy.add_metric([pool.name, backend.name], 1.0 if backend.available else 0.0)
         yield in_flight
         yield healthy
-        top = self._table.recent(self._top_k) if self._top_k > 0 else []
         yield GaugeMetricFamily(PREFIX + "sessions_active", "Sessions in the session table", value=len(self._table))
+        label = self._label
+        if label is None:  # session_label = "none"
+            return
+        top = self._table.recent(self._top_k) if self._top_k > 0 else []
         requests = CounterMetricFamily(PREFIX + "session_requests", "Requests of a top-K session", labels=["session"])
         tokens = CounterMetricFamily(PREFIX + "session_tokens", "Tokens of a top-K session", labels=["session", "kind"])
         errors = CounterMetricFamily(PREFIX + "session_errors", "Failed requests of a top-K session", labels=["session"])
         backend_info = GaugeMetricFamily(PREFIX + "session_backend_info", "Last backend of a top-K session (value 1)",
                                          labels=["session", "backend"])
         for entry in top:
-            sid = entry.session_id
+            sid = label(entry.session_id)
             requests.add_metric([sid], entry.requests)
             tokens.add_metric([sid, "prompt"], entry.prompt_tokens)
             tokens.add_metric([sid, "completion"], entry.completion_tokens)
@@ -136,9 +149,11 @@ class _LiveCollector(Collector):
 
 
 class RouterMetrics:
-    def __init__(self, registry: CollectorRegistry, *, top_k: int) -> None:
+    def __init__(self, registry: CollectorRegistry, *, top_k: int, session_label: str = "hash") -> None:
+        """``session_label``: ``hash`` | ``id`` | ``none`` (see the module docstring)."""
         self.registry = registry
         self.top_k = top_k
+        self.session_label = session_label
         self.hot = _HotCounters()
         registry.register(self.hot)
         self.retries = Counter(PREFIX + "retries", "Upstream attempts retried, by reason", ["reason"], registry=registry)
@@ -163,7 +178,7 @@ class RouterMetrics:
 
     def attach_live(self, pools: Callable[[], Iterable["BackendPool"]], table: "SessionTable") -> None:
         self._table = table
-        self.registry.register(_LiveCollector(pools, table, self.top_k))
+        self.registry.register(_LiveCollector(pools, table, self.top_k, SESSION_LABELS[self.session_label]))
 
     # ------------------------------------------------------------------ request path
     def placement(self, policy: str, outcome: str) -> None:
@@ -202,7 +217,7 @@ class RouterMetrics:
             self.session_cached_ratio.observe(entry.cached_tokens / entry.prompt_tokens)
 
     def exported_sessions(self) -> list[str]:
-        """Sessions that carry per-session series now, least recently active first."""
-        if self._table is None or self.top_k <= 0:
+        """Sessions (their ids) that carry per-session series now, least recently active first."""
+        if self._table is None or self.top_k <= 0 or self.session_label == "none":
             return []
         return [e.session_id for e in reversed(self._table.recent(self.top_k))]

@@ -23,6 +23,7 @@ from typing import Literal
 import msgspec
 
 from router.errors import BadRequestError, ConfigError
+from router.ids import session_hash
 
 EvictReason = Literal["ttl", "capacity", "deleted"]
 EvictHook = Callable[["SessionEntry", EvictReason], None]
@@ -44,6 +45,8 @@ class SessionView(msgspec.Struct, kw_only=True):
     errors: int
     #: the backend (name, which defaults to its URL) that served the last request; "" before the first
     last_backend: str
+    #: ``router.ids.session_hash`` of the id: its ``session`` label on /metrics (session_label = "hash")
+    session_hash: str
 
 
 @dataclass(slots=True, eq=False)
@@ -96,6 +99,7 @@ class SessionEntry:
             cached_tokens=self.cached_tokens,
             errors=self.errors,
             last_backend=self.last_backend,
+            session_hash=session_hash(self.session_id),
         )
 
 

@@ -29,6 +29,8 @@ WRONG_TYPES = json.loads((CORPUS / "wrong_types.json").read_text())
 HEADERS = json.loads((CORPUS / "headers.json").read_text())
 ROUTES: list[str] = BODIES["routes"]
 MAX_BODY = 1024 * 1024
+#: the routers here serve the admin API (and the session listing) on the data port with this token
+ADMIN_TOKEN = "badinput-admin-token"
 GOOD = json.dumps({"model": "session-sim", "prompt": "a good request", "max_tokens": 2}).encode()
 
 
@@ -43,7 +45,7 @@ def topo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Topology]:
     logs = tmp_path_factory.mktemp("badinput")
     backends = [start_backend(str(logs)) for _ in range(2)]
     config = logs / "router.toml"
-    config.write_text(f'stamp = "none"\nmax_body_bytes = {MAX_BODY}\nlog_level = "info"\n'
+    config.write_text(f'stamp = "none"\nmax_body_bytes = {MAX_BODY}\nlog_level = "info"\nadmin_token = "{ADMIN_TOKEN}"\n'
                       + "".join(f'[[backends]]\nurl = "{b.url}"\n' for b in backends))
     router = start_router(str(logs), "--config", str(config))
     yield Topology(router, backends)
@@ -78,9 +80,10 @@ def post(port: int, path: str, body: bytes, content_type: str = "application/jso
 
 
 def get_json(port: int, path: str) -> Any:
+    """GET an admin path (the admin API, the session listing) with the admin token."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     try:
-        conn.request("GET", path)
+        conn.request("GET", path, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
         return json.loads(conn.getresponse().read())
     finally:
         conn.close()

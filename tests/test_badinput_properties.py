@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from tests.support import Proc, start_backend, start_router
 from tests.test_badinput_corpus import (
+    ADMIN_TOKEN,
     GOOD,
     ROUTES,
     Answer,
@@ -61,7 +62,8 @@ def topo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Topology]:
     logs = tmp_path_factory.mktemp("badinput-props")
     backend = start_backend(str(logs))
     config = logs / "router.toml"
-    config.write_text(f'stamp = "none"\nmax_body_bytes = 65536\n[[backends]]\nurl = "{backend.url}"\n')
+    config.write_text(f'stamp = "none"\nmax_body_bytes = 65536\nadmin_token = "{ADMIN_TOKEN}"\n'
+                      f'[[backends]]\nurl = "{backend.url}"\n')
     router = start_router(str(logs), "--config", str(config))
     yield Topology(router, backend)
     router.stop()

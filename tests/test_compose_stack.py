@@ -31,6 +31,7 @@ from backends.server import create_app as create_backend_app
 from bench.traffic import Stats, TrafficConfig
 from bench.traffic import parse_args as traffic_args
 from bench.traffic import run as traffic_run
+from router import admin
 from router.app import create_app as create_router_app
 from router.config import BackendConfig, RouterConfig, build_config
 from tests.support import free_port
@@ -207,6 +208,23 @@ def test_every_command_is_a_real_cli_of_the_project() -> None:
         assert target.port == ports[target.hostname], traffic.name
         assert traffic.profiles == all_services[target.hostname].profiles, traffic.name
         assert target.hostname in (traffic.spec.get("depends_on") or {}), f"{traffic.name} should wait for its router"
+
+
+def test_routers_take_the_admin_token_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``docker compose up`` works without a token (admin API off, never open on 0.0.0.0) and
+    serves the admin API with ``SESSION_ROUTER_ADMIN_TOKEN`` set in the caller's environment."""
+    routers = by_module(services(), "router")
+    assert routers
+    for router in routers:
+        env = router.spec.get("environment") or {}
+        assert env.get("SESSION_ROUTER_ADMIN_TOKEN") == "${SESSION_ROUTER_ADMIN_TOKEN:-}", router.name
+        assert router.command is not None and "--admin-token" not in router.command  # not visible in `ps`
+        monkeypatch.setenv("SESSION_ROUTER_ADMIN_TOKEN", "")  # what compose passes when it is unset
+        config = build_config(router.command[3:])
+        assert (config.admin_token, config.admin_port, admin.on_data_port(config)) == ("", 0, False), router.name
+        monkeypatch.setenv("SESSION_ROUTER_ADMIN_TOKEN", "compose-t0ken")
+        config = build_config(router.command[3:])
+        assert config.admin_token == "compose-t0ken" and admin.on_data_port(config), router.name
 
 
 @pytest.mark.parametrize("module", ["router", "backends", "bench.traffic"])

@@ -30,6 +30,8 @@ pytestmark = pytest.mark.slow
 
 MODEL = "session-sim"
 TIMEOUT = aiohttp.ClientTimeout(total=30)
+ADMIN_TOKEN = "faults-admin-token"
+ADMIN_AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -45,7 +47,10 @@ def procs() -> Iterator[list[Proc]]:
 
 
 def router_config(tmp_path: Path, backends: list[str], **settings: Any) -> str:
+    """A router config; with ``ADMIN_TOKEN``, so that the data port serves the admin API and the
+    session listing (admin actions) to ``get_json``."""
     path = tmp_path / f"router-{len(list(tmp_path.glob('router-*.toml')))}.toml"
+    settings.setdefault("admin_token", ADMIN_TOKEN)
     lines = [f"{k} = {json.dumps(v)}" for k, v in settings.items()]
     lines += [f'[[backends]]\nurl = "{url}"' for url in backends]
     path.write_text("\n".join(lines) + "\n")
@@ -53,7 +58,7 @@ def router_config(tmp_path: Path, backends: list[str], **settings: Any) -> str:
 
 
 async def get_json(http: aiohttp.ClientSession, url: str) -> Any:
-    async with http.get(url) as resp:
+    async with http.get(url, headers=ADMIN_AUTH) as resp:  # the backends ignore it
         return await resp.json()
 
 

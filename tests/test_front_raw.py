@@ -447,7 +447,8 @@ async def test_relayed_routes_answer_as_the_app_does_with_a_request_id(served: F
         (get("/metrics"), 200),
         (get("/v1/sessions/rel-1"), 200),
         (get("/v1/sessions/unknown"), 404),
-        (get("/v1/sessions?limit=1"), 200),
+        (get("/v1/sessions?limit=1"), 401),  # listing every session is an admin action
+        (get("/v1/sessions?limit=1", extra=f"Authorization: Bearer {TOKEN}\r\n"), 200),
         (get("/v1/models"), 200),
         (get("/admin/backends"), 401),
         (get("/admin/backends", extra="Authorization: Bearer wrong\r\n"), 401),

@@ -5,7 +5,9 @@ name and label set that issue 5 lists.
 The router is the in-process app of ``router.app.create_app`` (served by pytest-aiohttp on
 127.0.0.1) in front of ``tests.fakes.EchoBackend`` servers. Every EchoBackend answer reports
 usage ``prompt_tokens=10, completion_tokens=3, cached_tokens=4``, so expected token counts are
-exact multiples of those.
+exact multiples of those. The fixture sets ``session_label = "id"`` (the ids themselves as label
+values, so the series can be compared with the session table by id) and an admin token for the
+session listing (an admin action); the default ``"hash"`` and ``"none"`` have tests of their own.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from tests.support import free_port
 from tests.support import eventually as shared_eventually
 
 K = 5
+TOKEN = "metrics-admin-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
 PROMPT, COMPLETION, CACHED = 10, 3, 4  # EchoBackend's usage per answer
 
 #: every per-session metric family of the router (exposition sample name -> extra labels)
@@ -110,7 +114,7 @@ def router(aiohttp_server: Any, aiohttp_client: Any) -> Factory:
         backends = [BackendConfig(f"http://127.0.0.1:{s.port}", name=f.name) for f, s in zip(fakes, servers)]
         backends += [BackendConfig(f"http://127.0.0.1:{free_port()}", name=f"dead{i}") for i in range(dead)]
         settings: dict[str, Any] = {"health_interval_s": 3600.0, "retry_backoff_s": 0.001,
-                                    "session_metrics_top_k": K}
+                                    "session_metrics_top_k": K, "session_label": "id", "admin_token": TOKEN}
         settings.update(overrides)
         client = await aiohttp_client(create_app(RouterConfig(backends=backends, **settings)),
                                       server_kwargs={"handler_cancellation": True})
@@ -208,7 +212,7 @@ async def test_session_series_stay_within_top_k_and_follow_recency(router: Facto
     assert len(model.requests) == 10 * K
     assert state_of(client).metrics.exported_sessions() == list(model.order)[-K:]
     # the table still holds every session with its full detail (not only the top K)
-    resp = await client.get("/v1/sessions", params={"limit": "1000"})
+    resp = await client.get("/v1/sessions", params={"limit": "1000"}, headers=AUTH)
     listed = (await resp.json())["data"]
     assert [s["session_id"] for s in listed] == list(reversed(model.order))
     assert {s["session_id"]: s["requests"] for s in listed} == model.requests

@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 
 from bench.traffic import TrafficConfig, run
+from router.ids import session_hash
 from tests.support import LOOPBACK, Proc, free_port, http_status, start_backend, start_router, wait_until
 from tests.test_compose_stack import DASHBOARDS, concrete, dashboard_queries
 from tests.test_metrics_sessions import parse_exposition
@@ -148,6 +149,8 @@ def test_prometheus_scrapes_session_series_and_prefix_cache_hits(
         for sid, view in truth.items():
             assert view["requests"] == TURNS
             assert view["cached_tokens"] > 0, f"{sid}: multi-turn chat should hit the prefix cache: {view}"
+        label = {sid: view["session_hash"] for sid, view in truth.items()}
+        assert label == {sid: session_hash(sid) for sid in sessions}
         hits_truth: dict[str, float] = {}
         for b in backends:
             exp = parse_exposition(scrape_text(b.url))
@@ -159,9 +162,10 @@ def test_prometheus_scrapes_session_series_and_prefix_cache_hits(
             cached = prom.values('session_router_session_tokens_total{job="router",kind="cached"}', "session")
             prompt = prom.values('session_router_session_tokens_total{job="router",kind="prompt"}', "session")
             hits = prom.values('sum by (instance) (vllm:prefix_cache_hits_total{job="backends"})', "instance")
-            return (all(requests.get(sid) == TURNS for sid in sessions)
-                    and all(cached.get(sid) == truth[sid]["cached_tokens"] for sid in sessions)
-                    and all(prompt.get(sid) == truth[sid]["prompt_tokens"] for sid in sessions)
+            # the router labels its series with the id's hash (session_label = "hash", the default)
+            return (all(requests.get(label[sid]) == TURNS for sid in sessions)
+                    and all(cached.get(label[sid]) == truth[sid]["cached_tokens"] for sid in sessions)
+                    and all(prompt.get(label[sid]) == truth[sid]["prompt_tokens"] for sid in sessions)
                     and hits == hits_truth)
 
         try:
@@ -189,7 +193,7 @@ def test_prometheus_scrapes_session_series_and_prefix_cache_hits(
         info = prom.query('session_router_session_backend_info{job="router"}')
         by_session = {r["metric"]["session"]: r["metric"]["backend"] for r in info}
         for sid in sessions:
-            assert by_session[sid] == truth[sid]["last_backend"]
+            assert by_session[label[sid]] == truth[sid]["last_backend"]
         check_dashboard_queries(prom)
     finally:
         prom.stop()

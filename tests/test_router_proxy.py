@@ -326,10 +326,11 @@ async def test_hop_by_hop_headers_dropped_end_to_end_kept(router: Factory) -> No
 
 
 async def test_sessions_api(router: Factory) -> None:
-    client, fakes, _ = await router(n=2)
+    client, fakes, _ = await router(n=2, admin_token="s3cret")  # listing every session is an admin action
+    auth = {"Authorization": "Bearer s3cret"}
     for i in range(5):
         await client.post("/v1/completions", json={"prompt": "x", "session_id": f"api{i}"})
-    listing = await (await client.get("/v1/sessions?limit=3")).json()
+    listing = await (await client.get("/v1/sessions?limit=3", headers=auth)).json()
     assert [e["session_id"] for e in listing["data"]] == ["api4", "api3", "api2"]
     one = await (await client.get("/v1/sessions/api1")).json()
     assert one["session_id"] == "api1" and one["requests"] == 1
@@ -337,7 +338,7 @@ async def test_sessions_api(router: Factory) -> None:
     assert one["last_active"] > 0
     assert (await client.delete("/v1/sessions/api1")).status == 200
     assert (await client.get("/v1/sessions/api1")).status == 404
-    assert (await client.get("/v1/sessions?limit=0")).status == 400
+    assert (await client.get("/v1/sessions?limit=0", headers=auth)).status == 400
 
 
 async def test_models_is_the_union(router: Factory) -> None:
