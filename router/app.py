@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 from aiohttp import web
@@ -18,7 +18,7 @@ from router.health import HealthChecker
 from router.metrics import RouterMetrics
 from router.placement import make_policy
 from router.pool import POOL_DECODE, POOL_DEFAULT, POOL_PREFILL, Backend, BackendPool
-from router.proxy import ROUTES, Proxy
+from router.proxy import OTHER, ROUTES, Proxy
 from router.responses import ResponseIndex
 from router.sessions import SessionTable
 from router.state import ROUTER_STATE, RouterState
@@ -86,6 +86,19 @@ async def _sweep_sessions(state: RouterState) -> None:
         state.sessions.sweep()
 
 
+def _catch_all(proxy: Proxy) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    """Every request no route matched: forwarded to a backend (``OTHER``) unless it is the router's
+    own path or denied (``Proxy.forwards``), then the router's 404/405."""
+    forward = proxy_handler(proxy, OTHER)
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        if proxy.forwards(request.raw_path):
+            return await forward(request)
+        return await _not_found(request)
+
+    return handle
+
+
 async def _not_found(request: web.Request) -> web.Response:
     known = {r.path for r in ROUTES} | {"/health", "/metrics", "/v1/models", "/v1/sessions"}
     if request.path in known:
@@ -111,7 +124,7 @@ def create_app(config: RouterConfig, *, registry: CollectorRegistry | None = Non
     app.router.add_delete("/v1/sessions/{session_id}", api.delete_session)
     if config.admin_port == 0:
         admin.add_admin_routes(app)
-    app.router.add_route("*", "/{tail:.*}", _not_found)
+    app.router.add_route("*", "/{tail:.*}", _catch_all(proxy))
     return app
 
 
