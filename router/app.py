@@ -14,6 +14,7 @@ from router import admin, api
 from router.config import RouterConfig
 from router.errors import error_body
 from router.front.aiohttp_adapter import proxy_handler
+from router.front.exchange import REQUEST_ID_HEADER
 from router.health import HealthChecker
 from router.metrics import RouterMetrics
 from router.placement import make_policy
@@ -104,8 +105,12 @@ async def _not_found(request: web.Request) -> web.Response:
     if request.path in known:
         status, message = 405, f"method {request.method} is not allowed on {request.path}"
     else:
-        status, message = 404, f"no route {request.method} {request.path}; see the README for the router's routes"
-    return web.Response(status=status, body=error_body(status, message), content_type="application/json")
+        status, message = 404, (f"no route {request.method} {request.path}: not a route of the router, and not "
+                                "forwarded to backends (proxy_deny, or a path with empty or dot segments); "
+                                "see the README for the router's routes")
+    request_id = request.headers.get(REQUEST_ID_HEADER) or request.app[ROUTER_STATE].request_ids.next()
+    return web.Response(status=status, body=error_body(status, message), content_type="application/json",
+                        headers={REQUEST_ID_HEADER: request_id})
 
 
 def create_app(config: RouterConfig, *, registry: CollectorRegistry | None = None) -> web.Application:

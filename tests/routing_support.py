@@ -4,6 +4,7 @@ assembles it (the aiohttp app on a loopback port, and for ``raw`` the ``RawFront
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -28,6 +29,7 @@ FRONTS = ("raw", "aiohttp")
 class Hit:
     method: str
     path: str
+    #: lower-case names
     headers: dict[str, str]
     body: bytes
 
@@ -68,7 +70,7 @@ class ModelBackend:
 
     async def _hit(self, request: web.Request) -> tuple[bytes, web.Response | None]:
         body = await request.read()
-        self.hits.append(Hit(request.method, request.path_qs, dict(request.headers), body))
+        self.hits.append(Hit(request.method, request.path_qs, {k.lower(): v for k, v in request.headers.items()}, body))
         status = self.fail.get(request.path)
         if status is not None:
             return body, web.json_response({"error": {"message": "scripted", "type": "X", "param": None,
@@ -137,13 +139,14 @@ Serve = Callable[..., Awaitable[Routed]]
 
 @pytest.fixture
 async def serve(aiohttp_server: Any) -> AsyncIterator[Serve]:
-    """``await serve(front, backends=[...], prefill=[...], decode=[...], **config)``: the fakes
-    served, a router before them on ``front``, after its first health round (models learned)."""
+    """``await serve(front, backends=[...], prefill=[...], decode=[...], extra_urls=[...], **config)``:
+    the fakes served, a router before them (and ``extra_urls``) on ``front``, after its first
+    health round (models learned)."""
     cleanups: list[Callable[[], Awaitable[None]]] = []
 
     async def start(front: str, *, backends: list[ModelBackend] | None = None,
                     prefill: list[ModelBackend] | None = None, decode: list[ModelBackend] | None = None,
-                    **overrides: Any) -> Routed:
+                    extra_urls: list[str] | None = None, **overrides: Any) -> Routed:
         backends, prefill, decode = backends or [], prefill or [], decode or []
         urls: dict[int, str] = {}
         for fake in [*backends, *prefill, *decode]:
@@ -155,8 +158,8 @@ async def serve(aiohttp_server: Any) -> AsyncIterator[Serve]:
 
         settings: dict[str, Any] = {"health_interval_s": 3600.0, "retry_backoff_s": 0.001}
         settings.update(overrides)
-        config = RouterConfig(backends=configs(backends), prefill=configs(prefill), decode=configs(decode),
-                              **settings)
+        config = RouterConfig(backends=configs(backends) + [BackendConfig(u) for u in extra_urls or ()],
+                              prefill=configs(prefill), decode=configs(decode), **settings)
         app = create_app(config)
         runner = JsonErrorAppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
         await runner.setup()
@@ -190,3 +193,18 @@ async def ask(routed: Routed, method: str, path: str, *, json_body: Any = None, 
         body = await resp.read()
         return resp.status, {k.lower(): v for k, v in resp.headers.items()}, body
 
+
+
+async def raw_ask(routed: Routed, method: str, target: str, body: bytes = b"") -> tuple[int, dict[str, str], bytes]:
+    """One request written as is (no client normalises the target), ``Connection: close``."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", int(routed.url.rsplit(":", 1)[1]))
+    try:
+        writer.write(f"{method} {target} HTTP/1.1\r\nHost: router\r\nConnection: close\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n".encode("latin-1") + body)
+        data = await asyncio.wait_for(reader.read(), 30)
+    finally:
+        writer.close()
+    head, _, payload = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    return int(lines[0].split()[1]), headers, payload
