@@ -274,3 +274,18 @@ def test_real_backends_with_different_models(mixed: tuple[list[Proc], list[Proc]
     # a route the router does not name, served by session-backend: forwarded
     status, _, body = call(router.url + "/version")
     assert status == 200 and "version" in json.loads(body)
+
+
+@pytest.mark.parametrize("front", FRONTS)
+async def test_a_model_whose_backends_are_all_down_is_a_503(serve: Serve, front: str) -> None:
+    routed = await serve(front, backends=two_models())
+    for backend in routed.state.pools["default"].members:
+        if backend.models == frozenset({"alpha"}):
+            backend.healthy = False
+    status, _, body = await ask(routed, "POST", "/v1/completions", json_body={"model": "alpha", "prompt": "x"})
+    error = json.loads(body)["error"]
+    assert status == 503 and error["type"] == "ServiceUnavailableError"
+    assert "pool 'default' for model 'alpha'" in error["message"]
+    assert routed.all_hits() == []
+    status, _, body = await ask(routed, "POST", "/v1/completions", json_body={"model": "beta", "prompt": "x"})
+    assert status == 200
