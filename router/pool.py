@@ -183,10 +183,6 @@ class BackendPool(BackendSet):
         found = self._by_model.get(model)
         return found if found is not None else self._unknown
 
-    def models(self) -> list[str]:
-        """The model ids some member is known to serve, in first-seen order."""
-        return list(self._by_model)
-
     def _changed(self) -> None:
         """Membership or models changed: bump the version and rebuild the candidate sets."""
         self.version += 1

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import json
 import tempfile
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from prometheus_client import generate_latest
 
 from bench.procs import free_ports
 from router.placement import RoundRobinPolicy, SessionPolicy
@@ -200,8 +202,6 @@ async def test_pd_filters_the_prefill_and_the_decode_pool(serve: Serve, front: s
 
 
 def _scrape(routed: Any) -> str:
-    from prometheus_client import generate_latest
-
     return generate_latest(routed.state.metrics.registry).decode()
 
 
@@ -216,8 +216,8 @@ def mixed() -> Iterator[tuple[list[Proc], list[Proc]]]:
     routers: list[Proc] = []
     try:
         for front, port in zip(FRONTS, free_ports(len(FRONTS))):
-            routers.append(start_router(log_dir, "--front", front, "--log-level", "info", port=port,
-                                        *[a for b in backends for a in ("--backend", b.url)]))
+            routers.append(start_router(log_dir, "--front", front, "--log-level", "info",
+                                        *[a for b in backends for a in ("--backend", b.url)], port=port))
         for router in routers:  # the first health round has learned every backend's models
             wait_until(lambda: router.log().count("serves models") >= 4, timeout=20, what="models learned")
         yield routers, backends
@@ -253,13 +253,15 @@ def test_real_backends_with_different_models(mixed: tuple[list[Proc], list[Proc]
         assert status == 200, body
         assert json.loads(body)["model"] == model
     # a session sticks to one backend of its model
-    for turn in range(3):
+    for _ in range(3):
         status, _, body = call(router.url + "/v1/chat/completions", "POST",
                                {"model": "beta", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]},
                                {"X-Session-ID": f"{front}-sticky"})
         assert status == 200 and json.loads(body)["model"] == "beta"
     _, _, body = call(router.url + f"/v1/sessions/{front}-sticky")
-    pin = json.loads(body)["pins"]["default"]
+    session = json.loads(body)
+    pin = session["pins"]["default"]
+    assert session["requests"] == 3 and session["last_backend"] == pin
     assert pin in (backends[2].url, backends[3].url)
     # a model nobody serves: the router's 404, no backend asked
     before = [metric_sum(call(b.url + "/metrics")[2].decode(), "vllm:request_success_total") for b in backends]
