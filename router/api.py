@@ -38,10 +38,13 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def models(request: web.Request) -> web.Response:
-    """The union of the healthy backends' model cards."""
+    """The union of the healthy backends' model cards (the first card of each id): those the health
+    checker learned (what the router routes by), and for a backend whose models are not known
+    yet, its ``GET /v1/models`` now."""
     state = request.app[ROUTER_STATE]
     assert state.http is not None
-    backends = [b for pool in state.pools.values() for b in pool.available()]
+    available = [b for pool in state.pools.values() for b in pool.available()]
+    backends = [b for b in available if b.models is None]
     timeout = aiohttp.ClientTimeout(total=state.config.health_timeout_s * 2)
 
     async def fetch(url: str) -> list[dict[str, Any]]:
@@ -56,7 +59,8 @@ async def models(request: web.Request) -> web.Response:
             return []
 
     merged: dict[str, dict[str, Any]] = {}
-    for cards in await asyncio.gather(*(fetch(b.url) for b in backends)):
+    learned = [list(b.model_cards) for b in available if b.models is not None]
+    for cards in learned + list(await asyncio.gather(*(fetch(b.url) for b in backends))):
         for card in cards:
             model_id = card.get("id")
             if isinstance(model_id, str) and model_id not in merged:

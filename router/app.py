@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 from aiohttp import web
@@ -14,11 +14,12 @@ from router import admin, api
 from router.config import RouterConfig
 from router.errors import error_body
 from router.front.aiohttp_adapter import proxy_handler
+from router.front.exchange import REQUEST_ID_HEADER
 from router.health import HealthChecker
 from router.metrics import RouterMetrics
 from router.placement import make_policy
 from router.pool import POOL_DECODE, POOL_DEFAULT, POOL_PREFILL, Backend, BackendPool
-from router.proxy import ROUTES, Proxy
+from router.proxy import OTHER, ROUTES, Proxy
 from router.responses import ResponseIndex
 from router.sessions import SessionTable
 from router.state import ROUTER_STATE, RouterState
@@ -87,13 +88,30 @@ async def _sweep_sessions(state: RouterState) -> None:
         state.sessions.sweep()
 
 
+def _catch_all(proxy: Proxy) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    """Every request no route matched: forwarded to a backend (``OTHER``) unless it is the router's
+    own path or denied (``Proxy.forwards``), then the router's 404/405."""
+    forward = proxy_handler(proxy, OTHER)
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        if proxy.forwards(request.raw_path):
+            return await forward(request)
+        return await _not_found(request)
+
+    return handle
+
+
 async def _not_found(request: web.Request) -> web.Response:
     known = {r.path for r in ROUTES} | {"/health", "/metrics", "/v1/models", "/v1/sessions"}
     if request.path in known:
         status, message = 405, f"method {request.method} is not allowed on {request.path}"
     else:
-        status, message = 404, f"no route {request.method} {request.path}; see the README for the router's routes"
-    return web.Response(status=status, body=error_body(status, message), content_type="application/json")
+        status, message = 404, (f"no route {request.method} {request.path}: not a route of the router, and not "
+                                "forwarded to backends (proxy_deny, or a path with empty or dot segments); "
+                                "see the README for the router's routes")
+    request_id = request.headers.get(REQUEST_ID_HEADER) or request.app[ROUTER_STATE].request_ids.next()
+    return web.Response(status=status, body=error_body(status, message), content_type="application/json",
+                        headers={REQUEST_ID_HEADER: request_id})
 
 
 def create_app(config: RouterConfig, *, registry: CollectorRegistry | None = None) -> web.Application:
@@ -113,7 +131,7 @@ def create_app(config: RouterConfig, *, registry: CollectorRegistry | None = Non
         admin.add_admin_routes(app, config)
     else:
         admin.add_unserved_routes(app, config)
-    app.router.add_route("*", "/{tail:.*}", _not_found)
+    app.router.add_route("*", "/{tail:.*}", _catch_all(proxy))
     return app
 
 

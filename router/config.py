@@ -25,6 +25,17 @@ from router.pool import normalize_url
 
 MiB = 1024 * 1024
 
+#: paths never forwarded by the catch-all proxy (each with what is below it): backend internals and
+#: vLLM's operator endpoints (dev mode, LoRA loading, profiling, scaling), which are not for clients
+DEFAULT_PROXY_DENY = (
+    "/internal",
+    "/reset_prefix_cache", "/reset_mm_cache", "/reset_encoder_cache",
+    "/sleep", "/wake_up", "/is_sleeping", "/pause", "/resume", "/is_paused",
+    "/collective_rpc", "/server_info", "/abort_requests", "/inference/v1/abort_requests",
+    "/start_profile", "/stop_profile", "/scale_elastic_ep", "/is_scaling_elastic_ep",
+    "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
+)
+
 
 class BackendConfig(msgspec.Struct, forbid_unknown_fields=True):
     url: str
@@ -89,6 +100,10 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     admin_backend_allow: list[str] = []
     #: the session label of per-session /metrics series: hash (blake2b-64 of the id, hex) | id | none
     session_label: str = "hash"
+
+    # -- routes the router does not name (issue 11, item 20) --
+    #: path prefixes the catch-all proxy never forwards (the router answers 404); [] forwards all
+    proxy_deny: list[str] = msgspec.field(default_factory=lambda: list(DEFAULT_PROXY_DENY))
 
     @property
     def pd_mode(self) -> bool:
@@ -242,6 +257,9 @@ def validate_config(config: RouterConfig, *, labels: Mapping[str, str] | None = 
         "session_metrics_top_k",
         f"must be >= 0 (0 = no per-session series), got {config.session_metrics_top_k}",
     )
+
+    for index, path in enumerate(config.proxy_deny):
+        check(path.startswith("/"), "proxy_deny", f"entry {index} ({path!r}) must be a path starting with '/'")
 
     if config.backends and (config.prefill or config.decode):
         raise ConfigError(

@@ -17,9 +17,16 @@ placement skips backends that are not healthy. Signals, and what each does:
 - ``record_success``: resets the count; a down backend whose ejection window is over becomes
   healthy (a half-open success).
 
-Every transition calls ``on_change(backend, healthy)`` and logs one WARNING; nothing else logs.
+Every transition calls ``on_change(backend, healthy)`` and logs one WARNING.
 With ``scrape_load`` each good check also reads ``GET /load`` (``{"server_load": N}``) into
 ``Backend.reported_load``.
+
+Models: each good check also reads ``GET /v1/models`` and records the ids it lists with
+``BackendPool.set_models`` (which rebuilds the pool's per-model candidate sets when they changed;
+one INFO line per change). A backend is placed for any model until its first model list arrives
+(the first round runs at start-up, and ``POST /admin/backends`` checks a new backend at once);
+an answer that is not a model list (no answer, not a 200, e.g. a backend without the route, or
+not JSON) keeps what was known.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import msgspec
@@ -43,6 +50,7 @@ logger = logging.getLogger(__name__)
 
 HEALTH_PATH = "/health"
 LOAD_PATH = "/load"
+MODELS_PATH = "/v1/models"
 
 
 class LoadReport(msgspec.Struct):
@@ -52,6 +60,15 @@ class LoadReport(msgspec.Struct):
 
 
 _load_decoder = msgspec.json.Decoder(LoadReport)
+
+
+class ModelList(msgspec.Struct):
+    """vLLM's ``GET /v1/models`` body, as far as routing reads it (each card is kept as received)."""
+
+    data: list[dict[str, Any]]
+
+
+_models_decoder = msgspec.json.Decoder(ModelList)
 
 
 class HealthChecker:
@@ -71,6 +88,7 @@ class HealthChecker:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.pools = pools
+        self._pools_by_name = {pool.name: pool for pool in pools}
         self.interval_s = interval_s
         self.eject_after_failures = eject_after_failures
         self.eject_s = eject_s
@@ -146,6 +164,7 @@ class HealthChecker:
         """Check one backend now, apply the result and return whether the check passed."""
         reason = await self._probe(backend)
         if reason is None:
+            await self._fetch_models(backend)
             if not backend.healthy:
                 if self._clock() < backend.ejected_until:
                     return True  # ejected by passive failures: keep it out until the window ends
@@ -182,6 +201,22 @@ class HealthChecker:
             backend.reported_load = max(0.0, _load_decoder.decode(body).server_load)
         except (asyncio.TimeoutError, aiohttp.ClientError, msgspec.DecodeError):
             return  # the load signal is optional: keep the last value
+
+    async def _fetch_models(self, backend: Backend) -> None:
+        try:
+            async with self._session.get(backend.url + MODELS_PATH, timeout=self._timeout) as resp:
+                body = await resp.read()
+                status = resp.status
+            if status != 200:
+                return
+            cards = tuple(card for card in _models_decoder.decode(body).data if isinstance(card.get("id"), str))
+        except (asyncio.TimeoutError, aiohttp.ClientError, msgspec.DecodeError):
+            return  # no model list: keep what was known (nothing: any model may go there)
+        models = frozenset(card["id"] for card in cards)
+        pool = self._pools_by_name.get(backend.pool)
+        if pool is not None and pool.set_models(backend, models, cards):
+            logger.info("backend %s (pool %s) serves models: %s", backend.name, backend.pool,
+                        ", ".join(sorted(models)) or "none")
 
     # ---------------------------------------------------------- passive signals
 

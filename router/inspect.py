@@ -18,11 +18,18 @@ import msgspec
 from router.errors import InvalidJSONError
 
 
-class RoutingFields(msgspec.Struct):
+class OpenFields(msgspec.Struct):
+    """What routing reads from any JSON object body: the session channels and the model."""
+
     session_id: Any = None
     vllm_xargs: Any = None
-    stream: bool | None = None
     model: Any = None
+
+
+class RoutingFields(OpenFields):
+    """What routing reads from the body of an inference route (the router's own contract)."""
+
+    stream: bool | None = None
     previous_response_id: Any = None
     stream_options: Any = None
     # kept undecoded (a zero-copy slice; empty when absent) until derivation needs them
@@ -57,6 +64,7 @@ class _WithUsage(msgspec.Struct):
 
 
 _fields_decoder = msgspec.json.Decoder(RoutingFields)
+_open_decoder = msgspec.json.Decoder(OpenFields)
 _messages_decoder = msgspec.json.Decoder(list[_Message])
 _any_decoder = msgspec.json.Decoder()
 _usage_decoder = msgspec.json.Decoder(_WithUsage)
@@ -73,6 +81,18 @@ def decode_routing_fields(body: bytes) -> RoutingFields:
         raise InvalidJSONError(f"request body is not valid JSON: {exc}") from None
     except RecursionError:  # msgspec's nesting bound (about 1,000 levels), also for skipped fields
         raise InvalidJSONError("request body nests JSON arrays or objects too deeply; flatten it") from None
+
+
+def decode_open_fields(body: bytes) -> OpenFields | None:
+    """The routing fields of a body the router does not own (``/tokenize``, the routes it does not
+    name): read only when the body is a JSON object; anything else (empty, multipart, not JSON)
+    gives None and is the backend's to judge."""
+    if body[:1] != b"{" and body[:64].lstrip()[:1] != b"{":
+        return None
+    try:
+        return _open_decoder.decode(body)
+    except (msgspec.MsgspecError, RecursionError):
+        return None
 
 
 def wants_stream_usage(fields: RoutingFields) -> bool:

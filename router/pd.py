@@ -1,7 +1,8 @@
 """Prefill/decode hand-off (DESIGN.md §6, vLLM's NixlConnector proxy protocol).
 
 The proxy places the decode leg first (session placement over the decode pool), then calls
-``PDHandoff.prefill``: the prefill leg goes to the session's prefill instance with the body
+``PDHandoff.prefill``: the prefill leg goes to the session's prefill instance (among those that
+serve the request's ``model``; none is a ``no_prefill`` fallback) with the body
 capped at one token, non-streaming, and the ``kv_transfer_params`` placeholder; the
 ``kv_transfer_params`` it returns are added to the original body for the decode leg. Both legs
 carry the same ``X-Request-Id`` and ``X-Session-ID``. When the prefill leg fails (no prefill
@@ -107,7 +108,9 @@ class PDHandoff:
     async def _prefill_leg(self, route: "Route", request: dict[str, Any], attempt: "Attempt",
                            headers: str, path: str) -> dict[str, Any]:
         state = self.state
-        pool = self.prefill_pool
+        pool = self.prefill_pool.for_model(request.get("model"))  # the model's prefill instances
+        if pool is None:
+            raise PrefillFailed("no_prefill")
         try:
             placement = state.policy.place(pool, attempt.session_id, attempt.entry)
         except NoHealthyBackendError:

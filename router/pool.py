@@ -3,11 +3,20 @@
 A ``Backend`` is one upstream server; a ``BackendPool`` is a named set of them (``default`` in
 aggregated mode, ``prefill`` and ``decode`` in P/D mode). Membership changes rebuild nothing per
 request: policies read ``pool.members`` and each backend's live state.
+
+Models: each backend's served models (``Backend.models``, learned from its ``GET /v1/models`` by
+the health checker) split a pool into *candidate sets*, one ``BackendSet`` per model, rebuilt when
+membership or a backend's models change, never per request. ``pool.for_model(name)`` is one dict
+lookup: the pool itself when every member may serve the model (the usual one-model cluster), the
+members that serve it otherwise, and ``None`` when no member serves it. A backend whose models
+are not known yet (never fetched, or it has no ``/v1/models``) is a candidate for every model.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import urlsplit
 
 from router.errors import ConfigError
@@ -37,6 +46,10 @@ class Backend:
     consecutive_failures: int = 0
     #: monotonic time until which a passively ejected backend is skipped (half-open after)
     ejected_until: float = 0.0
+    #: model ids its ``GET /v1/models`` lists (None: not known yet; set through ``BackendPool.set_models``)
+    models: frozenset[str] | None = None
+    #: the model cards of that answer, as received (the router's ``/v1/models`` merges them)
+    model_cards: tuple[dict[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         self.url = normalize_url(self.url)
@@ -77,45 +90,32 @@ def normalize_url(url: str) -> str:
     return f"http://{host}:{port or 80}"
 
 
-class BackendPool:
-    """A named, ordered set of backends."""
+class BackendSet:
+    """An ordered set of backends that placement chooses from: a whole pool, or the candidate set
+    of one model in it (see ``BackendPool.for_model``). Placement only reads it.
 
-    def __init__(self, name: str, backends: list[Backend] | None = None) -> None:
+    ``name`` is the pool's name (session pins are per pool); ``key`` names this set for the
+    per-set caches of policies (cursors, hash rings), and ``version`` changes whenever the set
+    may have changed (its pool's ``version`` when it was built).
+    """
+
+    def __init__(self, name: str, key: str, members: list[Backend], version: int = 0,
+                 model: str | None = None) -> None:
         self.name = name
-        self.members: list[Backend] = []
-        self._by_url: dict[str, Backend] = {}
-        #: bumped on every membership change, so policies can cache per-membership work
-        self.version = 0
-        for backend in backends or ():
-            self.add(backend)
+        self.key = key
+        self.members = members
+        self._by_url: dict[str, Backend] = {b.url: b for b in members}
+        self.version = version
+        #: the model this candidate set serves (None: a whole pool)
+        self.model = model
 
-    def add(self, backend: Backend) -> Backend:
-        if backend.url in self._by_url:
-            raise ConfigError(f"backend {backend.url} is already in pool {self.name!r}")
-        backend.pool = self.name
-        self.members.append(backend)
-        self._by_url[backend.url] = backend
-        self.version += 1
-        return backend
-
-    def remove(self, url: str) -> Backend | None:
-        backend = self._by_url.pop(url, None)
-        if backend is not None:
-            self.members.remove(backend)
-            self.version += 1
-        return backend
+    def describe(self) -> str:
+        """How error messages name the set: ``pool 'default'`` or ``pool 'default' for model 'm'``."""
+        where = f"pool {self.name!r}"
+        return where if self.model is None else f"{where} for model {self.model!r}"
 
     def get(self, url: str) -> Backend | None:
         return self._by_url.get(url)
-
-    def find(self, name_or_url: str) -> Backend | None:
-        backend = self._by_url.get(name_or_url)
-        if backend is not None:
-            return backend
-        for candidate in self.members:
-            if candidate.name == name_or_url:
-                return candidate
-        return None
 
     def available(self) -> list[Backend]:
         return [b for b in self.members if b.available]
@@ -126,5 +126,88 @@ class BackendPool:
     def __len__(self) -> int:
         return len(self.members)
 
-    def __iter__(self):  # type: ignore[no-untyped-def]
+    def __iter__(self) -> Iterator[Backend]:
         return iter(self.members)
+
+
+class BackendPool(BackendSet):
+    """A named, ordered set of backends, and its candidate sets per model (module docstring)."""
+
+    def __init__(self, name: str, backends: list[Backend] | None = None) -> None:
+        super().__init__(name, name, [])
+        #: model id -> its candidate set (``self`` when every member may serve it)
+        self._by_model: dict[str, BackendSet] = {}
+        #: members whose models are not known yet (None when there are none): any model may go there
+        self._unknown: BackendSet | None = None
+        for backend in backends or ():
+            self.add(backend)
+
+    def add(self, backend: Backend) -> Backend:
+        if backend.url in self._by_url:
+            raise ConfigError(f"backend {backend.url} is already in pool {self.name!r}")
+        backend.pool = self.name
+        self.members.append(backend)
+        self._by_url[backend.url] = backend
+        self._changed()
+        return backend
+
+    def remove(self, url: str) -> Backend | None:
+        backend = self._by_url.pop(url, None)
+        if backend is not None:
+            self.members.remove(backend)
+            self._changed()
+        return backend
+
+    def find(self, name_or_url: str) -> Backend | None:
+        backend = self._by_url.get(name_or_url)
+        if backend is not None:
+            return backend
+        for candidate in self.members:
+            if candidate.name == name_or_url:
+                return candidate
+        return None
+
+    # -- models ---------------------------------------------------------------------------------
+
+    def set_models(self, backend: Backend, models: frozenset[str] | None,
+                   cards: tuple[dict[str, Any], ...] = ()) -> bool:
+        """Record what ``backend`` serves; rebuild the candidate sets when that changed. Returns
+        whether the model ids changed."""
+        backend.model_cards = cards
+        if backend.models == models:
+            return False
+        backend.models = models
+        if self._by_url.get(backend.url) is backend:
+            self._changed()
+        return True
+
+    def for_model(self, model: object) -> BackendSet | None:
+        """The candidate set for a request naming ``model``: the whole pool when it names none
+        (absent or empty: vLLM then serves its own model; not a string: any backend rejects it),
+        else the members that serve it plus those whose models are not known yet, or None when
+        there are none (every member's models are known, and none lists it)."""
+        if not model or not isinstance(model, str):
+            return self
+        found = self._by_model.get(model)
+        return found if found is not None else self._unknown
+
+    def _changed(self) -> None:
+        """Membership or models changed: bump the version and rebuild the candidate sets."""
+        self.version += 1
+        members = self.members
+        unknown = [b for b in members if b.models is None]
+        if not unknown:
+            self._unknown = None
+        elif len(unknown) == len(members):
+            self._unknown = self
+        else:
+            self._unknown = BackendSet(self.name, f"{self.name}\0unknown", unknown, self.version)
+        by_model: dict[str, BackendSet] = {}
+        for backend in members:
+            for model in sorted(backend.models or ()):
+                if model in by_model:
+                    continue
+                candidates = [b for b in members if b.models is None or model in b.models]
+                by_model[model] = self if len(candidates) == len(members) else BackendSet(
+                    self.name, f"{self.name}\0model:{model}", candidates, self.version, model)
+        self._by_model = by_model

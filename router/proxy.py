@@ -9,20 +9,38 @@ by chunk) and accounts it to the session.
 The proxy is front-agnostic: it reads the client's request through a ``RequestView`` and
 answers through a ``ResponseWriter`` (``router.front.exchange``); the aiohttp app and the raw
 front (``router.front``) each implement those two.
+
+Models: a request whose JSON body names a ``model`` goes to the candidate set of that model in
+the pool (``BackendPool.for_model``, rebuilt when membership or models change); placement runs on
+that set. A model no member of the pool serves is the router's 404 (vLLM's shape and message),
+answered before any session bookkeeping and without reaching a backend.
+
+Routes the router does not name (``OTHER``: ``/v1/embeddings``, ``/v1/audio/...``, ``/version``,
+any method) are forwarded by ``Proxy.forwards`` to one backend, body bytes unchanged, with the same
+limits, retries and failover: session placement when a session resolves (the ``X-Session-ID``
+header, or ``session_id``/``vllm_xargs`` in a JSON object body), else the policy's plain choice;
+``GET``/``POST /v1/responses/{id}...`` goes to the backend that created the response when the
+router saw it. Never forwarded: the router's own paths (``ROUTER_PATHS``, ``ROUTER_PREFIXES``) and
+``proxy_deny``, matched on a canonical form of the path (``canonical_path``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import posixpath
 import random
+import re
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
+from urllib.parse import unquote
 
 from router import inspect
 from router.errors import (
     BadRequestError,
+    NotFoundError,
     PayloadTooLargeError,
     SessionRouterError,
     UpstreamConnectError,
@@ -33,7 +51,7 @@ from router.errors import (
 from router.front.exchange import REQUEST_ID_HEADER, Headers, RequestView, ResponseWriter
 from router.placement.base import Outcome, Placement
 from router.pd import PD_ROUTE_KINDS, PDHandoff
-from router.pool import Backend, BackendPool
+from router.pool import Backend, BackendSet
 from router.session import SESSION_HEADER, resolve_session_id, session_from_headers
 from router.upstream import UpstreamResponse, UpstreamTimeouts, render_headers, request_head
 
@@ -64,12 +82,13 @@ class Route:
 
     name: str  # metric label
     path: str
-    #: chat | completion | responses | generate | plain
+    #: chat | completion | responses | generate | plain | other (a route the router does not name)
     kind: str
 
     @property
     def session_aware(self) -> bool:
-        return self.kind != "plain"
+        """An inference route of the router's session contract (stamping, usage accounting)."""
+        return self.kind not in _OPEN_KINDS
 
 
 ROUTES: tuple[Route, ...] = (
@@ -81,11 +100,42 @@ ROUTES: tuple[Route, ...] = (
     Route("detokenize", "/detokenize", "plain"),
 )
 
+#: every route the router does not name, any method (forwarded when ``Proxy.forwards`` says so)
+OTHER = Route("other", "", "other")
+
+#: kinds whose body is the backend's to judge: read only when it is a JSON object
+_OPEN_KINDS = frozenset(("plain", "other"))
+
+#: the router's own routes: never forwarded (canonical paths; the prefixes cover what is below them)
+ROUTER_PATHS = frozenset(("/health", "/metrics", "/v1/models"))
+ROUTER_PREFIXES = ("/v1/sessions", "/admin")
+_NAMED_PATHS = frozenset(route.path for route in ROUTES)
+
+#: a path a lenient server could read as another one: never forwarded (vLLM's routes are plain paths)
+_AMBIGUOUS = re.compile(r"//|\\|%2f|%5c|%00|(?:^|/)(?:\.|%2e){1,2}(?:/|$)", re.IGNORECASE)
+_SLASHES = re.compile(r"/{2,}")
+_PARAMS = re.compile(r";[^/]*")
+_RESPONSES_PREFIX = "/v1/responses/"
+
+
+def canonical_path(target: str) -> str:
+    """The path of a request target as a lenient server might read it, for deciding what is never
+    forwarded: query dropped, percent-decoded, lower case, ``\\`` as ``/``, ``;params`` dropped,
+    repeated slashes merged, dot segments resolved."""
+    path = unquote(target.partition("?")[0], errors="surrogateescape").lower().replace("\\", "/")
+    return posixpath.normpath(_SLASHES.sub("/", _PARAMS.sub("", path)) or "/")
+
+
+def path_rules(paths: Iterable[str]) -> tuple[frozenset[str], tuple[str, ...]]:
+    """``(exact, prefixes)`` matching each of ``paths`` and everything below it (canonical)."""
+    bases = [canonical_path(path).rstrip("/") for path in paths]
+    return frozenset(base or "/" for base in bases), tuple(base + "/" for base in bases)
+
 
 class Attempt:
     """One request's journey: what it resolved to and where it went."""
 
-    __slots__ = ("route", "request_id", "session_id", "entry", "started", "backend", "status")
+    __slots__ = ("route", "request_id", "session_id", "entry", "started", "backend", "status", "pool", "home")
 
     def __init__(self, route: Route, request_id: str, started: float) -> None:
         self.route = route
@@ -95,6 +145,10 @@ class Attempt:
         self.started = started
         self.backend: Backend | None = None
         self.status = 0
+        #: where it may go: the serving pool, or the candidate set of the model it names
+        self.pool: BackendSet | None = None
+        #: URL of the backend that must serve it when available (a stored Responses API id)
+        self.home: str | None = None
 
 
 class Proxy:
@@ -104,6 +158,20 @@ class Proxy:
         self.pd = PDHandoff(state) if state.config.pd_mode else None
         #: where requests go: the decode pool in P/D mode (prefill legs are the hand-off's business)
         self.pool = state.serving_pool
+        self._deny = path_rules(state.config.proxy_deny)
+
+    def forwards(self, target: str) -> bool:
+        """Whether a request for ``target`` that no route of the router matched goes to a backend
+        (``OTHER``), rather than being answered by the router (404/405): not one of the router's
+        own paths, not a named route's path (another method), not under ``proxy_deny``, and not a
+        path that could be read as another (empty or dot segments, encoded slashes)."""
+        if _AMBIGUOUS.search(target.partition("?")[0]) is not None:
+            return False
+        path = canonical_path(target)
+        if path in ROUTER_PATHS or path.startswith(ROUTER_PREFIXES) or path in _NAMED_PATHS:
+            return False
+        exact, prefixes = self._deny
+        return path not in exact and not path.startswith(prefixes)
 
     # ------------------------------------------------------------------ entry point
     async def handle(self, request: RequestView, writer: ResponseWriter, route: Route) -> None:
@@ -117,7 +185,7 @@ class Proxy:
             if request.raw_path[:1] != "/":
                 raise BadRequestError(
                     "absolute-form request target: this router is a reverse proxy, not a forward proxy; "
-                    f"send POST {route.path} with the router's address in the Host header"
+                    f"send {request.method} {route.path or '/path'} with the router's address in the Host header"
                 )
             body = await self._read_body(request)
             fields = self._resolve(request, route, body, attempt)
@@ -143,17 +211,29 @@ class Proxy:
             )
         return await request.read_body()
 
-    def _resolve(self, request: RequestView, route: Route, body: bytes, attempt: Attempt) -> inspect.RoutingFields | None:
-        if route.kind == "plain":
-            return None
-        fields = inspect.decode_routing_fields(body)
+    def _resolve(self, request: RequestView, route: Route, body: bytes, attempt: Attempt) -> inspect.OpenFields | None:
+        kind = route.kind
+        fields: inspect.OpenFields | None
+        if kind in _OPEN_KINDS:
+            fields = inspect.decode_open_fields(body)
+        else:
+            fields = inspect.decode_routing_fields(body)
+        if fields is not None:
+            candidates = self.pool.for_model(fields.model)
+            if candidates is None:  # vLLM's answer, from the router: no backend of the pool serves it
+                raise NotFoundError(f"The model `{fields.model}` does not exist.", param="model")
+            attempt.pool = candidates
+        if kind == "plain":
+            return fields
         headers = request.session_headers
-        if route.kind == "generate":
+        if kind == "generate" or fields is None:
             session_id = session_from_headers(headers)  # tokens-in: the header is the only channel, as in vLLM
         else:
             session_id = resolve_session_id(fields.session_id, headers, fields.vllm_xargs)
-        if session_id is None:
-            session_id = self._stamp(route, fields)
+        if kind == "other":
+            attempt.home = self._stored_response(request.path_qs)
+        elif session_id is None:
+            session_id = self._stamp(route, cast(inspect.RoutingFields, fields))
         attempt.session_id = session_id
         if session_id is not None:
             entry = self.state.sessions.touch(session_id)
@@ -179,38 +259,56 @@ class Proxy:
                 return derived
         return inspect.mint_session()
 
-    def _previous_response(self, fields: inspect.RoutingFields | None) -> tuple[str, str | None] | None:
-        if fields is None or not isinstance(fields.previous_response_id, str):
+    def _previous_response(self, fields: inspect.OpenFields | None) -> tuple[str, str | None] | None:
+        previous = getattr(fields, "previous_response_id", None)
+        if not isinstance(previous, str):
             return None
-        return self.state.responses.lookup(fields.previous_response_id)
+        return self.state.responses.lookup(previous)
+
+    def _stored_response(self, target: str) -> str | None:
+        """The backend URL that created the response of ``/v1/responses/{id}...`` (None: not such a
+        path, or an id the router did not see)."""
+        responses = self.state.responses
+        if not len(responses) or not target.startswith(_RESPONSES_PREFIX):
+            return None
+        response_id = target[len(_RESPONSES_PREFIX):].partition("?")[0].partition("/")[0]
+        known = responses.lookup(response_id) if response_id else None
+        return known[0] if known is not None else None
 
     # ------------------------------------------------------------------ placement + upstream
-    def _place(self, pool: BackendPool, attempt: Attempt, fields: inspect.RoutingFields | None,
+    def _place(self, pool: BackendSet, attempt: Attempt, fields: inspect.OpenFields | None,
                exclude: frozenset[str]) -> Placement:
         state = self.state
-        if attempt.route.kind == "responses" and not exclude:
-            known = self._previous_response(fields)
-            if known is not None:
-                backend = pool.get(known[0])
+        if not exclude:
+            home = attempt.home
+            if home is None and attempt.route.kind == "responses":
+                known = self._previous_response(fields)
+                home = known[0] if known is not None else None
+            if home is not None:
+                backend = pool.get(home)
                 if backend is not None and backend.available:
                     return Placement(backend, Outcome.STICKY)
         placement = state.policy.place(pool, attempt.session_id, attempt.entry, exclude)
         # A retry's placement is counted only when it re-pinned the session (a pin found dead by a
         # failed connection is a repin_unhealthy, like one found by a health check); a retry that
         # merely goes elsewhere is counted in retries_total, not as a spill.
-        if attempt.route.session_aware and (not exclude or placement.outcome in _REPINS):
+        if (attempt.route.session_aware or attempt.entry is not None) and (
+                not exclude or placement.outcome in _REPINS):
             state.metrics.placement(state.policy.name, placement.outcome.value)
         return placement
 
     async def _dispatch(self, request: RequestView, writer: ResponseWriter, route: Route, body: bytes,
-                        fields: inspect.RoutingFields | None, attempt: Attempt) -> None:
-        pool = self.pool
+                        fields: inspect.OpenFields | None, attempt: Attempt) -> None:
+        pool = attempt.pool or self.pool
         headers = self.forward_headers(request, attempt)
         first: Placement | None = None
         if self.pd is not None and route.kind in PD_ROUTE_KINDS:
             first = self._place(pool, attempt, fields, frozenset())  # decode first, then prefill
             body = await self.pd.prefill(route, body, attempt, headers, request.path_qs)
-        upstream, backend = await self.send(pool, route, request.method, request.path_qs, headers, body, fields,
+        method = request.method
+        if method == "HEAD":  # the upstream client frames answers by their head alone; the front drops the body
+            method = "GET"
+        upstream, backend = await self.send(pool, route, method, request.path_qs, headers, body, fields,
                                             attempt, first)
         try:
             await self._relay(writer, route, fields, upstream, backend, attempt)
@@ -225,8 +323,8 @@ class Proxy:
             own.append((SESSION_HEADER, attempt.session_id))
         return request.forward_headers() + render_headers(own)
 
-    async def send(self, pool: BackendPool, route: Route, method: str, path: str, headers: str,
-                   body: bytes, fields: inspect.RoutingFields | None, attempt: Attempt,
+    async def send(self, pool: BackendSet, route: Route, method: str, path: str, headers: str,
+                   body: bytes, fields: inspect.OpenFields | None, attempt: Attempt,
                    first: Placement | None = None) -> tuple[UpstreamResponse, Backend]:
         """Send to a placed backend, retrying on the next candidate before any byte reached the client.
 
@@ -293,13 +391,13 @@ class Proxy:
             backend.healthy = False
 
     # ------------------------------------------------------------------ relay
-    async def _relay(self, writer: ResponseWriter, route: Route, fields: inspect.RoutingFields | None,
+    async def _relay(self, writer: ResponseWriter, route: Route, fields: inspect.OpenFields | None,
                      upstream: UpstreamResponse, backend: Backend, attempt: Attempt) -> None:
         attempt.status = upstream.status
         headers = self._response_headers(upstream, attempt)
         if not upstream.content_type.startswith("text/event-stream"):
             data = await upstream.read()
-            if upstream.status == 200 and route.session_aware:
+            if upstream.status == 200 and (route.session_aware or attempt.entry is not None):
                 usage, response_id = inspect.usage_from_json(data)
                 self._account(attempt, usage)
                 if route.kind == "responses" and response_id is not None:
@@ -310,12 +408,12 @@ class Proxy:
             return
         await self._relay_stream(writer, route, fields, upstream, backend, attempt, headers)
 
-    async def _relay_stream(self, writer: ResponseWriter, route: Route, fields: inspect.RoutingFields | None,
+    async def _relay_stream(self, writer: ResponseWriter, route: Route, fields: inspect.OpenFields | None,
                             upstream: UpstreamResponse, backend: Backend, attempt: Attempt,
                             headers: Headers) -> None:
         await writer.start(upstream.status, headers)
         track_usage = route.session_aware and fields is not None and (
-            route.kind == "responses" or inspect.wants_stream_usage(fields)
+            route.kind == "responses" or inspect.wants_stream_usage(cast(inspect.RoutingFields, fields))
         )
         want_id = route.kind == "responses"
         last: deque[bytes] = deque(maxlen=3)

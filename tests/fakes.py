@@ -54,8 +54,10 @@ class EchoBackend:
         return web.json_response({"server_load": 0})
 
     async def models(self, request: web.Request) -> web.Response:
+        # "m": the model the router tests send (the router routes by model: one nobody lists is a 404)
         return web.json_response({"object": "list", "data": [{"id": f"model-{self.name}", "object": "model"},
-                                                              {"id": "shared", "object": "model"}]})
+                                                              {"id": "shared", "object": "model"},
+                                                              {"id": "m", "object": "model"}]})
 
     async def infer(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()

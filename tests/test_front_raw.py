@@ -453,7 +453,7 @@ async def test_relayed_routes_answer_as_the_app_does_with_a_request_id(served: F
         (get("/admin/backends"), 401),
         (get("/admin/backends", extra="Authorization: Bearer wrong\r\n"), 401),
         (get("/admin/backends", extra=f"Authorization: Bearer {TOKEN}\r\n"), 200),
-        (get("/nope"), 404),
+        (get("/internal/kv/pull"), 404),  # denied (proxy_deny); other unknown routes are forwarded
         (get("/v1/completions"), 405),
         (get("/v1/sessions/rel-1", method="DELETE"), 200),
         (get("/v1/sessions/rel-1"), 404),
@@ -610,7 +610,8 @@ PARITY = {
     "control_char": post("/v1/completions", extra="X-Session-ID: ab\x01cd\r\n"),
     "bare_lf": post("/v1/completions", extra="X-Custom: abc\nX-Injected: 1\r\n"),
     "absolute_form": post("http://127.0.0.77:9/v1/completions"),
-    "unknown": get("/nope"),
+    "unknown": get("//nope"),  # an ambiguous path: the router's 404 (other unknown routes are forwarded)
+    "denied": get("/internal/kv/pull"),
     "wrong_method": get("/v1/chat/completions"),
     "health": get("/health"),
     "session_404": get("/v1/sessions/none"),

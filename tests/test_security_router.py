@@ -346,10 +346,13 @@ async def test_requests_never_reach_anything_but_the_configured_backends(router:
         assert len(s.headers["host"]) == 1 and s.headers["host"][0] in backend_hosts
 
     # body fields that look like destinations are data, not routing
-    for extra in ({"model": f"http://{other}/"}, {"url": f"http://{other}"}, {"base_url": f"http://{other}"},
+    for extra in ({"url": f"http://{other}"}, {"base_url": f"http://{other}"},
                   {"vllm_xargs": {"session_id": "p2", "url": f"http://{other}"}}):
         resp = await client.post("/v1/completions", json={"prompt": "x", **extra})
         assert resp.status == 200
+    # `model` routes among the configured backends only: a model none of them lists is the router's 404
+    resp = await client.post("/v1/completions", json={"prompt": "x", "model": f"http://{other}/"})
+    assert resp.status == 404 and (await resp.json())["error"]["param"] == "model"
 
     # the admin API cannot be used to add a backend there without the token
     resp = await client.post("/admin/backends", json={"url": f"http://{other}"})

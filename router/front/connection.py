@@ -363,8 +363,7 @@ class FrontConnection(asyncio.Protocol):
         ex.head_only = method == b"HEAD"
         ex.raw_path = ex.path_qs = url.decode("utf-8", "surrogateescape")
         front = self.front
-        if method == b"POST":
-            ex.route = front.hot.get(url.partition(b"?")[0])
+        ex.route = front.route_for(method, url, ex.raw_path)
         if ex.content_length is not None and ex.content_length > front.max_body_bytes:
             ex.too_large = True  # decided before the body: it is discarded, not buffered
         if self.closing:

@@ -1,10 +1,13 @@
 """The raw front's listening socket, its connections, the idle sweeper and the graceful drain.
 
-``RawFront`` serves the router's port: the hot POST routes (``router.proxy.ROUTES``) go
-straight to the app's ``Proxy``; everything else is relayed to the aiohttp app on its internal
-listener (``router.front.relay``). Drain (``shutdown``): stop accepting, close idle keep-alive
-connections, let exchanges in flight finish for up to the drain timeout (each connection
-closes after its answer), then cancel what is left.
+``RawFront`` serves the router's port: the hot POST routes (``router.proxy.ROUTES``) and the
+routes the router forwards without naming them (``router.proxy.OTHER``: ``Proxy.forwards``) go
+straight to the app's ``Proxy``; everything else (the router's own routes, wrong methods, denied
+paths, non-canonical spellings of the hot paths) is relayed to the aiohttp app on its internal
+listener (``router.front.relay``), which answers exactly as the aiohttp front would.
+Drain (``shutdown``): stop accepting, close idle keep-alive connections, let exchanges in flight
+finish for up to the drain timeout (each connection closes after its answer), then cancel what is
+left.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from router.front.connection import FrontConnection
 from router.front.relay import Relay
 from router.front.wire import DateServer
 from router.ids import IdGenerator
-from router.proxy import ROUTES
+from router.proxy import OTHER, ROUTES
 
 if TYPE_CHECKING:
     from router.proxy import Proxy, Route
@@ -68,6 +71,15 @@ class RawFront:
             if sock.family in (socket.AF_INET, socket.AF_INET6):
                 return int(sock.getsockname()[1])
         return port
+
+    def route_for(self, method: bytes, url: bytes, target: str) -> "Route | None":
+        """The route the front serves natively for this request line (None: relay it to the app)."""
+        if method == b"POST":
+            route = self.hot.get(url.partition(b"?")[0])
+            if route is not None:
+                return route
+        proxy = self.proxy
+        return OTHER if proxy is not None and proxy.forwards(target) else None
 
     def forget(self, conn: FrontConnection) -> None:
         self.connections.discard(conn)

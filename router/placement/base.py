@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass
 from typing import Protocol
 
-from router.pool import Backend, BackendPool
+from router.pool import Backend, BackendSet
 
 
 class Outcome(enum.Enum):
@@ -37,12 +37,13 @@ class Policy(Protocol):
 
     def place(
         self,
-        pool: BackendPool,
+        pool: BackendSet,
         session_id: str | None,
         entry: SessionPins | None,
         exclude: frozenset[str] = frozenset(),
     ) -> Placement:
-        """Choose a backend of ``pool`` for one request.
+        """Choose a backend of ``pool`` (a whole pool, or the candidate set of the request's model)
+        for one request.
 
         ``entry`` is the session's table entry (None without a session); the policy may set
         ``entry.pins[pool.name]``. ``exclude`` holds URLs already tried for this request (retries).

@@ -1,24 +1,25 @@
 """The ``least_loaded`` policy: the available backend with the smallest load, session-blind.
 
 Load of a backend = ``in_flight + reported_load_weight * reported_load``. Ties go round-robin:
-the scan starts just after the backend chosen last time in the same pool, and the first backend
-with the smallest load wins. The session policy uses ``LeastLoaded.pick`` for requests without a
-session, and the other policies use ``no_available_backend`` for their one error.
+the scan starts just after the backend chosen last time in the same pool (or a model's candidate
+set in it), and the first backend with the smallest load wins. The session policy uses
+``LeastLoaded.pick`` for requests without a session, and the other policies use
+``no_available_backend`` for their one error.
 """
 
 from __future__ import annotations
 
 from router.errors import NoHealthyBackendError
 from router.placement.base import Outcome, Placement, SessionPins
-from router.pool import Backend, BackendPool
+from router.pool import Backend, BackendSet
 
 NOTHING_EXCLUDED: frozenset[str] = frozenset()
 
 
-def no_available_backend(pool: BackendPool) -> NoHealthyBackendError:
-    """The 503 raised when a pool has no backend left for a request."""
+def no_available_backend(pool: BackendSet) -> NoHealthyBackendError:
+    """The 503 raised when a pool (or a model's candidate set) has no backend left for a request."""
     return NoHealthyBackendError(
-        f"no available backend in pool {pool.name!r}: every backend is unhealthy, draining "
+        f"no available backend in {pool.describe()}: every backend is unhealthy, draining "
         f"or already failed for this request; check the backends' /health and the router's "
         f"/admin/backends"
     )
@@ -38,13 +39,14 @@ class LeastLoaded:
 
     def __init__(self, reported_load_weight: float = 0.0) -> None:
         self._weight = reported_load_weight
-        #: pool name -> index in ``pool.members`` where the next scan starts
+        #: ``pool.key`` (a pool, or a model's candidate set) -> index in ``pool.members`` where the
+        #: next scan starts
         self._cursor: dict[str, int] = {}
 
-    def pick(self, pool: BackendPool, exclude: frozenset[str] = NOTHING_EXCLUDED) -> Backend:
+    def pick(self, pool: BackendSet, exclude: frozenset[str] = NOTHING_EXCLUDED) -> Backend:
         members = pool.members
         count = len(members)
-        index = self._cursor.get(pool.name, 0)
+        index = self._cursor.get(pool.key, 0)
         if index >= count:
             index = 0
         weight = self._weight
@@ -63,7 +65,7 @@ class LeastLoaded:
                 best, best_load, after_best = backend, load, index
         if best is None:
             raise no_available_backend(pool)
-        self._cursor[pool.name] = after_best
+        self._cursor[pool.key] = after_best
         return best
 
 
@@ -77,7 +79,7 @@ class LeastLoadedPolicy:
 
     def place(
         self,
-        pool: BackendPool,
+        pool: BackendSet,
         session_id: str | None,
         entry: SessionPins | None,
         exclude: frozenset[str] = NOTHING_EXCLUDED,

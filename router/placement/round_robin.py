@@ -4,28 +4,30 @@ from __future__ import annotations
 
 from router.placement.base import Outcome, Placement, SessionPins
 from router.placement.least_loaded import NOTHING_EXCLUDED, no_available_backend
-from router.pool import BackendPool
+from router.pool import BackendSet
 
 
 class RoundRobinPolicy:
-    """Each pool has its own cursor; unavailable and excluded backends are skipped. No pins."""
+    """Each pool (and each model's candidate set) has its own cursor; unavailable and excluded
+    backends are skipped. No pins."""
 
     name = "round_robin"
 
     def __init__(self) -> None:
-        #: pool name -> index in ``pool.members`` of the next backend to try
+        #: ``pool.key`` (a pool, or a model's candidate set) -> index in ``pool.members`` of the
+        #: next backend to try
         self._cursor: dict[str, int] = {}
 
     def place(
         self,
-        pool: BackendPool,
+        pool: BackendSet,
         session_id: str | None,
         entry: SessionPins | None,
         exclude: frozenset[str] = NOTHING_EXCLUDED,
     ) -> Placement:
         members = pool.members
         count = len(members)
-        index = self._cursor.get(pool.name, 0)
+        index = self._cursor.get(pool.key, 0)
         if index >= count:
             index = 0
         for _ in range(count):
@@ -34,6 +36,6 @@ class RoundRobinPolicy:
             if index == count:
                 index = 0
             if backend.available and not (exclude and backend.url in exclude):
-                self._cursor[pool.name] = index
+                self._cursor[pool.key] = index
                 return Placement(backend, Outcome.NO_SESSION)
         raise no_available_backend(pool)

@@ -36,6 +36,10 @@ Pins (``entry.pins[pool.name]``, a backend URL) decide the outcome:
 
 The sticky path costs one pass over the pool (the load total) and no hashing; hashing happens only
 for NEW, SPILL and re-pins, from per-backend hash states cached per ``pool.version``.
+
+``pool`` may be a model's candidate set (``BackendPool.for_model``): placement then ranks and
+bounds loads over those backends only; pins stay per pool name, so a session that names another
+model whose candidates do not include its pin is re-pinned (REPIN_REMOVED).
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ from typing import TYPE_CHECKING
 from router.errors import ConfigError
 from router.placement.base import Outcome, Placement, SessionPins
 from router.placement.least_loaded import NOTHING_EXCLUDED, LeastLoaded, no_available_backend
-from router.pool import Backend, BackendPool
+from router.pool import Backend, BackendSet
 
 if TYPE_CHECKING:
     from hashlib import _Hash
@@ -98,7 +102,7 @@ class _Ring:
 
     __slots__ = ("version", "states")
 
-    def __init__(self, pool: BackendPool) -> None:
+    def __init__(self, pool: BackendSet) -> None:
         self.version = pool.version
         self.states: list[tuple[Backend, _Hash]] = [
             (backend, hashlib.blake2b(backend.url.encode() + b"\0", digest_size=8))
@@ -118,13 +122,14 @@ class SessionPolicy:
         self.sticky_headroom = sticky_headroom
         self._weight = reported_load_weight
         self._least = LeastLoaded(reported_load_weight)
-        self._rings: dict[BackendPool, _Ring] = {}
+        #: ``pool.key`` -> that set's ring (a pool's, or a model's candidate set's)
+        self._rings: dict[str, _Ring] = {}
 
     # -- the hot path -------------------------------------------------------------------------
 
     def place(
         self,
-        pool: BackendPool,
+        pool: BackendSet,
         session_id: str | None,
         entry: SessionPins | None,
         exclude: frozenset[str] = NOTHING_EXCLUDED,
@@ -174,17 +179,17 @@ class SessionPolicy:
     # -- ranking ------------------------------------------------------------------------------
 
     def candidates(
-        self, pool: BackendPool, session_id: str, exclude: frozenset[str] = NOTHING_EXCLUDED
+        self, pool: BackendSet, session_id: str, exclude: frozenset[str] = NOTHING_EXCLUDED
     ) -> list[Backend]:
         """The available, non-excluded backends of ``pool`` in score order for ``session_id``."""
         return [backend for _, _, backend in self._ranked(pool, session_id, exclude)]
 
     def _ranked(
-        self, pool: BackendPool, session_id: str, exclude: frozenset[str]
+        self, pool: BackendSet, session_id: str, exclude: frozenset[str]
     ) -> list[tuple[int, str, Backend]]:
-        ring = self._rings.get(pool)
+        ring = self._rings.get(pool.key)
         if ring is None or ring.version != pool.version:
-            ring = self._rings[pool] = _Ring(pool)
+            ring = self._rings[pool.key] = _Ring(pool)
         key = session_id.encode()
         ranked: list[tuple[int, str, Backend]] = []
         for backend, state in ring.states:
@@ -198,7 +203,7 @@ class SessionPolicy:
 
     def _choose(
         self,
-        pool: BackendPool,
+        pool: BackendSet,
         session_id: str,
         exclude: frozenset[str],
         bound: int,

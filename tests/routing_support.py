@@ -1,0 +1,210 @@
+"""In-process harness for the model-routing and catch-all tests: fake backends that serve chosen
+models and vLLM's other routes, and a router served on either front exactly as ``router.cli``
+assembles it (the aiohttp app on a loopback port, and for ``raw`` the ``RawFront`` before it)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from router.app import PROXY, create_app
+from router.config import BackendConfig, RouterConfig
+from router.front.server import RawFront
+from router.http_server import JsonErrorAppRunner
+from router.state import ROUTER_STATE, RouterState
+from tests.support import eventually
+
+FRONTS = ("raw", "aiohttp")
+
+
+@dataclass
+class Hit:
+    method: str
+    path: str
+    #: lower-case names
+    headers: dict[str, str]
+    body: bytes
+
+
+@dataclass
+class ModelBackend:
+    """A vLLM-like backend serving ``models`` (None: no ``/v1/models`` route, a 404) and some of
+    vLLM's other routes; every request but ``/health`` and ``/v1/models`` is recorded in ``hits``."""
+
+    name: str
+    models: list[str] | None
+    hits: list[Hit] = field(default_factory=list)
+    #: path -> status answered instead (e.g. 503 to force a failover)
+    fail: dict[str, int] = field(default_factory=dict)
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_get("/health", self.health)
+        if self.models is not None:
+            app.router.add_get("/v1/models", self.list_models)
+        for path in ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/tokenize", "/score"):
+            app.router.add_post(path, self.json_route)
+        app.router.add_post("/v1/audio/transcriptions", self.transcribe)
+        app.router.add_post("/v1/messages", self.stream)
+        app.router.add_get("/version", self.version)
+        app.router.add_get("/v1/responses/{response_id}", self.stored_response)
+        app.router.add_route("*", "/internal/{tail:.*}", self.json_route)  # must never be reached
+        return app
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response()
+
+    async def list_models(self, request: web.Request) -> web.Response:
+        if "/v1/models" in self.fail:
+            return web.Response(status=self.fail["/v1/models"])
+        return web.json_response({"object": "list", "data": [
+            {"id": m, "object": "model", "owned_by": self.name} for m in self.models or ()]})
+
+    async def _hit(self, request: web.Request) -> tuple[bytes, web.Response | None]:
+        body = await request.read()
+        self.hits.append(Hit(request.method, request.path_qs, {k.lower(): v for k, v in request.headers.items()}, body))
+        status = self.fail.get(request.path)
+        if status is not None:
+            return body, web.json_response({"error": {"message": "scripted", "type": "X", "param": None,
+                                                      "code": status}}, status=status)
+        return body, None
+
+    async def json_route(self, request: web.Request) -> web.Response:
+        body, failed = await self._hit(request)
+        if failed is not None:
+            return failed
+        payload = json.loads(body) if body[:1] == b"{" else {}
+        model = payload.get("model")
+        if model is not None and model not in (self.models or [model]):
+            return web.json_response({"error": {"message": f"The model `{model}` does not exist.",
+                                                "type": "NotFoundError", "param": "model", "code": 404}}, status=404)
+        answer: dict[str, Any] = {"backend": self.name, "model": model, "path": request.path,
+                                  "usage": {"prompt_tokens": 5, "total_tokens": 5}}
+        kv = payload.get("kv_transfer_params")
+        if isinstance(kv, dict) and kv.get("do_remote_decode"):
+            answer["kv_transfer_params"] = {"remote_engine_id": self.name, "remote_block_ids": [1]}
+        return web.json_response(answer)
+
+    async def transcribe(self, request: web.Request) -> web.Response:
+        body, failed = await self._hit(request)
+        if failed is not None:
+            return failed
+        return web.json_response({"backend": self.name, "sha256": hashlib.sha256(body).hexdigest(),
+                                  "content_type": request.headers.get("Content-Type", "")})
+
+    async def stream(self, request: web.Request) -> web.StreamResponse:
+        await self._hit(request)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(3):
+            await resp.write(f'event: delta\ndata: {{"backend": "{self.name}", "i": {i}}}\n\n'.encode())
+        await resp.write_eof()
+        return resp
+
+    async def version(self, request: web.Request) -> web.Response:
+        await self._hit(request)
+        return web.json_response({"version": "0.0-test", "backend": self.name})
+
+    async def stored_response(self, request: web.Request) -> web.Response:
+        await self._hit(request)
+        return web.json_response({"id": request.match_info["response_id"], "backend": self.name})
+
+
+@dataclass
+class Routed:
+    """A router on one front, its state, and a client session for it."""
+
+    url: str
+    state: RouterState
+    http: aiohttp.ClientSession
+    fakes: dict[str, ModelBackend]
+
+    def hits(self, name: str, path: str | None = None) -> list[Hit]:
+        return [h for h in self.fakes[name].hits if path is None or h.path.startswith(path)]
+
+    def all_hits(self, path: str | None = None) -> list[Hit]:
+        return [h for name in self.fakes for h in self.hits(name, path)]
+
+
+Serve = Callable[..., Awaitable[Routed]]
+
+
+@pytest.fixture
+async def serve(aiohttp_server: Any) -> AsyncIterator[Serve]:
+    """``await serve(front, backends=[...], prefill=[...], decode=[...], extra_urls=[...], **config)``:
+    the fakes served, a router before them (and ``extra_urls``) on ``front``, after its first
+    health round (models learned)."""
+    cleanups: list[Callable[[], Awaitable[None]]] = []
+
+    async def start(front: str, *, backends: list[ModelBackend] | None = None,
+                    prefill: list[ModelBackend] | None = None, decode: list[ModelBackend] | None = None,
+                    extra_urls: list[str] | None = None, **overrides: Any) -> Routed:
+        backends, prefill, decode = backends or [], prefill or [], decode or []
+        urls: dict[int, str] = {}
+        for fake in [*backends, *prefill, *decode]:
+            server = await aiohttp_server(fake.app(), host="127.0.0.1")
+            urls[id(fake)] = f"http://127.0.0.1:{server.port}"
+
+        def configs(fakes: list[ModelBackend]) -> list[BackendConfig]:
+            return [BackendConfig(urls[id(f)], name=f.name) for f in fakes]
+
+        settings: dict[str, Any] = {"health_interval_s": 3600.0, "retry_backoff_s": 0.001}
+        settings.update(overrides)
+        config = RouterConfig(backends=configs(backends) + [BackendConfig(u) for u in extra_urls or ()],
+                              prefill=configs(prefill), decode=configs(decode), **settings)
+        app = create_app(config)
+        runner = JsonErrorAppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
+        await runner.setup()
+        cleanups.append(runner.cleanup)
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site.port
+        if front == "raw":
+            raw = RawFront(app[PROXY], "127.0.0.1", site.port, max_body_bytes=config.max_body_bytes,
+                           body_timeout_s=config.body_timeout_s)
+            port = await raw.start("127.0.0.1", 0)
+            cleanups.append(lambda: raw.shutdown(0))
+        state = app[ROUTER_STATE]
+        await eventually(lambda: state.health is not None and state.health.rounds >= 1, timeout=10.0,
+                         what="the router's first health round")
+        http = aiohttp.ClientSession(auto_decompress=False)
+        cleanups.append(http.close)
+        fakes = {f.name: f for f in [*backends, *prefill, *decode]}
+        return Routed(f"http://127.0.0.1:{port}", state, http, fakes)
+
+    yield start
+    for cleanup in reversed(cleanups):
+        await cleanup()
+
+
+async def ask(routed: Routed, method: str, path: str, *, json_body: Any = None, data: bytes | None = None,
+              headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+    """One request to the router: status, headers (case-insensitive names, lower-cased) and body."""
+    async with routed.http.request(method, routed.url + path, json=json_body, data=data, headers=headers,
+                                   timeout=aiohttp.ClientTimeout(total=30)) as resp:
+        body = await resp.read()
+        return resp.status, {k.lower(): v for k, v in resp.headers.items()}, body
+
+
+
+async def raw_ask(routed: Routed, method: str, target: str, body: bytes = b"") -> tuple[int, dict[str, str], bytes]:
+    """One request written as is (no client normalises the target), ``Connection: close``."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", int(routed.url.rsplit(":", 1)[1]))
+    try:
+        writer.write(f"{method} {target} HTTP/1.1\r\nHost: router\r\nConnection: close\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n".encode("latin-1") + body)
+        data = await asyncio.wait_for(reader.read(), 30)
+    finally:
+        writer.close()
+    head, _, payload = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    return int(lines[0].split()[1]), headers, payload
