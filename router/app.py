@@ -109,9 +109,15 @@ async def _not_found(request: web.Request) -> web.Response:
         status, message = 404, (f"no route {request.method} {request.path}: not a route of the router, and not "
                                 "forwarded to backends (proxy_deny, or a path with empty or dot segments); "
                                 "see the README for the router's routes")
-    request_id = request.headers.get(REQUEST_ID_HEADER) or request.app[ROUTER_STATE].request_ids.next()
-    return web.Response(status=status, body=error_body(status, message), content_type="application/json",
-                        headers={REQUEST_ID_HEADER: request_id})
+    return web.Response(status=status, body=error_body(status, message), content_type="application/json")
+
+
+async def _stamp_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """Every answer of the aiohttp app carries ``X-Request-Id`` (the client's, else a new one), as the
+    proxied routes' answers do: the router's own routes, the admin API and their errors alike."""
+    if REQUEST_ID_HEADER not in response.headers:
+        response.headers[REQUEST_ID_HEADER] = (request.headers.get(REQUEST_ID_HEADER)
+                                               or request.app[ROUTER_STATE].request_ids.next())
 
 
 def create_app(config: RouterConfig, *, registry: CollectorRegistry | None = None) -> web.Application:
@@ -119,6 +125,7 @@ def create_app(config: RouterConfig, *, registry: CollectorRegistry | None = Non
     state = build_state(config, registry)
     app[ROUTER_STATE] = state
     app.cleanup_ctx.append(_lifecycle)
+    app.on_response_prepare.append(_stamp_request_id)
     proxy = app[PROXY] = Proxy(state)
     for route in ROUTES:
         app.router.add_post(route.path, proxy_handler(proxy, route))
@@ -139,6 +146,7 @@ def create_admin_app(main_app: web.Application) -> web.Application:
     """The admin API on its own app, sharing the main app's state (for ``admin_port``)."""
     app = web.Application()
     state = app[ROUTER_STATE] = main_app[ROUTER_STATE]
+    app.on_response_prepare.append(_stamp_request_id)
     admin.add_admin_routes(app, state.config)
     app.router.add_route("*", "/{tail:.*}", _not_found)
     return app
