@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from router.errors import InvalidJSONError
+from router.errors import BadRequestError, InvalidJSONError
 
 
 class RoutingFields(msgspec.Struct):
@@ -117,7 +117,13 @@ def without_kv_transfer_params(body: bytes, fields: RoutingFields | None) -> byt
             "request body carries kv_transfer_params, which this router removes, and cannot be re-encoded "
             "without them (a number out of range or an invalid string); fix the body or leave the field out"
         ) from None
-    obj.pop("kv_transfer_params", None)
+    value = obj.pop("kv_transfer_params", None)
+    if value is not None and not isinstance(value, dict):  # as a backend would answer it (vLLM: a dict)
+        raise BadRequestError(
+            f"kv_transfer_params must be an object or null, got {type(value).__name__}; this router removes "
+            "client kv_transfer_params anyway (trust_client_kv_params = false), so leave the field out",
+            param="kv_transfer_params",
+        )
     return _encoder.encode(obj)
 
 

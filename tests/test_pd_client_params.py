@@ -16,7 +16,7 @@ from backends.server import create_app as create_backend_app
 from router import inspect
 from router.app import create_app as create_router_app
 from router.config import config_from_mapping
-from router.errors import InvalidJSONError
+from router.errors import BadRequestError, InvalidJSONError
 from router.state import ROUTER_STATE
 from tests.fakes import EchoBackend
 from tests.support import free_port
@@ -70,6 +70,14 @@ def test_only_the_top_level_key_is_removed() -> None:
 def test_a_plain_body_that_is_not_a_json_object_is_left_to_the_backend() -> None:
     for raw in (b"--boundary\r\nkv_transfer_params\r\n", b'["kv_transfer_params"]', b"\\u0000 not json"):
         assert inspect.without_kv_transfer_params(raw, None) is None
+
+
+@pytest.mark.parametrize("value", ['"x"', "5", "[]", "true"])
+def test_params_of_the_wrong_type_are_a_400_as_at_a_backend(value: str) -> None:
+    raw = b'{"prompt": "x", "kv_transfer_params": ' + value.encode() + b"}"
+    with pytest.raises(BadRequestError, match="must be an object or null") as err:
+        inspect.without_kv_transfer_params(raw, fields_of(raw))
+    assert err.value.status == 400 and err.value.param == "kv_transfer_params"
 
 
 def test_a_body_that_cannot_be_reencoded_is_a_400() -> None:
