@@ -8,14 +8,16 @@ connections, in-flight requests get ``--shutdown-timeout`` seconds, then the eng
 
 P/D (see ``backends/kv_transfer.py``)::
 
-    session-backend --port 8200 --role prefill --kv-hold-timeout 480
+    session-backend --port 8200 --role prefill --kv-hold-timeout 480 --kv-hold-max-fraction 0.5
     session-backend --port 8201 --role decode --kv-allow 127.0.0.1:8200
 
 A prefill instance serves the KV side channel on its HTTP port, or on ``--kv-host``/``--kv-port``
 when ``--kv-port`` is given (then only there); ``--kv-host`` alone names the host it advertises as
 ``remote_host`` (default: the address the prefill request reached). A decode instance pulls only
 from the side channels given with ``--kv-allow HOST:PORT`` (repeatable; compared with the
-advertised ``remote_host`` as written); with none, from loopback hosts only.
+advertised ``remote_host`` as written); with none, from loopback hosts only. Held blocks are
+bounded per request (``--kv-hold-max-blocks``), in total (``--kv-hold-max-fraction`` of the cache)
+and in time (``--kv-hold-timeout``); the router frees them early with ``POST /internal/kv/release``.
 """
 
 from __future__ import annotations
@@ -81,6 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
     pd = p.add_argument_group("P/D disaggregation (kv_transfer_params, vLLM NixlConnector semantics)")
     pd.add_argument("--kv-hold-timeout", type=float, default=d.kv_hold_timeout_s, metavar="SECONDS",
                     help="prefill: free held KV blocks no decode instance pulled after this long")
+    pd.add_argument("--kv-hold-max-blocks", type=int, default=d.kv_hold_max_blocks, metavar="N",
+                    help="prefill: a request whose KV is more than N blocks is not held for remote decode (no "
+                         "kv_transfer_params returned; the router falls back to decode-only); 0 = only the "
+                         "--kv-hold-max-fraction bound")
+    pd.add_argument("--kv-hold-max-fraction", type=float, default=d.kv_hold_max_fraction, metavar="F",
+                    help="prefill: all held KV blocks together stay within this fraction of --num-blocks; a new "
+                         "hold frees the oldest ones past it (0 = never hold)")
     pd.add_argument("--kv-allow", action="append", default=[], metavar="HOST:PORT",
                     help="decode: a prefill side channel this instance may pull KV from (repeatable); "
                          "default: loopback hosts only")
@@ -111,6 +120,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--port must be in 0..65535")
     if args.kv_hold_timeout <= 0:
         p.error("--kv-hold-timeout must be > 0 seconds")
+    if args.kv_hold_max_blocks < 0:
+        p.error("--kv-hold-max-blocks must be >= 0 (0 = only the --kv-hold-max-fraction bound)")
+    if not 0 <= args.kv_hold_max_fraction <= 1:
+        p.error("--kv-hold-max-fraction must be in 0..1 (a fraction of --num-blocks)")
     if args.kv_pull_timeout <= 0:
         p.error("--kv-pull-timeout must be > 0 seconds")
     for entry in args.kv_allow:
@@ -143,6 +156,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_tracked_sessions=args.max_tracked_sessions,
         session_metrics_top_k=args.session_metrics_top_k,
         kv_hold_timeout_s=args.kv_hold_timeout,
+        kv_hold_max_blocks=args.kv_hold_max_blocks,
+        kv_hold_max_fraction=args.kv_hold_max_fraction,
         kv_engine_id=args.kv_engine_id,
         # unset host/port: the side channel is the HTTP server, named by the address a request reached
         kv_host=_kv_host(args) if args.kv_port is not None or args.kv_host is not None else None,

@@ -21,6 +21,24 @@ when ``--kv-port`` is given (then the data port does not serve it). A pull must 
 request's engine id and carry a digest of the prompt (and cache salt) it is for, so only a
 request for the same prompt can take (and free) held blocks. Bodies are msgpack (``msgspec``).
 
+Release (vLLM's "notify rejected" path: the decode leg will not come)::
+
+    router                                              prefill (the backend the prefill leg went to)
+      POST /internal/kv/release  application/json  ->  the kv_transfer_params the prefill returned
+                                                        (remote_engine_id, remote_request_id,
+                                                        remote_block_ids; other keys ignored)
+                                                   <-  200 {"released": true, ...}: blocks freed
+                                                   <-  404 nothing held (already pulled, expired)
+                                                   <-  409 engine id or block ids differ
+
+The router sends it when a decode leg fails (connect error, error status, timeout) or its client
+leaves before the decode answered, so the blocks are freed at once instead of after the hold
+timeout. It is served on the data port of every prefill (or ``both``) instance, and on the
+dedicated side-channel listener too: only the holder of the returned parameters can name the
+exact engine id, request id and block ids, and the worst a forged release can do is make one
+decode instance recompute a prompt. Holds are also bounded per request, in total and under
+block pressure (``backends/engine/holds.py``).
+
 Allow-list (decode side): ``--kv-allow HOST:PORT`` (repeatable) names the only side channels a
 decode instance connects to, compared with ``remote_host`` as written (no name is resolved to
 decide). With none given, only loopback hosts are allowed (127.0.0.0/8, ::1 and the name
@@ -36,8 +54,11 @@ Metrics (labels ``model_name``, ``engine``; counters exposed with ``_total``):
 
 - ``session_backend_kv_pulls`` / ``session_backend_kv_pulled_tokens``: successful pulls and the
   prompt tokens they brought (full blocks); ``session_backend_kv_pull_failures{reason}``.
-- ``session_backend_kv_pulls_served`` (prefill side) and the gauge
-  ``session_backend_kv_held_requests`` (requests whose blocks wait for a pull).
+- ``session_backend_kv_pulls_served`` (prefill side) and the gauges
+  ``session_backend_kv_held_requests`` / ``session_backend_kv_held_blocks`` (requests whose
+  blocks wait for a pull, and those blocks); ``session_backend_kv_holds_freed{reason=pulled|
+  released|expired|evicted|pressure|replaced}`` (how holds ended) and
+  ``session_backend_kv_holds_refused{reason=over_request_limit}`` (requests not held).
 - vLLM's ``vllm:external_prefix_cache_queries`` / ``vllm:external_prefix_cache_hits`` (tokens asked
   of / loaded through the connector) and ``vllm:prompt_tokens_by_source{source=local_compute|
   local_cache_hit|external_kv_transfer}`` (every finished request's prompt, by where it came from).
@@ -60,6 +81,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from prometheus_client.registry import Collector
 from yarl import URL
 
+from backends.engine.holds import HoldTable
 from backends.engine.kv_cache import hash_full_blocks, token_bytes
 from backends.engine.outputs import EngineConfig
 from router.errors import BadRequestError, ClientError, NotFoundError
@@ -70,6 +92,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PULL_PATH = "/internal/kv/pull"
+RELEASE_PATH = "/internal/kv/release"
 MSGPACK = "application/x-msgpack"
 DEFAULT_PULL_TIMEOUT_S = 10.0
 #: a pull reply larger than this is refused (a prompt of max_model_len ids is far smaller)
@@ -120,6 +143,16 @@ class KVPullResponse(msgspec.Struct):
     cache_salt: str | None = None
 
 
+class KVReleaseRequest(msgspec.Struct, forbid_unknown_fields=False):
+    """Router -> prefill: the returned ``kv_transfer_params``, handed back (other keys ignored)."""
+
+    remote_engine_id: str
+    remote_request_id: str
+    #: a flat list of ids or one list per KV-cache group, as returned
+    remote_block_ids: list[int | list[int]]
+
+
+_release_decoder = msgspec.json.Decoder(KVReleaseRequest)
 _pull_request_decoder = msgspec.msgpack.Decoder(KVPullRequest)
 _pull_response_decoder = msgspec.msgpack.Decoder(KVPullResponse)
 _msgpack = msgspec.msgpack.Encoder()
@@ -251,6 +284,8 @@ class KVTransferMetrics:
         self.external_hits = 0
         self.by_source = dict.fromkeys(SOURCES, 0)
         self.held_requests = lambda: 0
+        #: the engine's holds (bounds, counts by reason); None without an engine
+        self.holds: HoldTable | None = None
         registry.register(_KVCollector(self))
 
     def families(self) -> Iterator[Metric]:
@@ -292,6 +327,32 @@ class KVTransferMetrics:
         )
         held.add_metric(labels, float(self.held_requests()))
         yield held
+        holds = self.holds
+        held_blocks = GaugeMetricFamily(
+            "session_backend_kv_held_blocks",
+            "P/D prefill: KV blocks held for decode instances to pull.",
+            labels=names,
+        )
+        held_blocks.add_metric(labels, float(holds.num_blocks if holds is not None else 0))
+        yield held_blocks
+        freed = CounterMetricFamily(
+            "session_backend_kv_holds_freed",
+            "P/D prefill: holds of KV blocks that ended, by reason (pulled, released by the router, expired, "
+            "evicted by the total bound, freed under block pressure, replaced).",
+            labels=[*names, "reason"],
+        )
+        refused = CounterMetricFamily(
+            "session_backend_kv_holds_refused",
+            "P/D prefill: requests for remote decode whose blocks were not held, by reason.",
+            labels=[*names, "reason"],
+        )
+        if holds is not None:
+            for reason, value in holds.freed.items():
+                freed.add_metric([*labels, reason], value)
+            for reason, value in holds.refused.items():
+                refused.add_metric([*labels, reason], value)
+        yield freed
+        yield refused
 
 
 class _KVCollector(Collector):
@@ -348,6 +409,7 @@ class KVTransfer:
         self.pulls_enabled = config.role in ("decode", "both")
         self.metrics = KVTransferMetrics(registry, config.model, config.engine_index)
         self.metrics.held_requests = lambda: engine.core.num_held
+        self.metrics.holds = engine.core.holds
         self._http: aiohttp.ClientSession | None = None
 
     @property
@@ -432,8 +494,48 @@ class KVTransfer:
         self.metrics.pulls_served += 1
         return web.Response(body=body, content_type=MSGPACK)
 
-    def add_routes(self, app: web.Application) -> None:
-        app.router.add_post(PULL_PATH, self.handle_pull)
+    async def handle_release(self, request: web.Request) -> web.Response:
+        """``POST /internal/kv/release``: the decode leg will not come; free the held blocks now."""
+        data = await request.read()
+        try:
+            release = _release_decoder.decode(data)
+        except msgspec.MsgspecError as exc:
+            raise BadRequestError(
+                f"not a KV release ({exc}); send the kv_transfer_params the prefill returned, as JSON "
+                "(remote_engine_id, remote_request_id, remote_block_ids)"
+            ) from None
+        engine = self.engine
+        held = engine.get_held(release.remote_request_id)
+        if held is None:
+            raise NotFoundError(
+                f"request {release.remote_request_id!r} holds no KV blocks here (already pulled, released or "
+                "expired); nothing to free",
+                param="remote_request_id",
+            )
+        if release.remote_engine_id != self.engine_id:
+            raise KVConflictError(
+                f"this is engine {self.engine_id!r}, not {release.remote_engine_id!r}; send the release to the "
+                "prefill instance that returned the parameters",
+                param="remote_engine_id",
+            )
+        blocks = [b for item in release.remote_block_ids for b in (item if isinstance(item, list) else (item,))]
+        if blocks != held.block_ids:
+            raise KVConflictError("remote_block_ids differ from the blocks the request holds; send the "
+                                  "kv_transfer_params as the prefill returned them", param="remote_block_ids")
+        engine.release_held(held.request_id, "released")
+        log.info("P/D: released the held KV blocks of %s (the decode leg will not come)", held.request_id)
+        return web.Response(
+            body=msgspec.json.encode({"released": True, "remote_request_id": held.request_id,
+                                      "num_blocks": len(held.block_ids)}),
+            content_type="application/json",
+        )
+
+    def add_routes(self, app: web.Application, *, pull: bool = True) -> None:
+        """The side channel's routes: pull (unless ``pull`` is false: a data port whose side channel
+        is on a dedicated listener) and release."""
+        if pull:
+            app.router.add_post(PULL_PATH, self.handle_pull)
+        app.router.add_post(RELEASE_PATH, self.handle_release)
 
     # -- decode side: pull and preload -----------------------------------------------------------
     def wants_pull(self, params: dict[str, Any] | None) -> bool:
@@ -552,9 +654,11 @@ __all__ = [
     "FAILURE_REASONS",
     "KVPullRequest",
     "KVPullResponse",
+    "KVReleaseRequest",
     "KVTransfer",
     "KVTransferMetrics",
     "PULL_PATH",
+    "RELEASE_PATH",
     "RemoteLoad",
     "RemotePrefill",
     "is_loopback_host",

@@ -7,7 +7,8 @@ Routes (vLLM's, where a client or router can see them):
 - ``POST /tokenize``, ``/detokenize``; ``GET /v1/models``, ``/health``, ``/load``, ``/version``,
   ``/metrics``, ``/v1/sessions``, ``/v1/sessions/{id}``                              (here)
 - ``POST /internal/kv/pull``: the P/D side channel of a prefill (or ``both``) instance, unless it is
-  served on a dedicated listener (``create_side_channel_app``)                     (``kv_transfer``)
+  served on a dedicated listener (``create_side_channel_app``); ``POST /internal/kv/release``
+  (the router's "the decode leg will not come") on both                           (``kv_transfer``)
 
 Every error is vLLM's JSON ``{"error": {"message", "type", "param", "code"}}``, produced in ONE
 place (``error_middleware``): the ``router.errors`` tree, aiohttp's 404/405/413, and anything
@@ -263,8 +264,8 @@ def create_app(
                              store=ResponseStore(max_stored_responses), kv=kv)
     app[ENGINE] = engine
     app.cleanup_ctx.append(_engine_lifecycle)
-    if kv.serves_pulls and kv_side_channel_on_data_port:
-        kv.add_routes(app)
+    if kv.serves_pulls:  # the release is served on the data port even with a dedicated side channel
+        kv.add_routes(app, pull=kv_side_channel_on_data_port)
 
     openai_routes.add_routes(app)
     responses_api.add_routes(app)

@@ -91,6 +91,9 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     front: str = "raw"
     #: bound on remembered Responses API ids (previous_response_id -> backend)
     max_response_ids: int = 100_000
+    #: kv_transfer_params in client bodies: stripped before forwarding (false), or forwarded as sent
+    #: (true: only for clients that run their own P/D hand-off through this router)
+    trust_client_kv_params: bool = False
 
     # ---- admin API reach and session privacy (router.admin, router.backend_allow, router.metrics)
     #: address of the admin listener (admin_port); one that is not loopback needs admin_token

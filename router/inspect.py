@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from router.errors import InvalidJSONError
+from router.errors import BadRequestError, InvalidJSONError
 
 
 class OpenFields(msgspec.Struct):
@@ -35,6 +35,12 @@ class RoutingFields(OpenFields):
     # kept undecoded (a zero-copy slice; empty when absent) until derivation needs them
     messages: msgspec.Raw = msgspec.Raw()
     input: msgspec.Raw = msgspec.Raw()
+    #: only its presence matters (a client's own P/D parameters are stripped)
+    kv_transfer_params: msgspec.Raw = msgspec.Raw()
+
+
+class _KVParamsOnly(msgspec.Struct):
+    kv_transfer_params: msgspec.Raw = msgspec.Raw()
 
 
 class _Message(msgspec.Struct):
@@ -69,6 +75,9 @@ _messages_decoder = msgspec.json.Decoder(list[_Message])
 _any_decoder = msgspec.json.Decoder()
 _usage_decoder = msgspec.json.Decoder(_WithUsage)
 _canonical = msgspec.json.Encoder(order="sorted")
+_kv_only_decoder = msgspec.json.Decoder(_KVParamsOnly)
+_object_decoder = msgspec.json.Decoder(dict[str, Any])
+_encoder = msgspec.json.Encoder()
 
 
 def decode_routing_fields(body: bytes) -> RoutingFields:
@@ -98,6 +107,44 @@ def decode_open_fields(body: bytes) -> OpenFields | None:
 def wants_stream_usage(fields: RoutingFields) -> bool:
     opts = fields.stream_options
     return isinstance(opts, dict) and opts.get("include_usage") is True
+
+
+# ---------------------------------------------------------------------------- kv_transfer_params
+
+def without_kv_transfer_params(body: bytes, fields: OpenFields | None) -> bytes | None:
+    """``body`` re-encoded without its top-level ``kv_transfer_params``, or None when it has none
+    (then the original bytes are forwarded).
+
+    ``fields`` (the routing fields of an inference route) already tell whether the key is there;
+    for any other route a body that cannot hold the key, even escaped, is passed over without
+    parsing, and one that is not a JSON object is left to the backend to answer."""
+    if isinstance(fields, RoutingFields):
+        if not fields.kv_transfer_params:
+            return None
+    else:
+        if b"kv_transfer_param" not in body and b"\\u" not in body:
+            return None
+        try:
+            if not _kv_only_decoder.decode(body).kv_transfer_params:
+                return None
+        except (msgspec.MsgspecError, RecursionError):
+            return None
+    try:
+        obj = _object_decoder.decode(body)
+    except (msgspec.MsgspecError, RecursionError):
+        # parsed when its fields were skipped, not when decoded whole (e.g. a number out of range)
+        raise InvalidJSONError(
+            "request body carries kv_transfer_params, which this router removes, and cannot be re-encoded "
+            "without them (a number out of range or an invalid string); fix the body or leave the field out"
+        ) from None
+    value = obj.pop("kv_transfer_params", None)
+    if value is not None and not isinstance(value, dict):  # as a backend would answer it (vLLM: a dict)
+        raise BadRequestError(
+            f"kv_transfer_params must be an object or null, got {type(value).__name__}; this router removes "
+            "client kv_transfer_params anyway (trust_client_kv_params = false), so leave the field out",
+            param="kv_transfer_params",
+        )
+    return _encoder.encode(obj)
 
 
 # ---------------------------------------------------------------------------- derivation

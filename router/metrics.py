@@ -159,6 +159,14 @@ class RouterMetrics:
         self.retries = Counter(PREFIX + "retries", "Upstream attempts retried, by reason", ["reason"], registry=registry)
         self.pd_fallbacks = Counter(PREFIX + "pd_fallback", "P/D requests that fell back to decode-only, by reason",
                                     ["reason"], registry=registry)
+        # issue 11: client kv_transfer_params are not trusted; held KV is released when the decode leg fails
+        self.kv_params_stripped = Counter(PREFIX + "kv_params_stripped",
+                                          "Requests whose client-sent kv_transfer_params were removed, by route",
+                                          ["route"], registry=registry)
+        self.pd_kv_releases = Counter(PREFIX + "pd_kv_releases",
+                                      "P/D hand-offs whose decode leg failed: the prefill was told to free the held "
+                                      "KV, by result (released, not_held = already pulled or expired, failed)",
+                                      ["result"], registry=registry)
         self.upstream_errors = Counter(PREFIX + "upstream_errors", "Upstream failures by backend and reason",
                                        ["backend", "reason"], registry=registry)
         self.evictions = Counter(PREFIX + "session_evictions", "Sessions that left the table, by reason",

@@ -9,21 +9,33 @@ carry the same ``X-Request-Id`` and ``X-Session-ID``. When the prefill leg fails
 instance, connect error, 5xx, timeout, no params) the request falls back to decode-only
 (the decode instance computes the prompt itself), counted by reason, unless ``pd_fallback`` is
 off, in which case the client gets a 502.
+
+A client's own ``kv_transfer_params`` never reach either leg (the proxy strips them unless
+``trust_client_kv_params``); the hand-off writes its own. When the decode leg fails after the
+prefill handed off (connect error, error status, timeout, a broken stream) or the client leaves,
+``release`` tells the prefill instance, in the background, to free the blocks it holds for that
+decode at once (``POST /internal/kv/release`` with the returned parameters; vLLM's "notify
+rejected" path) instead of after its hold timeout. Counted in
+``session_router_pd_kv_releases_total{result}``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from router.errors import NoHealthyBackendError, UpstreamConnectError, UpstreamError, UpstreamStatusError
-from router.pool import POOL_PREFILL
-from router.upstream import request_head
+from router.pool import POOL_PREFILL, Backend
+from router.upstream import UpstreamTimeouts, request_head
 
 if TYPE_CHECKING:
     from router.proxy import Attempt, Route
     from router.state import RouterState
+
+log = logging.getLogger(__name__)
 
 #: routes that take the two-leg path; the others go to the decode pool directly
 PD_ROUTE_KINDS = frozenset(("chat", "completion", "generate"))
@@ -37,6 +49,11 @@ PREFILL_REQUEST_PARAMS: dict[str, Any] = {
     "remote_host": None,
     "remote_port": None,
 }
+
+#: the prefill instance's "the decode leg will not come" endpoint (backends/kv_transfer.py)
+RELEASE_PATH = "/internal/kv/release"
+#: a release is small and off the request's path: it gets this long at most
+RELEASE_TIMEOUT_S = 10.0
 
 _decoder = msgspec.json.Decoder()
 _encoder = msgspec.json.Encoder()
@@ -75,6 +92,20 @@ def decode_body(request: dict[str, Any], params: dict[str, Any]) -> bytes:
     return _encoder.encode(body)
 
 
+class Handoff:
+    """What the prefill leg produced: the decode leg's body and, when the prefill holds KV blocks
+    for it, the returned parameters and where to release them if the decode leg fails."""
+
+    __slots__ = ("body", "params", "backend", "headers")
+
+    def __init__(self, body: bytes, params: dict[str, Any] | None = None, backend: Backend | None = None,
+                 headers: str = "") -> None:
+        self.body = body
+        self.params = params
+        self.backend = backend
+        self.headers = headers
+
+
 class PrefillFailed(Exception):
     def __init__(self, reason: str, error: UpstreamError | None = None) -> None:
         super().__init__(reason)
@@ -86,14 +117,17 @@ class PDHandoff:
     def __init__(self, state: "RouterState") -> None:
         self.state = state
         self.prefill_pool = state.pools[POOL_PREFILL]
+        #: releases under way (kept referenced until done)
+        self._releases: set[asyncio.Task[None]] = set()
 
     async def prefill(self, route: "Route", body: bytes, attempt: "Attempt",
-                      headers: str, path: str) -> bytes:
-        """Run the prefill leg; return the decode leg's body (the original one on fallback)."""
+                      headers: str, path: str) -> Handoff:
+        """Run the prefill leg; return the decode leg's body (the original one on fallback) and
+        what ``release`` needs should the decode leg fail."""
         state = self.state
         try:
             request = _decoder.decode(body)
-            params = await self._prefill_leg(route, request, attempt, headers, path)
+            params, backend = await self._prefill_leg(route, request, attempt, headers, path)
         except PrefillFailed as failed:
             state.metrics.pd_fallbacks.labels(failed.reason).inc()
             if not state.config.pd_fallback:
@@ -102,11 +136,52 @@ class PDHandoff:
                     "enable pd_fallback to let decode instances compute the prompt",
                     upstream_status=502,
                 ) from None
-            return body
-        return decode_body(request, params)
+            return Handoff(body)
+        return Handoff(decode_body(request, params), params, backend, headers)
+
+    def release(self, handoff: Handoff) -> None:
+        """The decode leg failed or its client left: have the prefill instance free the blocks it
+        holds for it, in the background (nothing to do after a fallback)."""
+        if handoff.params is None or handoff.backend is None:
+            return
+        task = asyncio.get_running_loop().create_task(self._release(handoff))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+
+    async def _release(self, handoff: Handoff) -> None:
+        state = self.state
+        backend = handoff.backend
+        assert backend is not None
+        payload = _encoder.encode(handoff.params)
+        head = request_head("POST", RELEASE_PATH, f"{backend.host}:{backend.port}", handoff.headers, len(payload))
+        t = state.upstream.timeouts
+        timeouts = UpstreamTimeouts(min(t.connect_s, RELEASE_TIMEOUT_S), min(t.first_byte_s, RELEASE_TIMEOUT_S),
+                                    RELEASE_TIMEOUT_S)
+        upstream = None
+        try:
+            upstream = await state.upstream.request(backend.host, backend.port, head, payload, timeouts=timeouts)
+            await upstream.read()
+            status = upstream.status
+        except UpstreamError as exc:
+            log.warning("P/D: could not release the KV held on %s (%s); it is freed after its hold timeout",
+                        backend.name, exc.reason)
+            status = 0
+        finally:
+            if upstream is not None:
+                upstream.close()
+        if status == 200:
+            result = "released"
+        elif status == 404:
+            result = "not_held"  # already pulled (the decode failed later), released or expired
+        else:
+            result = "failed"
+            if status:
+                log.warning("P/D: releasing the KV held on %s answered %d; it is freed after its hold timeout",
+                            backend.name, status)
+        state.metrics.pd_kv_releases.labels(result).inc()
 
     async def _prefill_leg(self, route: "Route", request: dict[str, Any], attempt: "Attempt",
-                           headers: str, path: str) -> dict[str, Any]:
+                           headers: str, path: str) -> tuple[dict[str, Any], Backend]:
         state = self.state
         pool = self.prefill_pool.for_model(request.get("model"))  # the model's prefill instances
         if pool is None:
@@ -148,5 +223,5 @@ class PDHandoff:
             params = None
         if not params:
             raise PrefillFailed("no_params")
-        return params
+        return params, backend
 

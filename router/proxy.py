@@ -50,7 +50,7 @@ from router.errors import (
 )
 from router.front.exchange import REQUEST_ID_HEADER, Headers, RequestView, ResponseWriter
 from router.placement.base import Outcome, Placement
-from router.pd import PD_ROUTE_KINDS, PDHandoff
+from router.pd import PD_ROUTE_KINDS, Handoff, PDHandoff
 from router.pool import Backend, BackendSet
 from router.session import SESSION_HEADER, resolve_session_id, session_from_headers
 from router.upstream import UpstreamResponse, UpstreamTimeouts, render_headers, request_head
@@ -189,6 +189,11 @@ class Proxy:
                 )
             body = await self._read_body(request)
             fields = self._resolve(request, route, body, attempt)
+            if not self.config.trust_client_kv_params:
+                stripped = inspect.without_kv_transfer_params(body, fields)
+                if stripped is not None:  # a client's own P/D parameters reach no backend
+                    body = stripped
+                    state.metrics.kv_params_stripped.labels(route.name).inc()
             await self._dispatch(request, writer, route, body, fields, attempt)
         except SessionRouterError as exc:
             self._error(writer, exc.status, exc.body(), attempt)
@@ -302,19 +307,28 @@ class Proxy:
         pool = attempt.pool or self.pool
         headers = self.forward_headers(request, attempt)
         first: Placement | None = None
+        handoff: Handoff | None = None
         if self.pd is not None and route.kind in PD_ROUTE_KINDS:
             first = self._place(pool, attempt, fields, frozenset())  # decode first, then prefill
-            body = await self.pd.prefill(route, body, attempt, headers, request.path_qs)
+            handoff = await self.pd.prefill(route, body, attempt, headers, request.path_qs)
+            body = handoff.body
         method = request.method
         if method == "HEAD":  # the upstream client frames answers by their head alone; the front drops the body
             method = "GET"
-        upstream, backend = await self.send(pool, route, method, request.path_qs, headers, body, fields,
-                                            attempt, first)
+        completed = False
         try:
-            await self._relay(writer, route, fields, upstream, backend, attempt)
+            upstream, backend = await self.send(pool, route, method, request.path_qs, headers, body, fields,
+                                                attempt, first)
+            try:
+                await self._relay(writer, route, fields, upstream, backend, attempt)
+            finally:
+                upstream.close()
+                backend.in_flight -= 1
+            completed = 200 <= attempt.status < 300
         finally:
-            upstream.close()
-            backend.in_flight -= 1
+            if handoff is not None and not completed and self.pd is not None:
+                # the decode leg failed or the client left: the prefill need not hold its blocks
+                self.pd.release(handoff)
 
     def forward_headers(self, request: RequestView, attempt: Attempt) -> str:
         """The header lines every upstream leg of this request carries, rendered once."""

@@ -196,30 +196,29 @@ async def test_speed_zero_is_fast() -> None:
         await eng.stop()
 
 
-async def test_releasing_held_blocks_wakes_a_waiting_request() -> None:
-    """P/D: a held prefill fills the cache; the next request waits until the hold is released."""
-    config = EngineConfig(speed=0.0, role="prefill", block_size=4, num_blocks=4, max_model_len=16)
+async def test_a_hold_never_makes_the_next_request_wait() -> None:
+    """P/D (issue 11): a held prefill fills the whole cache (the total bound allows it here); the next
+    request frees the hold to get its blocks instead of waiting for the hold timeout."""
+    config = EngineConfig(speed=0.0, role="prefill", block_size=4, num_blocks=4, max_model_len=16,
+                          kv_hold_max_fraction=1.0)
     eng = AsyncEngine(config, CollectorRegistry())
     await eng.start()
     try:
         remote = {"kv_transfer_params": {"do_remote_decode": True}}
         outs = await collect(eng.generate(request("p", list(range(15)), extra_args=remote)))
         assert outs[-1].kv_transfer_params is not None and eng.core.kv_cache.usage == 1.0
-        gen = eng.generate(request("next", list(range(100, 112)), max_tokens=2))
-        task = asyncio.create_task(collect(gen))
-        await wait_for(lambda: eng.num_waiting == 1)
-        await asyncio.sleep(0.01)
-        assert not task.done() and eng.num_waiting == 1  # blocked by the hold, not spinning
-        assert eng.release_held("p")
-        rest = await asyncio.wait_for(task, 5)
-        assert rest[-1].finished
+        rest = await asyncio.wait_for(collect(eng.generate(request("next", list(range(100, 112)), max_tokens=2))), 5)
+        assert rest[-1].finished and rest[-1].deltas[0].finish_reason == "length"
+        assert eng.core.num_held == 0 and eng.core.holds.freed["pressure"] == 1
+        assert not eng.release_held("p")  # already freed
     finally:
         await eng.stop()
 
 
 async def test_hold_timeout_frees_blocks_without_any_other_event() -> None:
     config = EngineConfig(
-        speed=0.0, role="prefill", block_size=4, num_blocks=4, max_model_len=16, kv_hold_timeout_s=0.05
+        speed=0.0, role="prefill", block_size=4, num_blocks=4, max_model_len=16, kv_hold_timeout_s=0.05,
+        kv_hold_max_fraction=1.0,
     )
     eng = AsyncEngine(config, CollectorRegistry())
     await eng.start()

@@ -326,6 +326,50 @@ def test_held_blocks_expire() -> None:
     assert core.kv_cache.usage == 0.0
 
 
+def test_holds_are_bounded_per_request_and_in_total() -> None:
+    """Issue 11: all holds within kv_hold_max_fraction of the cache (oldest freed first); a request
+    over kv_hold_max_blocks is not held and returns no kv_transfer_params."""
+    core = make_core(role="prefill", num_blocks=20, kv_hold_max_fraction=0.5)  # 10 blocks for holds
+    finals = {}
+    for rid in ("p1", "p2", "p3"):  # 50 tokens + 1: 4 blocks each
+        core.add_request(wire(rid, list(range(100 * len(finals), 100 * len(finals) + 50)), extra_args=REMOTE_DECODE))
+        finals[rid] = run_to_completion(core)[rid][-1]
+        assert finals[rid].kv_transfer_params is not None
+        assert core.num_held_blocks <= 10
+    assert core.get_held("p1") is None and core.get_held("p2") is not None and core.get_held("p3") is not None
+    assert core.holds.freed["evicted"] == 1 and core.num_held_blocks == 8
+    # the same request id held again replaces its old hold
+    core.add_request(wire("p3", list(range(500, 520)), extra_args=REMOTE_DECODE))
+    run_to_completion(core)
+    assert core.holds.freed["replaced"] == 1 and core.num_held == 2
+
+    small = make_core(role="prefill", kv_hold_max_blocks=3)
+    small.add_request(wire("big", list(range(50)), extra_args=REMOTE_DECODE))
+    (out,) = run_to_completion(small)["big"]
+    assert out.finished and out.deltas[0].finish_reason == "length" and out.kv_transfer_params is None
+    assert small.num_held == 0 and small.kv_cache.usage == 0.0
+    assert small.holds.refused["over_request_limit"] == 1
+    small.add_request(wire("fits", list(range(40)), extra_args=REMOTE_DECODE))  # 41 tokens: 3 blocks
+    assert run_to_completion(small)["fits"][-1].kv_transfer_params is not None and small.num_held == 1
+
+
+def test_a_running_request_frees_holds_before_it_is_preempted() -> None:
+    """Issue 11: holds yield to requests that need blocks (oldest first), before any preemption."""
+    core = make_core(role="prefill", num_blocks=8, kv_hold_max_fraction=1.0)
+    core.add_request(wire("old", list(range(1000, 1050)), extra_args=REMOTE_DECODE))  # 4 blocks
+    core.add_request(wire("new", list(range(2000, 2030)), extra_args=REMOTE_DECODE))  # 2 blocks
+    run_to_completion(core)
+    assert core.num_held == 2 and core.num_held_blocks == 6
+    # 40 prompt tokens (3 blocks) growing to 120 (8 blocks, the whole cache); 2 blocks are free: its
+    # admission frees the older hold, its growth the newer one
+    core.add_request(wire("grow", list(range(3000, 3040)), max_tokens=80, ignore_eos=True))
+    outs = run_to_completion(core)["grow"]
+    assert sum(len(o.deltas[0].token_ids) for o in outs) == 80
+    assert core.metrics.num_preemptions == 0
+    assert core.holds.freed["pressure"] == 2 and core.num_held == 0
+    assert core.get_held("old") is None
+
+
 def test_decode_role_ignores_do_remote_decode() -> None:
     core = make_core(role="decode")
     core.add_request(wire("d", list(range(20)), max_tokens=3, extra_args=REMOTE_DECODE))

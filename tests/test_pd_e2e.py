@@ -287,8 +287,11 @@ def test_prefill_loss_falls_back_to_decode_only(tmp_path: Any) -> None:
             assert data["usage"]["completion_tokens"] == 6
         assert fallbacks(router.url) == 3
         assert scrape(decode.url)[("session_backend_kv_pulls_total", "")] == 2  # decode-only: nothing pulled
-        # decode-only forwards the client's body as is: its kv_transfer_params cannot aim the decode
-        # instance anywhere off its allow-list (a loopback trap that records connections)
+        # decode-only forwards the client's body without its own kv_transfer_params (issue 11): they reach
+        # no backend, so the decode instance neither connects anywhere (a loopback trap that records
+        # connections) nor even refuses them (nothing counted)
+        failures_before = sum(v for (name, _), v in scrape(decode.url).items()
+                              if name == "session_backend_kv_pull_failures_total")
         with socket.socket() as trap:
             trap.bind(("127.0.0.77", 0))
             trap.listen(8)
@@ -299,7 +302,9 @@ def test_prefill_loss_falls_back_to_decode_only(tmp_path: Any) -> None:
             assert status == 200, data
             with pytest.raises(BlockingIOError):
                 trap.accept()
-        assert scrape(decode.url)[("session_backend_kv_pull_failures_total", "not_allowed")] == 1
+        assert sum(v for (name, _), v in scrape(decode.url).items()
+                   if name == "session_backend_kv_pull_failures_total") == failures_before
+        assert scrape(router.url)[("session_router_kv_params_stripped_total", "completions")] == 1
         assert fallbacks(router.url) == 4
         status, _, err = post(router_strict.url + "/v1/completions", body, "pd-fb")
         assert status == 502 and "pd_fallback" in err["error"]["message"] and err["error"]["code"] == 502

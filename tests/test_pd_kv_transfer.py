@@ -22,6 +22,7 @@ from backends.engine.outputs import EngineConfig
 from backends.kv_transfer import (
     FAILURE_REASONS,
     PULL_PATH,
+    RELEASE_PATH,
     AllowList,
     KVPullRequest,
     is_loopback_host,
@@ -160,8 +161,14 @@ def test_cli_flags() -> None:
     assert (plain.kv_hold_timeout_s, plain.kv_host, plain.kv_port) == (480.0, None, None)
     named = config_from_args(parse_args(["--role", "prefill", "--kv-host", "prefill-0"]))
     assert (named.kv_host, named.kv_port) == ("prefill-0", None)  # advertised; the HTTP port serves it
+    bounded = config_from_args(parse_args(["--role", "prefill", "--kv-hold-max-blocks", "64",
+                                           "--kv-hold-max-fraction", "0.25"]))
+    assert (bounded.kv_hold_max_blocks, bounded.kv_hold_max_fraction) == (64, 0.25)
+    assert (plain.kv_hold_max_blocks, plain.kv_hold_max_fraction) == (0, 0.5)
     for bad in (["--kv-allow", "nowhere"], ["--kv-hold-timeout", "0"], ["--kv-host", ""],
-                ["--role", "decode", "--kv-port", "5600"], ["--port", "5600", "--kv-port", "5600"]):
+                ["--role", "decode", "--kv-port", "5600"], ["--port", "5600", "--kv-port", "5600"],
+                ["--kv-hold-max-blocks", "-1"], ["--kv-hold-max-fraction", "1.5"],
+                ["--kv-hold-max-fraction", "-0.1"]):
         with pytest.raises(SystemExit):
             parse_args(bad)
 
@@ -259,6 +266,7 @@ async def test_dedicated_side_channel_listener(aiohttp_client: Any, aiohttp_serv
     side = await aiohttp_server(create_side_channel_app(app), host="127.0.0.1", port=kv_port)
     prefill = await aiohttp_client(app, server_kwargs={"host": "127.0.0.1"})
     assert (await prefill.post(PULL_PATH, data=b"")).status == 404  # not on the data port
+    assert (await prefill.post(RELEASE_PATH, data=b"")).status == 400  # the release is, on both
     params = await prefill_params(prefill, "/v1/completions")
     assert (params["remote_host"], params["remote_port"]) == ("127.0.0.1", side.port)
     status, data = await post(decode, "/v1/completions", {**BODIES["/v1/completions"], "kv_transfer_params": params})
@@ -467,3 +475,92 @@ async def test_aborted_prefill_holds_nothing(aiohttp_client: Any) -> None:
     m = await scrape(prefill)
     assert m[("session_backend_kv_held_requests", "")] == 0 and m[("vllm:kv_cache_usage_perc", "")] == 0
     assert app[FRONTEND].in_flight == 0
+
+
+# ---- issue 11: release, and bounds on what a hold may take -------------------------------------------
+
+
+async def test_release_frees_the_held_blocks_at_once(prefill: Any, decode: Any) -> None:
+    """``POST /internal/kv/release`` with the returned params (the router's "the decode leg will not
+    come"): the blocks are freed now, not after the 480 s hold timeout; a later pull finds nothing."""
+    params = await prefill_params(prefill, "/v1/completions")
+    m = await scrape(prefill)
+    assert m[("session_backend_kv_held_requests", "")] == 1
+    assert m[("session_backend_kv_held_blocks", "")] == len(params["remote_block_ids"]) > 0
+    wrong_engine = await prefill.post(RELEASE_PATH, json={**params, "remote_engine_id": "another"})
+    wrong_blocks = await prefill.post(RELEASE_PATH, json={**params, "remote_block_ids": [0]})
+    assert wrong_engine.status == wrong_blocks.status == 409
+    assert (await wrong_blocks.json())["error"]["param"] == "remote_block_ids"
+    garbage = await prefill.post(RELEASE_PATH, data=b"{not json")
+    assert garbage.status == 400 and "kv_transfer_params" in (await garbage.json())["error"]["message"]
+    assert (await scrape(prefill))[("session_backend_kv_held_requests", "")] == 1  # none of those freed it
+
+    resp = await prefill.post(RELEASE_PATH, json=params)
+    assert resp.status == 200
+    assert await resp.json() == {"released": True, "remote_request_id": params["remote_request_id"],
+                                 "num_blocks": len(params["remote_block_ids"])}
+    m = await scrape(prefill)
+    assert m[("session_backend_kv_held_requests", "")] == 0 and m[("session_backend_kv_held_blocks", "")] == 0
+    assert m[("vllm:kv_cache_usage_perc", "")] == 0
+    assert m[("session_backend_kv_holds_freed_total", "released")] == 1
+    assert m[("session_backend_kv_holds_freed_total", "expired")] == 0
+    again = await prefill.post(RELEASE_PATH, json=params)
+    assert again.status == 404
+    data = await decode_with(decode, params, "/v1/completions")
+    assert data["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # recomputed
+    assert (await failure_counts(decode))["not_found"] == 1
+
+
+async def test_a_request_over_the_per_request_bound_is_not_held(aiohttp_client: Any) -> None:
+    app = create_app(cfg("prefill", kv_hold_max_blocks=4))
+    prefill = await aiohttp_client(app, server_kwargs={"host": "127.0.0.1"})
+    status, data = await post(prefill, "/v1/completions", prefill_body("/v1/completions"))  # ~ 5 blocks
+    assert status == 200 and data["usage"]["completion_tokens"] == 1
+    assert data["usage"]["prompt_tokens"] > 4 * BS
+    assert data["kv_transfer_params"] is None  # nothing to hand off: the router falls back to decode-only
+    m = await scrape(prefill)
+    assert m[("session_backend_kv_held_requests", "")] == 0 and m[("vllm:kv_cache_usage_perc", "")] == 0
+    assert m[("session_backend_kv_holds_refused_total", "over_request_limit")] == 1
+    small = {"prompt": "the sea", "max_tokens": 1, "kv_transfer_params": PLACEHOLDER}
+    status, data = await post(prefill, "/v1/completions", small)
+    assert status == 200 and data["kv_transfer_params"]["remote_block_ids"]  # under the bound: held
+    assert app[ENGINE].core.num_held == 1
+
+
+async def test_all_holds_together_stay_within_their_fraction(aiohttp_client: Any) -> None:
+    """The issue's attack, straight at a ``both`` backend: eight prefill-for-remote-decode requests
+    nobody pulls. Holds stay within --kv-hold-max-fraction (the oldest freed first), and the next
+    normal request, one that needs most of the cache, is served at once."""
+    app = create_app(cfg("both", num_blocks=64, max_model_len=1024))  # default fraction 0.5: 32 blocks
+    backend = await aiohttp_client(app, server_kwargs={"host": "127.0.0.1"})
+    core = app[ENGINE].core
+    handed: list[dict[str, Any]] = []
+    for i in range(8):
+        body = {"token_ids": [300 + (i * 97 + j) % 700 for j in range(110)], "sampling_params": {"max_tokens": 1},
+                "kv_transfer_params": PLACEHOLDER}
+        status, data = await post(backend, "/inference/v1/generate", body, f"attacker-{i}")
+        assert status == 200 and data["kv_transfer_params"] is not None
+        handed.append(data["kv_transfer_params"])
+        assert core.num_held_blocks <= 32
+    m = await scrape(backend)
+    assert m[("session_backend_kv_held_blocks", "")] == core.num_held_blocks <= 32
+    assert m[("session_backend_kv_holds_freed_total", "evicted")] == 8 - core.num_held >= 4
+    # the oldest went first: the newest hand-offs are the ones still held
+    held = [p["remote_request_id"] for p in handed if core.get_held(p["remote_request_id"]) is not None]
+    assert held == [p["remote_request_id"] for p in handed[-len(held):]]
+
+    normal = {"token_ids": [1] + [150 + j % 800 for j in range(900)], "sampling_params": {"max_tokens": 8,
+                                                                                        "ignore_eos": True}}
+    resp = await asyncio.wait_for(backend.post("/inference/v1/generate", json=normal), 10)
+    data = await resp.json()
+    assert resp.status == 200 and len(data["choices"][0]["token_ids"]) == 8
+    # ~57 blocks needed: the holds made room instead of making it wait 480 s
+    assert (await scrape(backend))[("session_backend_kv_holds_freed_total", "pressure")] >= 1
+
+
+async def test_a_zero_fraction_never_holds(aiohttp_client: Any) -> None:
+    prefill = await aiohttp_client(create_app(cfg("prefill", kv_hold_max_fraction=0.0)),
+                                   server_kwargs={"host": "127.0.0.1"})
+    status, data = await post(prefill, "/v1/completions", prefill_body("/v1/completions"))
+    assert status == 200 and data["kv_transfer_params"] is None
+    assert (await scrape(prefill))[("session_backend_kv_holds_refused_total", "over_request_limit")] == 1

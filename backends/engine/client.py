@@ -196,8 +196,8 @@ class AsyncEngine:
     def get_held(self, request_id: str) -> HeldBlocks | None:
         return self.core.get_held(request_id)
 
-    def release_held(self, request_id: str) -> bool:
-        released = self.core.release_held(request_id)
+    def release_held(self, request_id: str, reason: str = "pulled") -> bool:
+        released = self.core.release_held(request_id, reason)
         if released:
             self._wake.set()
         return released

@@ -22,6 +22,10 @@ P/D (vLLM NixlConnector semantics, engine side):
   (held) until ``release_held(request_id)`` or ``config.kv_hold_timeout_s``; its final output
   carries ``kv_transfer_params`` for the decode instance (``remote_block_ids`` is a flat list).
   ``get_held(request_id)`` gives the side channel the held prompt's token ids and block keys.
+  Holds are bounded (``backends/engine/holds.py``): a request over ``kv_hold_max_blocks`` is not
+  held (no ``kv_transfer_params`` returned), all holds stay within ``kv_hold_max_fraction`` of the
+  cache (oldest freed first), and a request that needs blocks frees the oldest hold before it
+  waits or preempts anything.
 - decode role: ``preload_blocks(token_ids, cache_salt)`` puts the full blocks of pulled tokens in the
   prefix cache (unreferenced, most recently used); the request added right after hits them, so they
   count as cached and cost no prefill time. Under block pressure they may be evicted before the
@@ -34,9 +38,8 @@ import logging
 import time
 from typing import Any
 
-import msgspec
-
 from backends.engine.accounting import SessionAccounting
+from backends.engine.holds import HeldBlocks, HoldTable
 from backends.engine.kv_cache import KVCacheManager, hash_full_blocks
 from backends.engine.latency import LatencyModel
 from backends.engine.metrics import EngineMetrics
@@ -60,20 +63,6 @@ class DuplicateRequestError(InvalidRequestError):
     """A request id that is already in the engine."""
 
 
-class HeldBlocks(msgspec.Struct):
-    """Blocks of a finished prefill-role request, kept for a remote decode instance to pull."""
-
-    request_id: str
-    session_id: str | None
-    #: the prompt whose KV the blocks hold (the decode side re-keys its full blocks)
-    token_ids: list[int]
-    #: keys of the prompt's full blocks, in order
-    block_hashes: list[bytes]
-    block_ids: list[int]
-    cache_salt: str | None
-    expires_at: float
-
-
 class EngineCore:
     """The scheduler loop's state machine (synchronous; driven by ``AsyncEngine``)."""
 
@@ -81,7 +70,12 @@ class EngineCore:
         self.config = config
         self.metrics = metrics
         self.kv_cache = KVCacheManager(config.num_blocks, config.block_size)
-        self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens)
+        total_hold = int(config.kv_hold_max_fraction * config.num_blocks)
+        self.holds = HoldTable(self.kv_cache, timeout_s=config.kv_hold_timeout_s,
+                               max_request_blocks=config.kv_hold_max_blocks or total_hold,
+                               max_total_blocks=total_hold)
+        self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens,
+                                   reclaim=self.holds.reclaim_oldest)
         self.sessions = SessionAccounting(config.max_tracked_sessions)
         self.latency = LatencyModel()
         #: the longest a sequence may grow (prompt + output) so that it always fits alone
@@ -89,7 +83,6 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self.engine_id = config.kv_engine_id or f"{config.model}-engine-{config.engine_index}"
         self._pending: list[RequestOutput] = []
-        self._held: dict[str, HeldBlocks] = {}
         metrics.set_max_model_len(config.max_model_len)
         metrics.bind(
             self,
@@ -385,11 +378,14 @@ class EngineCore:
     # -- P/D -------------------------------------------------------------------------------
     def _hold(self, req: Request, seq: Sequence, blocks: list[int], now: float) -> None:
         rid = req.request_id
-        if rid in self._held:
-            self.release_held(rid)
+        if not self.holds.admit(rid, len(blocks)):
+            # over the per-request bound: not held, no kv_transfer_params (the router falls back)
+            self.kv_cache.free(blocks)
+            req.kv_transfer_params = None
+            return
         bs = self.config.block_size
         full = seq.num_prompt_tokens // bs
-        self._held[rid] = HeldBlocks(
+        self.holds.add(HeldBlocks(
             request_id=rid,
             session_id=req.session_id,
             token_ids=req.prompt_token_ids,
@@ -397,7 +393,7 @@ class EngineCore:
             block_ids=list(blocks),
             cache_salt=req.cache_salt,
             expires_at=now + self.config.kv_hold_timeout_s,
-        )
+        ))
         params: dict[str, Any] = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -412,37 +408,28 @@ class EngineCore:
 
     def get_held(self, request_id: str) -> HeldBlocks | None:
         """The held blocks of a finished prefill-role request (None if released or expired)."""
-        return self._held.get(request_id)
+        return self.holds.get(request_id)
 
-    def release_held(self, request_id: str) -> bool:
-        """Free a held request's blocks (the decode side pulled them). False if not held."""
-        held = self._held.pop(request_id, None)
-        if held is None:
-            return False
-        self.kv_cache.free(held.block_ids)
-        return True
+    def release_held(self, request_id: str, reason: str = "pulled") -> bool:
+        """Free a held request's blocks (pulled, or released: the decode will not come). False if
+        not held."""
+        return self.holds.release(request_id, reason)
 
     @property
     def num_held(self) -> int:
-        return len(self._held)
+        return len(self.holds)
+
+    @property
+    def num_held_blocks(self) -> int:
+        return self.holds.num_blocks
 
     def next_hold_expiry(self) -> float | None:
         """Monotonic time at which the oldest held blocks expire, or None."""
-        for held in self._held.values():
-            return held.expires_at
-        return None
+        return self.holds.next_expiry()
 
     def expire_held(self, now: float | None = None) -> int:
         """Free held blocks whose timeout has passed; returns how many requests were freed."""
-        if not self._held:
-            return 0
-        if now is None:
-            now = _monotonic()
-        expired = [rid for rid, h in self._held.items() if h.expires_at <= now]
-        for rid in expired:
-            log.warning("P/D: held KV blocks of %s expired before a decode instance pulled them", rid)
-            self.release_held(rid)
-        return len(expired)
+        return self.holds.expire(now)
 
     def preload_blocks(self, token_ids: list[int], cache_salt: str | None = None) -> int:
         """Insert the full blocks of ``token_ids`` (computed remotely) into the prefix cache.

@@ -64,3 +64,7 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):
     kv_port: int | None = None
     #: P/D: held blocks of a prefill-role request are freed after this long if never pulled
     kv_hold_timeout_s: float = 480.0
+    #: P/D: a request over this many blocks is not held for remote decode (0 = only the total bound)
+    kv_hold_max_blocks: int = 0
+    #: P/D: all holds together stay within this fraction of num_blocks (oldest freed first)
+    kv_hold_max_fraction: float = 0.5

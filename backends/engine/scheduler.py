@@ -16,6 +16,10 @@ Each step:
 Full blocks are registered in the prefix cache as soon as the step that computes them is scheduled
 (so a sibling admitted in the same step can hit them, as in vLLM).
 
+Blocks held for a remote decode (P/D) are no running sequence's: when a sequence needs blocks
+and none are free, the ``reclaim`` hook (the core's hold table) frees the oldest hold first, one at
+a time, before anything is preempted or a waiting sequence is left waiting.
+
 The scheduler never sees a sequence that cannot fit alone: the core caps every sequence at
 ``min(max_model_len, num_blocks * block_size)`` tokens, so a lone sequence always progresses.
 """
@@ -23,6 +27,7 @@ The scheduler never sees a sequence that cannot fit alone: the core caps every s
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 from backends.engine.kv_cache import KVCacheManager
 from backends.engine.sequence import Sequence, SeqStatus
@@ -66,10 +71,14 @@ class Scheduler:
         "running",
         "_num_waiting",
         "_num_running",
+        "reclaim",
     )
 
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 reclaim: Callable[[], bool] | None = None) -> None:
         self.kv = kv
+        #: frees blocks no running sequence uses (P/D holds); False when there is nothing to free
+        self.reclaim = reclaim
         self.block_size = kv.block_size
         self.max_num_seqs = max(1, max_num_seqs)
         self.max_num_batched_tokens = max(1, max_num_batched_tokens)
@@ -135,7 +144,10 @@ class Scheduler:
             need = -(-end // bs) - len(seq.blocks)
             if need > 0:
                 preempted_self = False
+                reclaim = self.reclaim
                 while kv.num_free_blocks < need:
+                    if reclaim is not None and reclaim():
+                        continue
                     victim = running.pop()
                     self._num_running -= 1
                     self._preempt(victim)
@@ -181,6 +193,8 @@ class Scheduler:
                 need = -(-(num_hit_tokens + num_new) // bs) - len(hits)
                 reclaimed = sum(1 for b in hits if kv.is_evictable(b))
                 if kv.num_free_blocks - reclaimed < need:
+                    if self.reclaim is not None and self.reclaim():
+                        continue  # look this sequence up again: the freed blocks may be among its hits
                     break
                 waiting.popleft()
                 self._num_waiting -= 1
