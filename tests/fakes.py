@@ -43,7 +43,7 @@ class EchoBackend:
         app.router.add_get("/load", self.load)
         app.router.add_get("/v1/models", self.models)
         for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/inference/v1/generate",
-                     "/tokenize", "/detokenize"):
+                     "/tokenize", "/detokenize", "/v1/embeddings"):
             app.router.add_post(path, self.infer)
         return app
 

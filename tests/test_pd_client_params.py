@@ -142,12 +142,14 @@ async def test_plain_routes_are_stripped_and_clean_bodies_pass_byte_for_byte(aio
     router = await aiohttp_client(create_router_app(config))
     clean = b'{"prompt":  "hello",   "model": "m"}'
     dirty = b'{"prompt": "hello", "kv_transfer_param\\u0073": {"do_remote_decode": true}}'
-    for raw in (clean, dirty):
-        resp = await router.post("/tokenize", data=raw, headers={"Content-Type": "application/json"})
-        assert resp.status == 200
-    assert fake.seen[0].body == clean  # untouched: the original bytes
-    assert json.loads(fake.seen[1].body) == {"prompt": "hello"}
-    assert stripped_count(router, "tokenize") == 1
+    for path in ("/tokenize", "/v1/embeddings"):  # a named plain route, and one the catch-all forwards
+        fake.seen.clear()
+        for raw in (clean, dirty):
+            resp = await router.post(path, data=raw, headers={"Content-Type": "application/json"})
+            assert resp.status == 200
+        assert fake.seen[0].body == clean  # untouched: the original bytes
+        assert json.loads(fake.seen[1].body) == {"prompt": "hello"}
+    assert stripped_count(router, "tokenize") == 1 and stripped_count(router, "other") == 1
 
 
 async def pd_router(aiohttp_server: Any, aiohttp_client: Any, prefill_url: str, **settings: Any) -> tuple[Any, Any]:
