@@ -2,7 +2,9 @@
 
 Lines go through ``logging`` on the dedicated logger ``session_router.access`` (level INFO, not
 propagated to the root logger), to stderr or to ``access_log_file``. With ``access_log = "off"``
-(the default) no ``AccessLog`` exists and the proxy does no work for it at all.
+(the default) no ``AccessLog`` exists and the proxy does no work for it at all. Lines are written
+in batches (a write per 64 KiB or per 0.5 s, whichever comes first, and at shutdown), not one
+system call per request: a process killed outright loses at most the last half second of lines.
 
 Fields: ``time`` (UTC, when the answer ended), ``method``, ``route`` (the router's route path, never
 the client's query string), ``status`` (what the client got; 499 = the client went away),
@@ -22,11 +24,12 @@ JSON: the same keys in one object per line (``null`` = none).
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
-import re
 import sys
 import time
+from typing import TextIO
 
 import msgspec
 
@@ -35,9 +38,10 @@ from router.inspect import Usage
 
 ACCESS_LOGGER = "session_router.access"
 FORMATS = ("off", "text", "json")
+#: pending lines are written at least this often, and whenever this many characters are pending
+FLUSH_S = 0.5
+BATCH_CHARS = 64 * 1024
 
-#: values written unquoted in the text format; anything else is JSON-quoted (no log forging)
-_PLAIN = re.compile(r"[!#-~]*")
 _encode = msgspec.json.Encoder().encode
 
 
@@ -47,7 +51,7 @@ def session_hash(session_id: str) -> str:
 
 
 class AccessRecord(msgspec.Struct):
-    """One line of the JSON format (and the field order of the text one)."""
+    """One line of the JSON format (the text format has the same keys, in this order)."""
 
     time: str
     method: str
@@ -64,6 +68,52 @@ class AccessRecord(msgspec.Struct):
     request_id: str
 
 
+class BatchingHandler(logging.Handler):
+    """A handler that formats each record at once and writes the lines in batches: when
+    ``BATCH_CHARS`` are pending, on ``flush()`` (the access log's timer) and on ``close()``."""
+
+    def __init__(self, stream: TextIO, *, owned: bool) -> None:
+        super().__init__()
+        self.stream = stream
+        self._owned = owned
+        self._lines: list[str] = []
+        self._size = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            # the message is the line; a formatter an operator sets is applied
+            line = record.getMessage() if self.formatter is None else self.format(record)
+        except Exception:
+            self.handleError(record)
+            return
+        self._lines.append(line)
+        self._size += len(line)
+        if self._size >= BATCH_CHARS:
+            self.flush()
+
+    def flush(self) -> None:
+        self.acquire()
+        try:
+            if not self._lines:
+                return
+            data = "\n".join(self._lines) + "\n"
+            self._lines = []
+            self._size = 0
+            try:
+                self.stream.write(data)
+                self.stream.flush()
+            except (OSError, ValueError) as exc:  # disk full, closed stream: say so, keep serving
+                logging.getLogger(__name__).warning("access log: cannot write %d bytes: %s", len(data), exc)
+        finally:
+            self.release()
+
+    def close(self) -> None:
+        self.flush()
+        if self._owned:
+            self.stream.close()
+        super().close()
+
+
 class AccessLog:
     """Writes access lines in ``fmt`` ("text" or "json") to ``path`` (empty: stderr)."""
 
@@ -72,42 +122,70 @@ class AccessLog:
             raise ConfigError(f"access_log: must be one of {', '.join(FORMATS)}, got {fmt!r}")
         self.json = fmt == "json"
         self.path = path
-        try:
-            handler: logging.Handler = logging.FileHandler(path, encoding="utf-8") if path else \
-                logging.StreamHandler(sys.stderr)
-        except OSError as exc:
-            raise ConfigError(f"access_log_file: cannot open {path}: {exc.strerror or exc}") from None
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        self.handler = handler
+        if path:
+            try:
+                stream: TextIO = open(path, "a", encoding="utf-8", errors="backslashreplace")  # noqa: SIM115
+            except OSError as exc:
+                raise ConfigError(f"access_log_file: cannot open {path}: {exc.strerror or exc}") from None
+            self.handler = BatchingHandler(stream, owned=True)
+        else:
+            self.handler = BatchingHandler(sys.stderr, owned=False)
         self.logger = logging.getLogger(ACCESS_LOGGER)
         self.logger.setLevel(logging.INFO)
         self.logger.propagate = False  # not also in the router's own log
-        self.logger.addHandler(handler)
+        self.logger.addHandler(self.handler)
         self._second = -1
         self._stamp = ""
+        self._flush_timer: asyncio.TimerHandle | None = None
 
     def write(self, method: str, route: str, status: int, duration_s: float, ttfb_s: float | None,
               backend: str | None, session_id: str | None, placement: str | None, usage: Usage | None,
               request_id: str) -> None:
-        """Log one finished request."""
-        record = AccessRecord(
-            time=self._now(),
-            method=method,
-            route=route,
-            status=status,
-            duration_ms=round(duration_s * 1000, 3),
-            ttfb_ms=round(ttfb_s * 1000, 3) if ttfb_s is not None else None,
-            backend=backend,
-            session=session_hash(session_id) if session_id is not None else None,
-            placement=placement,
-            prompt_tokens=usage.prompt_tokens if usage is not None else None,
-            completion_tokens=usage.completion_tokens if usage is not None else None,
-            cached_tokens=usage.cached_tokens if usage is not None else None,
-            request_id=request_id,
-        )
-        self.logger.info(_encode(record).decode() if self.json else _text(record))
+        """Log one finished request (from the event loop)."""
+        logger = self.logger
+        if not logger.isEnabledFor(logging.INFO):  # an operator turned it down through logging
+            return
+        now = self._now()
+        session = session_hash(session_id) if session_id is not None else None
+        if self.json:
+            line = _encode(AccessRecord(
+                time=now,
+                method=method,
+                route=route,
+                status=status,
+                duration_ms=round(duration_s * 1000, 3),
+                ttfb_ms=round(ttfb_s * 1000, 3) if ttfb_s is not None else None,
+                backend=backend,
+                session=session,
+                placement=placement,
+                prompt_tokens=usage.prompt_tokens if usage is not None else None,
+                completion_tokens=usage.completion_tokens if usage is not None else None,
+                cached_tokens=usage.cached_tokens if usage is not None else None,
+                request_id=request_id,
+            )).decode()
+        else:
+            tokens = (f"prompt_tokens={usage.prompt_tokens} completion_tokens={usage.completion_tokens} "
+                      f"cached_tokens={usage.cached_tokens}" if usage is not None
+                      else "prompt_tokens=- completion_tokens=- cached_tokens=-")
+            line = (
+                f"time={now} method={_value(method)} route={_value(route)} status={status} "
+                f"duration_ms={duration_s * 1000:.3f} "
+                f"ttfb_ms={f'{ttfb_s * 1000:.3f}' if ttfb_s is not None else '-'} backend={_value(backend)} "
+                f"session={session or '-'} placement={placement or '-'} {tokens} request_id={_value(request_id)}"
+            )
+        # logger.handle: the logger's filters and handlers, without logger.info's caller lookup
+        logger.handle(logger.makeRecord(ACCESS_LOGGER, logging.INFO, "", 0, line, None, None))
+        if self._flush_timer is None:
+            self._flush_timer = asyncio.get_running_loop().call_later(FLUSH_S, self._flush)
+
+    def _flush(self) -> None:
+        self._flush_timer = None
+        self.handler.flush()
 
     def close(self) -> None:
+        if self._flush_timer is not None:
+            self._flush_timer.cancel()
+            self._flush_timer = None
         self.logger.removeHandler(self.handler)
         self.handler.close()
 
@@ -120,21 +198,12 @@ class AccessLog:
         return f"{self._stamp}.{int((now - second) * 1000):03d}Z"
 
 
-def _text(r: AccessRecord) -> str:
-    return (
-        f"time={r.time} method={r.method} route={_value(r.route)} status={r.status} duration_ms={r.duration_ms} "
-        f"ttfb_ms={_value(r.ttfb_ms)} backend={_value(r.backend)} session={_value(r.session)} "
-        f"placement={_value(r.placement)} prompt_tokens={_value(r.prompt_tokens)} "
-        f"completion_tokens={_value(r.completion_tokens)} cached_tokens={_value(r.cached_tokens)} "
-        f"request_id={_value(r.request_id)}"
-    )
-
-
-def _value(value: str | float | int | None) -> str:
+def _value(value: str | None) -> str:
+    """A text-format value: as is when it is visible ASCII without quotes, else JSON-quoted (so a
+    client's request id cannot forge fields or lines); "-" for none."""
     if value is None:
         return "-"
-    if not isinstance(value, str):
-        return str(value)
-    if value and value != "-" and _PLAIN.fullmatch(value) is not None:
+    if value and value != "-" and value.isascii() and value.isprintable() and " " not in value \
+            and '"' not in value:
         return value
     return _encode(value).decode()

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from router.access_log import ACCESS_LOGGER, session_hash
+from router.access_log import ACCESS_LOGGER, BatchingHandler, session_hash
 from router.app import PROXY, create_app
 from router.config import BackendConfig, RouterConfig, build_config, config_from_mapping
 from router.errors import ConfigError
@@ -500,9 +500,8 @@ async def test_an_encoded_body_is_relayed_byte_for_byte_with_its_content_encodin
 
 
 def own_handlers() -> list[logging.Handler]:
-    """The access log's handlers on its logger (pytest adds capture handlers of its own subclass)."""
-    return [h for h in logging.getLogger(ACCESS_LOGGER).handlers
-            if type(h) in (logging.FileHandler, logging.StreamHandler)]
+    """The access log's handlers on its logger (pytest adds capture handlers of its own)."""
+    return [h for h in logging.getLogger(ACCESS_LOGGER).handlers if isinstance(h, BatchingHandler)]
 
 
 @pytest.mark.parametrize("front", FRONTS)
