@@ -645,3 +645,37 @@ def test_session_header_setting() -> None:
     for bad in ("Host", "X-Request-Id", "Content-Length", "Connection", "bad header", ""):
         with pytest.raises(ConfigError, match="--session-header"):
             build_config(["--backend", "http://127.0.0.1:8100", "--session-header", bad])
+
+
+# ============================================================================ the flags, on real processes
+
+
+@pytest.mark.slow
+def test_process_access_log_on_stderr_and_session_header(tmp_path: Path) -> None:
+    import urllib.request
+
+    from tests.support import start_backend, start_router, wait_until
+
+    backend = start_backend(str(tmp_path))
+    try:
+        router = start_router(str(tmp_path), "--backend", backend.url, "--access-log", "text",
+                              "--session-header", "X-Conversation-Id")
+        try:
+            request = urllib.request.Request(
+                router.url + "/v1/completions", method="POST",
+                data=b'{"model": "session-sim", "prompt": "hello there", "max_tokens": 2}',
+                headers={"Content-Type": "application/json", "X-Conversation-Id": "conv-process-1"})
+            with urllib.request.urlopen(request, timeout=10) as resp:
+                assert resp.status == 200
+                assert resp.headers["X-Conversation-Id"] == "conv-process-1"
+                assert resp.headers.get("X-Session-ID") is None
+            wait_until(lambda: "route=/v1/completions" in router.log(), timeout=10, what="the access line")
+            line = next(x for x in router.log().splitlines() if "route=/v1/completions" in x)
+            fields = parse_text_line(line)
+            assert fields["status"] == "200" and fields["session"] == session_hash("conv-process-1")
+            assert int(fields["completion_tokens"]) == 2 and fields["backend"] == backend.url
+            assert "conv-process-1" not in router.log()
+        finally:
+            assert router.stop() == 0
+    finally:
+        backend.stop()
