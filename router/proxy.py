@@ -353,6 +353,11 @@ class Proxy:
             self._record_failure(backend, exc.reason, connect_error=False)
             attempt.status = exc.status
             self._account_error(attempt)
+            if (upstream.header("content-encoding") or "identity").lower() != "identity":
+                # an encoded (e.g. gzip) stream: plain text appended would be garbage to the decoder;
+                # the stream ends unfinished, which the client's decoder reports
+                await writer.end()
+                return
             await writer.write(event_boundary(tail) + b"data: " + exc.body() + b"\n\ndata: [DONE]\n\n")
             await writer.end()
             return

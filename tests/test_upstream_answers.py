@@ -496,6 +496,28 @@ async def test_an_encoded_body_is_relayed_byte_for_byte_with_its_content_encodin
     assert gzip.decompress(answer.body) == plain
 
 
+@pytest.mark.parametrize("front", FRONTS)
+async def test_an_encoded_stream_that_breaks_gets_no_plain_text_appended(router: Factory, scripted: Scripted,
+                                                                        front: str) -> None:
+    plain = b"".join(b'data: {"i": %d}\n\n' % i for i in range(50))
+    encoded = gzip.compress(plain, mtime=0)
+    half = encoded[: len(encoded) // 2]
+
+    async def script(conn: BackendConn) -> None:
+        await conn.send(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Encoding: gzip\r\n"
+                        b"Transfer-Encoding: chunked\r\n\r\n" + chunked(half))
+        # then the connection breaks
+
+    scripted.script = script
+    r = await router(backends=[f"http://127.0.0.1:{scripted.port}"])
+    answer = await r.ask(front, post("/v1/completions", STREAM))
+    assert answer.status == 200 and answer.header("content-encoding") == "gzip"
+    assert answer.body == half  # the client's gzip decoder sees an unfinished stream, not garbage
+    with pytest.raises(EOFError):
+        gzip.decompress(answer.body)
+    assert r.in_flight() == 0
+
+
 # ============================================================================ item 18: the access log
 
 
