@@ -1,6 +1,7 @@
 """What the router adds on top of talking to a backend directly, next to nginx (issue 3, section 5).
 
     python -m bench.router_overhead [--quick] [--rounds 3] [--seconds 3] [--out bench/RESULTS.md]
+    python -m bench.router_overhead --access-log text json     # the access log's cost per request
 
 One run starts two session-backends at ``--speed 0`` (instant) on 127.0.0.1 and, in front of the
 same two, the router (session policy), the router with ``--workers N`` when its CLI offers it,
@@ -17,9 +18,14 @@ comes from ``/proc/PID/stat`` (utime + stime of the proxy's process tree: the ro
 workers, nginx's master and workers) read at both ends of the measured window: far steadier
 than wall-clock figures on a shared 2-core machine.
 
+``--access-log FMT...`` adds a router with ``--access-log FMT`` per format (rows ``router(log=FMT)``,
+writing to a file in the run's temporary directory), side by side with the plain router (access
+log off), and a check row with each format's CPU per request over the plain router's.
+
 Output: a markdown report, printed and written into ``--out`` between the markers
-``<!-- router_overhead:begin -->`` / ``<!-- router_overhead:end -->`` (the rest of the file is
-kept), and one JSON line per run appended to ``bench/out/router_overhead.jsonl``.
+``<!-- SECTION:begin -->`` / ``<!-- SECTION:end -->`` (the rest of the file is kept; ``--section``,
+default ``router_overhead``, or ``router_overhead_access_log`` with ``--access-log``), and one JSON
+line per run appended to ``bench/out/router_overhead.jsonl``.
 """
 
 from __future__ import annotations
@@ -45,8 +51,11 @@ from bench.procs import REPO, Proc, start_backend, start_router
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_OUT = os.path.join(BENCH_DIR, "RESULTS.md")
 JSONL = os.path.join(BENCH_DIR, "out", "router_overhead.jsonl")
-BEGIN = "<!-- router_overhead:begin -->"
-END = "<!-- router_overhead:end -->"
+SECTION = "router_overhead"
+BEGIN = f"<!-- {SECTION}:begin -->"
+END = f"<!-- {SECTION}:end -->"
+ACCESS_LOG_SECTION = "router_overhead_access_log"
+ACCESS_LOG_PREFIX = "router(log="
 
 #: mode -> (stream, max_tokens)
 MODES: dict[str, tuple[bool, int]] = {"non-stream": (False, 8), "stream": (True, 16)}
@@ -171,6 +180,10 @@ def render(cells: dict[tuple[str, int, str], Cell], targets: Sequence[Target], f
                          if n.startswith("router×")), "")
     if "router(aiohttp)" in names:
         workers_note += "**router(aiohttp)**: the same with `--front aiohttp` (aiohttp serves every route). "
+    logged = [n for n in names if n.startswith(ACCESS_LOG_PREFIX)]
+    if logged:
+        workers_note += (f"**{', '.join(logged)}**: the same with `--access-log FMT --access-log-file FILE` (one line "
+                         "per request appended to a file; **router** has the access log off, the default). ")
     nginx_note = ("**nginx**: plain reverse proxy, 1 worker, round-robin, keep-alive upstream, `proxy_buffering off`, "
                   "no access log. " if "nginx" in names else "**nginx**: not run. ")
     machine = (f"- Machine: {facts['nproc']} CPUs ({facts['cpu']}), {facts['kernel']}; load average at start "
@@ -194,7 +207,8 @@ def render(cells: dict[tuple[str, int, str], Cell], targets: Sequence[Target], f
     header = ("| mode | c | target | req/s | p50 ms | p99 ms | +p50 vs direct ms | TTFT p50 ms | +TTFT vs direct ms "
               "| proxy CPU µs/req | backends CPU µs/req | errors |")
     lines = [
-        f"## Router overhead (issue 3 §5) — {facts['date']}",
+        (f"## Access log cost (issue 11 §18) — {facts['date']}" if logged else
+         f"## Router overhead (issue 3 §5) — {facts['date']}"),
         "",
         machine,
         versions,
@@ -253,6 +267,18 @@ def checks(cells: dict[tuple[str, int, str], Cell], targets: Sequence[Target], c
                 cpu = cell.best(_proxy_cpu)
                 row.append(f"{cpu:.0f} µs {verdict(cpu <= CPU_TARGET_US[mode])}")
             out.append("| " + " | ".join(row) + " |")
+    logged = [name for name in routers if name.startswith(ACCESS_LOG_PREFIX)]
+    for mode in MODES:
+        for c in concurrencies if logged else ():
+            row = [f"access log cost, CPU/req {mode} c={c} (over router)"]
+            plain = cells.get((mode, c, "router"))
+            for name in routers:
+                cell = cells.get((mode, c, name))
+                if name not in logged or cell is None or plain is None or not cell.rounds or not plain.rounds:
+                    row.append("—")
+                    continue
+                row.append(f"{cell.best(_proxy_cpu) - plain.best(_proxy_cpu):+.0f} µs")
+            out.append("| " + " | ".join(row) + " |")
     if have_nginx:
         for mode in MODES:
             for c in concurrencies:
@@ -283,17 +309,18 @@ def checks(cells: dict[tuple[str, int, str], Cell], targets: Sequence[Target], c
 
 
 # ---------------------------------------------------------------------- RESULTS.md
-def write_section(path: str, section: str) -> None:
-    """Replace this benchmark's marked section of ``path`` (or add it), keeping the rest of the file."""
-    block = f"{BEGIN}\n{section.rstrip()}\n{END}\n"
+def write_section(path: str, section: str, name: str = SECTION) -> None:
+    """Replace the marked section ``name`` of ``path`` (or add it), keeping the rest of the file."""
+    begin, end_marker = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+    block = f"{begin}\n{section.rstrip()}\n{end_marker}\n"
     try:
         with open(path, encoding="utf-8") as fh:
             text = fh.read()
     except FileNotFoundError:
         text = "# Benchmark results\n\n"
-    start, end = text.find(BEGIN), text.find(END)
+    start, end = text.find(begin), text.find(end_marker)
     if start != -1 and end > start:
-        rest = text[end + len(END):].lstrip("\n")
+        rest = text[end + len(end_marker):].lstrip("\n")
         text = text[:start] + block + ("\n" + rest if rest else "")
         if not text.endswith("\n"):
             text += "\n"
@@ -352,6 +379,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--no-nginx", action="store_true", help="skip the nginx row")
     p.add_argument("--aiohttp-front", action="store_true",
                    help="also run the router with --front aiohttp (row router(aiohttp)), to compare the fronts")
+    p.add_argument("--access-log", nargs="+", choices=("text", "json"), default=[], metavar="FMT",
+                   help="also run the router with --access-log FMT (text and/or json; rows router(log=FMT)) to "
+                        "measure the access log's cost per request against the plain router (access log off)")
+    p.add_argument("--section", default=None,
+                   help=f"marked section of --out to write (default {SECTION}; {ACCESS_LOG_SECTION} with --access-log)")
     p.add_argument("--out", default=DEFAULT_OUT, help="markdown file to write the report into (default bench/RESULTS.md)")
     p.add_argument("--jsonl", default=JSONL, help="raw results, one JSON line per run appended")
     args = p.parse_args(argv)
@@ -359,6 +391,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.seconds = args.seconds or (0.4 if args.quick else 3.0)
     args.warmup = args.warmup if args.warmup is not None else (0.2 if args.quick else 0.5)
     args.concurrency = args.concurrency or ([4] if args.quick else [16, 128])
+    args.section = args.section or (ACCESS_LOG_SECTION if args.access_log else SECTION)
     if args.rounds < 1 or args.seconds <= 0 or args.warmup < 0 or min(args.concurrency) < 1 or args.sessions < 1:
         p.error("--rounds, --seconds, --concurrency and --sessions must be positive")
     return args
@@ -395,6 +428,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 targets.append(Target("router(aiohttp)", [aio.url], lambda p=aio.pid: process_tree(p)))
             elif args.aiohttp_front:
                 print("router has no --front option: skipping the router(aiohttp) row", file=sys.stderr)
+            for fmt in args.access_log:
+                logged = start_router(tmp, *route_args, "--policy", "session", "--access-log", fmt,
+                                      "--access-log-file", os.path.join(tmp, f"access-{fmt}.log"))
+                started.append(logged)
+                targets.append(Target(f"{ACCESS_LOG_PREFIX}{fmt})", [logged.url], lambda p=logged.pid: process_tree(p)))
             if nginx_binary is not None:
                 try:
                     ngx = start_nginx(os.path.join(tmp, "nginx"), backend_urls, binary=nginx_binary)
@@ -441,7 +479,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     report = render(cells, targets, facts, args)
     print(report)
-    write_section(args.out, report)
+    write_section(args.out, report, args.section)
     os.makedirs(os.path.dirname(os.path.abspath(args.jsonl)), exist_ok=True)
     with open(args.jsonl, "a", encoding="utf-8") as fh:
         fh.write(msgspec.json.encode({"facts": facts, "cells": list(cells.values())}).decode() + "\n")

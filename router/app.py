@@ -11,6 +11,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from router import admin, api
+from router.access_log import AccessLog
 from router.config import RouterConfig
 from router.errors import error_body
 from router.front.aiohttp_adapter import proxy_handler
@@ -53,7 +54,10 @@ def build_state(config: RouterConfig, registry: CollectorRegistry | None = None)
         responses=ResponseIndex(config.max_response_ids),
         metrics=metrics,
         upstream=UpstreamPool(UpstreamTimeouts(config.connect_timeout_s, config.first_byte_timeout_s,
-                                               config.total_timeout_s), UpstreamLimits()),
+                                               config.total_timeout_s),
+                              UpstreamLimits(max_head_bytes=config.max_upstream_head_bytes,
+                                             max_body_bytes=config.max_upstream_body_bytes)),
+        access_log=AccessLog(config.access_log, config.access_log_file) if config.access_log != "off" else None,
     )
     metrics.attach_live(state.all_pools, sessions)
     return state
@@ -79,6 +83,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         await state.health.stop()
         await state.upstream.close()
         await state.http.close()
+        if state.access_log is not None:
+            state.access_log.close()
 
 
 async def _sweep_sessions(state: RouterState) -> None:

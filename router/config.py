@@ -22,7 +22,9 @@ from router import __version__
 from router.backend_allow import literal_address, normalize_host, parse_entry
 from router.errors import ConfigError
 from router.pool import normalize_url
+from router.upstream import HOP_BY_HOP
 
+KiB = 1024
 MiB = 1024 * 1024
 
 #: paths never forwarded by the catch-all proxy (each with what is below it): backend internals and
@@ -108,6 +110,18 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     #: path prefixes the catch-all proxy never forwards (the router answers 404); [] forwards all
     proxy_deny: list[str] = msgspec.field(default_factory=lambda: list(DEFAULT_PROXY_DENY))
 
+    # -- backends' answers, the access log and the session header's name
+    #: a backend response head (status line + headers) larger than this is a 502; the connection is closed
+    max_upstream_head_bytes: int = 64 * KiB
+    #: a non-streamed backend answer (buffered whole) larger than this is a 502; streams are relayed unbuffered
+    max_upstream_body_bytes: int = 64 * MiB
+    #: off | text | json: one line per proxied request on the logger "session_router.access"
+    access_log: str = "off"
+    #: the access log's file (appended to); empty = stderr
+    access_log_file: str = ""
+    #: the header clients send their session id in (and get it back in); upstream it is always X-Session-ID
+    session_header: str = "X-Session-ID"
+
     @property
     def pd_mode(self) -> bool:
         return bool(self.prefill or self.decode)
@@ -120,6 +134,10 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 POLICIES = ("session", "round_robin", "least_loaded")
 FRONTS = ("raw", "aiohttp")
 STAMPS = ("derive", "mint", "none")
+ACCESS_LOG_FORMATS = ("off", "text", "json")
+#: headers the router reads or sets for itself: never a session header
+_NOT_SESSION_HEADERS = HOP_BY_HOP | {"host", "content-length", "content-type", "expect", "x-request-id"}
+_HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 _POOL_FIELDS = ("backends", "prefill", "decode")
 _NO_BACKEND = "give at least one backend with --backend or in the config file's [[backends]]"
@@ -263,6 +281,26 @@ def validate_config(config: RouterConfig, *, labels: Mapping[str, str] | None = 
 
     for index, path in enumerate(config.proxy_deny):
         check(path.startswith("/"), "proxy_deny", f"entry {index} ({path!r}) must be a path starting with '/'")
+
+    for name in ("max_upstream_head_bytes", "max_upstream_body_bytes"):
+        value = getattr(config, name)
+        check(value >= 1024, name, f"must be at least 1024 bytes, got {value}")
+    check(
+        config.access_log in ACCESS_LOG_FORMATS,
+        "access_log",
+        f"must be one of {', '.join(ACCESS_LOG_FORMATS)}, got {config.access_log!r}",
+    )
+    check(
+        _HEADER_NAME.fullmatch(config.session_header) is not None,
+        "session_header",
+        f"must be an HTTP header name (letters, digits, '-'), got {config.session_header!r}",
+    )
+    check(
+        config.session_header.lower() not in _NOT_SESSION_HEADERS,
+        "session_header",
+        f"{config.session_header} is a header the router reads or sets itself; pick another name "
+        "(the default is X-Session-ID)",
+    )
 
     if config.backends and (config.prefill or config.decode):
         raise ConfigError(
@@ -408,6 +446,9 @@ _SCALAR_FLAGS = {
     "admin_token": "--admin-token",
     "workers": "--workers",
     "front": "--front",
+    "access_log": "--access-log",
+    "access_log_file": "--access-log-file",
+    "session_header": "--session-header",
 }
 
 
@@ -456,5 +497,15 @@ def _parser() -> _Parser:
         "--front", choices=FRONTS,
         help="HTTP front: raw (the proxied POST routes on asyncio + httptools, the rest relayed to "
         "aiohttp; the default) or aiohttp (everything on aiohttp)",
+    )
+    parser.add_argument(
+        "--access-log", choices=ACCESS_LOG_FORMATS,
+        help="one line per proxied request on the logger session_router.access: off (the default), text or json",
+    )
+    parser.add_argument("--access-log-file", metavar="FILE", help="append the access log to FILE (default stderr)")
+    parser.add_argument(
+        "--session-header", metavar="NAME",
+        help="header clients send their session id in (default X-Session-ID); it is echoed under that name and "
+        "forwarded to backends as X-Session-ID",
     )
     return parser

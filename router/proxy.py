@@ -66,7 +66,8 @@ RETRY_STATUSES = frozenset((502, 503, 504))
 _REPINS = frozenset((Outcome.REPIN_UNHEALTHY, Outcome.REPIN_REMOVED))
 
 # Request headers never forwarded as received: router.front.exchange.DROP_REQUEST.
-# Response headers the router (or its front) sets itself instead of relaying.
+# Response headers the router (or its front) sets itself instead of relaying (and the configured
+# session_header, see Proxy).
 _DROP_RESPONSE = frozenset(
     h.lower()
     for h in (
@@ -135,7 +136,8 @@ def path_rules(paths: Iterable[str]) -> tuple[frozenset[str], tuple[str, ...]]:
 class Attempt:
     """One request's journey: what it resolved to and where it went."""
 
-    __slots__ = ("route", "request_id", "session_id", "entry", "started", "backend", "status", "pool", "home")
+    __slots__ = ("route", "request_id", "session_id", "entry", "started", "backend", "status", "pool", "home",
+                 "ttfb", "outcome", "usage")
 
     def __init__(self, route: Route, request_id: str, started: float) -> None:
         self.route = route
@@ -149,6 +151,12 @@ class Attempt:
         self.pool: BackendSet | None = None
         #: URL of the backend that must serve it when available (a stored Responses API id)
         self.home: str | None = None
+        #: seconds from the start until the (last) backend's response head arrived
+        self.ttfb: float | None = None
+        #: the (last) placement's outcome
+        self.outcome: Outcome | None = None
+        #: the answer's token usage, when the router read it
+        self.usage: inspect.Usage | None = None
 
 
 class Proxy:
@@ -172,6 +180,12 @@ class Proxy:
             return False
         exact, prefixes = self._deny
         return path not in exact and not path.startswith(prefixes)
+
+        #: the client-side session header (read and echoed under this name; upstream it is always
+        #: SESSION_HEADER, the name vLLM reads)
+        self.session_header = state.config.session_header
+        self._drop_response = _DROP_RESPONSE | {self.session_header.lower()}
+        self.access_log = state.access_log
 
     # ------------------------------------------------------------------ entry point
     async def handle(self, request: RequestView, writer: ResponseWriter, route: Route) -> None:
@@ -200,12 +214,12 @@ class Proxy:
         except asyncio.CancelledError:
             # client went away: the upstream connection was closed in _relay/_dispatch
             attempt.status = 499
-            self._finish(attempt, loop.time())
+            self._finish(attempt, loop.time(), request.method)
             raise
         except Exception:  # never a traceback to the client; keep serving
             log.exception("unexpected error on %s", route.path)
             self._error(writer, 500, error_body(500, "internal router error; see the router's log"), attempt)
-        self._finish(attempt, loop.time())
+        self._finish(attempt, loop.time(), request.method)
 
     # ------------------------------------------------------------------ session
     async def _read_body(self, request: RequestView) -> bytes:
@@ -232,9 +246,10 @@ class Proxy:
             return fields
         headers = request.session_headers
         if kind == "generate" or fields is None:
-            session_id = session_from_headers(headers)  # tokens-in: the header is the only channel, as in vLLM
+            # tokens-in: the header is the only channel, as in vLLM
+            session_id = session_from_headers(headers, self.session_header)
         else:
-            session_id = resolve_session_id(fields.session_id, headers, fields.vllm_xargs)
+            session_id = resolve_session_id(fields.session_id, headers, fields.vllm_xargs, self.session_header)
         if kind == "other":
             attempt.home = self._stored_response(request.path_qs)
         elif session_id is None:
@@ -356,6 +371,7 @@ class Proxy:
             first = None
             backend = placement.backend
             attempt.backend = backend
+            attempt.outcome = placement.outcome
             if attempt.entry is not None:
                 attempt.entry.last_backend = backend.name
             head = request_head(method, path, f"{backend.host}:{backend.port}", headers, len(body))
@@ -375,7 +391,8 @@ class Proxy:
                 if upstream.status not in RETRY_STATUSES or retries_left <= 0 or loop.time() >= deadline:
                     if upstream.status < 500 and state.health is not None:
                         state.health.record_success(backend)
-                    state.metrics.first_byte(route.name, loop.time() - attempt.started)
+                    ttfb = attempt.ttfb = loop.time() - attempt.started
+                    state.metrics.first_byte(route.name, ttfb)
                     return upstream, backend
                 upstream.close()
                 backend.in_flight -= 1
@@ -431,9 +448,11 @@ class Proxy:
         )
         want_id = route.kind == "responses"
         last: deque[bytes] = deque(maxlen=3)
+        tail = b"\n\n"  # the last chunk relayed: where the relayed bytes end
         try:
             async for chunk in upstream:
                 await writer.write(chunk)
+                tail = chunk
                 if track_usage:
                     last.append(chunk)
                 if want_id:
@@ -442,11 +461,17 @@ class Proxy:
                         self.state.responses.remember(response_id, backend.url, attempt.session_id)
                         want_id = False
         except UpstreamError as exc:
-            # bytes already reached the client: end the stream with an error event, never hang
+            # bytes already reached the client: end the stream with an error event, never hang; the
+            # event starts on an event boundary even when the backend broke off mid-event
             self._record_failure(backend, exc.reason, connect_error=False)
             attempt.status = exc.status
             self._account_error(attempt)
-            await writer.write(b"data: " + exc.body() + b"\n\ndata: [DONE]\n\n")
+            if (upstream.header("content-encoding") or "identity").lower() != "identity":
+                # an encoded (e.g. gzip) stream: plain text appended would be garbage to the decoder;
+                # the stream ends unfinished, which the client's decoder reports
+                await writer.end()
+                return
+            await writer.write(event_boundary(tail) + b"data: " + exc.body() + b"\n\ndata: [DONE]\n\n")
             await writer.end()
             return
         if track_usage:
@@ -456,10 +481,11 @@ class Proxy:
         await writer.end()
 
     def _response_headers(self, upstream: UpstreamResponse, attempt: Attempt) -> list[tuple[str, str]]:
-        headers = [h for h in upstream.headers if h[0].lower() not in _DROP_RESPONSE]
+        drop = self._drop_response
+        headers = [h for h in upstream.headers if h[0].lower() not in drop]
         headers.append((REQUEST_ID_HEADER, attempt.request_id))
         if attempt.session_id is not None:
-            headers.append((SESSION_HEADER, attempt.session_id))
+            headers.append((self.session_header, attempt.session_id))
         return headers
 
     # ------------------------------------------------------------------ accounting
@@ -467,6 +493,7 @@ class Proxy:
         entry = attempt.entry
         prompt = completion = cached = 0
         if usage is not None:
+            attempt.usage = usage
             prompt, completion, cached = usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens
             self.state.metrics.usage(prompt, completion, cached)
         if entry is not None:
@@ -480,12 +507,29 @@ class Proxy:
         attempt.status = status
         headers = [("Content-Type", JSON_CONTENT_TYPE), (REQUEST_ID_HEADER, attempt.request_id)]
         if attempt.session_id is not None:
-            headers.append((SESSION_HEADER, attempt.session_id))
+            headers.append((self.session_header, attempt.session_id))
         if status >= 500 or attempt.backend is not None:
             self._account_error(attempt)
         writer.respond(status, headers, body)
 
-    def _finish(self, attempt: Attempt, now: float) -> None:
+    def _finish(self, attempt: Attempt, now: float, method: str) -> None:
         backend = attempt.backend.name if attempt.backend is not None else "none"
         self.state.metrics.request_done(attempt.route.name, backend, attempt.status, now - attempt.started)
+        access_log = self.access_log
+        if access_log is not None:
+            outcome = attempt.outcome
+            access_log.write(method, attempt.route.path, attempt.status, now - attempt.started, attempt.ttfb,
+                             attempt.backend.name if attempt.backend is not None else None, attempt.session_id,
+                             outcome.value if outcome is not None else None, attempt.usage, attempt.request_id)
+
+
+def event_boundary(tail: bytes) -> bytes:
+    """The line breaks that end an SSE event whose bytes so far end with ``tail`` (the last relayed
+    chunk; nothing relayed: pass ``b"\\n\\n"``). Extra blank lines are harmless (an empty event is
+    never dispatched); missing ones would glue the next event onto a half-written one."""
+    if tail.endswith(b"\n\n"):
+        return b""
+    if tail.endswith(b"\n"):  # a line ended (LF or CRLF): one blank line ends the event
+        return b"\n"
+    return b"\n\n"  # mid-line (or a lone CR): end the line, then the event
 

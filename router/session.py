@@ -5,6 +5,8 @@ Where a request's session id comes from (first match wins):
 1. the body field ``session_id`` when it is a non-empty string
    (a value that is neither a string nor null is a 400);
 2. the ``X-Session-ID`` header when non-empty (two headers with different values are a 400);
+   a router may read it under another name (its ``session_header`` setting): callers pass the
+   name they read the values from, and the rules are the same;
 3. ``vllm_xargs["session_id"]`` when it is a non-empty string (anything else is ignored);
 4. nothing: the request has no session.
 
@@ -46,10 +48,11 @@ def validate_session_id(value: str, source: str) -> str:
     return value
 
 
-def session_from_headers(header_values: Iterable[str]) -> str | None:
+def session_from_headers(header_values: Iterable[str], header_name: str = SESSION_HEADER) -> str | None:
     """The session named by the ``X-Session-ID`` header values (all of them, as received).
 
-    Empty values count as absent; two different non-empty values are a 400.
+    Empty values count as absent; two different non-empty values are a 400. ``header_name``: the
+    header the values were read from (named in the messages).
     """
     found: str | None = None
     for value in header_values:
@@ -59,23 +62,25 @@ def session_from_headers(header_values: Iterable[str]) -> str | None:
             found = value
         elif value != found:
             raise InvalidSessionIdError(
-                f"conflicting {SESSION_HEADER} headers: send the header once",
-                param=SESSION_HEADER,
+                f"conflicting {header_name} headers: send the header once",
+                param=header_name,
             )
     if found is None:
         return None
-    return validate_session_id(found, f"the {SESSION_HEADER} header")
+    return validate_session_id(found, f"the {header_name} header")
 
 
 def resolve_session_id(
     body_session_id: Any,
     header_values: Iterable[str],
     vllm_xargs: Mapping[str, Any] | None | Any = None,
+    header_name: str = SESSION_HEADER,
 ) -> str | None:
     """Apply the precedence body > header > vllm_xargs; return the id or None.
 
     ``body_session_id`` is the decoded JSON value of the body field (None when absent).
-    ``header_values`` are all values of the ``X-Session-ID`` header.
+    ``header_values`` are all values of the ``X-Session-ID`` header (or of ``header_name``, the
+    header a router configured with another ``session_header`` reads instead).
     """
     if body_session_id is not None and not isinstance(body_session_id, str):
         raise InvalidSessionIdError(
@@ -83,7 +88,7 @@ def resolve_session_id(
             param=SESSION_BODY_FIELD,
         )
     # Header conflicts are rejected even when the body wins: the request is ambiguous.
-    from_header = session_from_headers(header_values)
+    from_header = session_from_headers(header_values, header_name)
     if body_session_id:
         return validate_session_id(body_session_id, "the body field session_id")
     if from_header is not None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import aiohttp
 from aiohttp import web
 
+from router.access_log import AccessLog
 from router.config import RouterConfig
 from router.health import HealthChecker
 from router.ids import IdGenerator
@@ -31,6 +32,8 @@ class RouterState:
     #: aiohttp client for everything off the hot path (health checks, /v1/models, admin)
     http: aiohttp.ClientSession | None = None
     request_ids: IdGenerator = field(default_factory=IdGenerator)
+    #: the access log (None when access_log = "off")
+    access_log: AccessLog | None = None
 
     def all_pools(self) -> list[BackendPool]:
         return list(self.pools.values())

@@ -16,7 +16,8 @@ from aiohttp import web
 from bench.loadgen import LoadSpec, percentile, run_load
 from bench.nginx import find_nginx, write_conf
 from bench.procs import REPO
-from bench.router_overhead import BEGIN, END, process_tree, write_section
+from bench.loadgen import LoadResult
+from bench.router_overhead import BEGIN, END, Cell, Target, checks, parse_args, process_tree, write_section
 
 SSE_EVENTS = 16
 
@@ -136,6 +137,29 @@ def test_write_section_replaces_only_its_block(tmp_path: Any) -> None:
     write_section(str(out), "## Router overhead\nthird")
     text = out.read_text()
     assert "keep me" in text and "also keep me" in text and "third" in text and "second" not in text
+
+
+def test_access_log_cells_go_to_their_own_section_with_their_cost(tmp_path: Any) -> None:
+    args = parse_args(["--quick", "--access-log", "text", "json"])
+    assert args.access_log == ["text", "json"] and args.section == "router_overhead_access_log"
+    assert parse_args(["--quick"]).section == "router_overhead"
+    out = tmp_path / "RESULTS.md"
+    write_section(str(out), "## Router overhead\nmain table")
+    write_section(str(out), "## Access log\ncost", args.section)
+    text = out.read_text()
+    assert "main table" in text and "cost" in text and text.count(BEGIN) == 1
+
+    def result(cpu: float) -> LoadResult:
+        return LoadResult(requests=100, errors=0, window_s=1.0, rps=100.0, p50_ms=1.0, p99_ms=2.0,
+                          cpu_us_per_req={"proxy": cpu, "backends": 50.0})
+
+    targets = [Target("router", []), Target("router(log=text)", []), Target("router(log=json)", [])]
+    cells = {(mode, 16, name): Cell(mode, 16, name, [result(cpu)])
+             for mode in ("non-stream", "stream") for name, cpu in (("router", 80.0), ("router(log=text)", 95.0),
+                                                                    ("router(log=json)", 99.0))}
+    rows = checks(cells, targets, [16])
+    cost = [r for r in rows if r.startswith("| access log cost, CPU/req non-stream c=16")]
+    assert cost == ["| access log cost, CPU/req non-stream c=16 (over router) | — | +15 µs | +19 µs |"]
 
 
 def test_process_tree_includes_children() -> None:

@@ -576,6 +576,108 @@ async def scenario_connect_timeout_with_full_backlog() -> None:
         listener.close()
 
 
+# ---------------------------------------------------------------------- bounds and odd answers (issue 11)
+async def scenario_head_over_max_head_bytes_fails_and_closes() -> None:
+    limit = 2048
+    start = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 2\r\nX-Fill: "
+    closed = asyncio.Event()
+
+    def head(over: int) -> bytes:
+        return start + b"a" * (limit - len(start) - 4 + over) + b"\r\n\r\n"
+
+    async def answers(conn: Conn) -> None:
+        over = 0
+        while await conn.read_request() is not None:
+            data = head(over) + b"ok"
+            try:
+                for i in range(0, len(data), 100):  # the bound holds across many reads
+                    await conn.send(data[i:i + 100])
+            except ConnectionError:
+                break
+            over += 1  # the next answer's head is one byte over the bound
+        closed.set()
+
+    limits = UpstreamLimits(sweep_interval_s=0.02, max_head_bytes=limit)
+    async with _setup(answers, limits=limits) as (server, pool):
+        resp = await pool.request("127.0.0.1", server.port, _get(server.port), b"")  # exactly the bound: fine
+        assert resp.status == 200 and await resp.read() == b"ok"
+        with pytest.raises(UpstreamProtocolError, match="larger than 2048 bytes"):
+            await pool.request("127.0.0.1", server.port, _get(server.port), b"")
+        await asyncio.wait_for(closed.wait(), 5)
+        await _until(lambda: not pool.stats())
+
+
+async def scenario_body_over_max_body_bytes_fails_read_and_closes() -> None:
+    limit = 64 * 1024
+    closed = asyncio.Event()
+
+    async def declares_a_big_body(conn: Conn) -> None:
+        await conn.read_request()
+        await conn.send(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 10000000\r\n\r\n{")
+        await conn.wait_closed_by_peer()  # never sends the rest: read() must not wait for it
+        closed.set()
+
+    limits = UpstreamLimits(sweep_interval_s=0.02, max_body_bytes=limit)
+    async with _setup(declares_a_big_body, limits=limits) as (server, pool):
+        resp = await pool.request("127.0.0.1", server.port, _get(server.port), b"")
+        with pytest.raises(UpstreamProtocolError, match="max_upstream_body_bytes"):
+            await resp.read()
+        await asyncio.wait_for(closed.wait(), 5)
+
+    async def chunked_big(conn: Conn) -> None:
+        await conn.read_request()
+        await conn.send(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
+        try:
+            for _ in range(100):
+                await conn.send(b"4000\r\n" + b"a" * 0x4000 + b"\r\n")
+        except ConnectionError:
+            pass
+        await conn.wait_closed_by_peer()
+
+    async with _setup(chunked_big, limits=limits) as (server, pool):
+        resp = await pool.request("127.0.0.1", server.port, _get(server.port), b"")
+        with pytest.raises(UpstreamProtocolError, match="max_upstream_body_bytes"):
+            await resp.read()
+        await _until(lambda: not pool.stats())
+        # the same answer consumed chunk by chunk (a relayed stream) is not bounded by it
+        resp = await pool.request("127.0.0.1", server.port, _get(server.port), b"")
+        got = 0
+        async for data in resp:
+            got += len(data)
+            if got > 4 * limit:
+                break
+        resp.close()
+        assert got > 4 * limit
+
+
+async def scenario_status_outside_100_599_is_a_protocol_error() -> None:
+    statuses = [b"000", b"099", b"600", b"999"]
+
+    async def odd(conn: Conn) -> None:
+        await conn.read_request()
+        await conn.send(b"HTTP/1.1 " + statuses[conn.index] + b" X\r\nContent-Length: 2\r\n\r\nok")
+        await conn.wait_closed_by_peer()
+
+    async with _setup(odd) as (server, pool):
+        for status in statuses:
+            with pytest.raises(UpstreamProtocolError, match=f"status {status.decode()}"):
+                await pool.request("127.0.0.1", server.port, _get(server.port), b"")
+
+
+async def scenario_header_bytes_are_kept() -> None:
+    value = "café".encode() + b" \xff\x80"
+
+    async def non_ascii(conn: Conn) -> None:
+        while await conn.read_request() is not None:
+            await conn.send(b"HTTP/1.1 200 OK\r\nX-Odd: " + value + b"\r\nContent-Length: 2\r\n\r\nok")
+
+    async with _setup(non_ascii) as (server, pool):
+        resp = await pool.request("127.0.0.1", server.port, _get(server.port), b"")
+        got = resp.header("x-odd")
+        assert got is not None and got.encode("utf-8", "surrogateescape") == value
+        assert await resp.read() == b"ok"
+
+
 SCENARIOS = [
     scenario_first_byte_timeout,
     scenario_per_request_timeouts_override_pool_defaults,
@@ -598,6 +700,10 @@ SCENARIOS = [
     scenario_pool_close_fails_in_flight_and_refuses_new,
     scenario_refused_port_is_a_connect_error,
     scenario_connect_timeout_with_full_backlog,
+    scenario_head_over_max_head_bytes_fails_and_closes,
+    scenario_body_over_max_body_bytes_fails_read_and_closes,
+    scenario_status_outside_100_599_is_a_protocol_error,
+    scenario_header_bytes_are_kept,
 ]
 IDS = [s.__name__.removeprefix("scenario_") for s in SCENARIOS]
 

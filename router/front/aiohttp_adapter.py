@@ -14,7 +14,6 @@ from aiohttp import web
 
 from router.errors import PayloadTooLargeError, RequestTimeoutError
 from router.front.exchange import DROP_REQUEST, REQUEST_ID_HEADER, Headers
-from router.session import SESSION_HEADER
 from router.upstream import render_headers
 
 if TYPE_CHECKING:
@@ -24,11 +23,14 @@ if TYPE_CHECKING:
 class AiohttpRequest:
     """``RequestView`` over ``web.Request``."""
 
-    __slots__ = ("_request", "_body_timeout_s")
+    __slots__ = ("_request", "_body_timeout_s", "_session_header", "_drop")
 
-    def __init__(self, request: web.Request, body_timeout_s: float) -> None:
+    def __init__(self, request: web.Request, body_timeout_s: float, session_header: str,
+                 drop: frozenset[str] = DROP_REQUEST) -> None:
         self._request = request
         self._body_timeout_s = body_timeout_s
+        self._session_header = session_header
+        self._drop = drop
 
     @property
     def method(self) -> str:
@@ -44,7 +46,7 @@ class AiohttpRequest:
 
     @property
     def session_headers(self) -> Sequence[str]:
-        return self._request.headers.getall(SESSION_HEADER, ())
+        return self._request.headers.getall(self._session_header, ())
 
     @property
     def request_id(self) -> str | None:
@@ -55,7 +57,8 @@ class AiohttpRequest:
         return self._request.content_length
 
     def forward_headers(self) -> str:
-        return render_headers((k, v) for k, v in self._request.headers.items() if k.lower() not in DROP_REQUEST)
+        drop = self._drop
+        return render_headers((k, v) for k, v in self._request.headers.items() if k.lower() not in drop)
 
     async def read_body(self) -> bytes:
         request = self._request
@@ -113,10 +116,12 @@ def proxy_handler(proxy: "Proxy", route: "Route") -> Callable[[web.Request], Awa
     """The aiohttp handler of one proxied route."""
 
     body_timeout = proxy.config.body_timeout_s
+    session_header = proxy.session_header
+    drop = DROP_REQUEST | {session_header.lower()}
 
     async def handle(request: web.Request) -> web.StreamResponse:
         writer = AiohttpWriter(request)
-        await proxy.handle(AiohttpRequest(request, body_timeout), writer, route)
+        await proxy.handle(AiohttpRequest(request, body_timeout, session_header, drop), writer, route)
         assert writer.response is not None, "Proxy.handle always answers"
         return writer.response
 

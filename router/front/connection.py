@@ -46,7 +46,6 @@ MAX_HEADERS = 256
 LINGER_S = 5.0
 
 _DROP_B = frozenset(h.encode() for h in DROP_REQUEST)
-_SESSION_B = b"x-session-id"
 _REQUEST_ID_B = REQUEST_ID_HEADER.lower().encode()
 _NO_BODY_STATUSES = frozenset((204, 304))
 
@@ -217,7 +216,7 @@ class FrontConnection(asyncio.Protocol):
     __slots__ = (
         "front", "loop", "transport", "closed", "closing", "write_paused", "idle_since",
         "_parser", "_queue", "_parsing", "task", "_in_head", "_head_bytes", "_reading_paused",
-        "_drain", "_stopped", "_linger",
+        "_drain", "_stopped", "_linger", "_session_b", "_drop_b",
     )  # fmt: skip
 
     def __init__(self, front: "RawFront") -> None:
@@ -242,6 +241,9 @@ class FrontConnection(asyncio.Protocol):
         #: the parser stopped (error or upgrade): input is discarded
         self._stopped = False
         self._linger: asyncio.TimerHandle | None = None
+        #: the session header's name (lower case) and the request headers not forwarded as received
+        self._session_b = front.session_header_b
+        self._drop_b = front.drop_request_b
 
     # ------------------------------------------------------------------ asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -317,9 +319,9 @@ class FrontConnection(asyncio.Protocol):
         if b"\r" in value or b"\n" in value or b"\x00" in value:  # never reaches a backend
             raise _Rejected()
         lname = name.lower()
-        if lname not in _DROP_B:
+        if lname not in self._drop_b:
             ex.lines.append(b"%b: %b\r\n" % (name, value))
-        elif lname == _SESSION_B:
+        elif lname == self._session_b:
             ex.session_headers.append(value.decode("utf-8", "surrogateescape"))
         elif lname == _REQUEST_ID_B:
             if ex.request_id is None:

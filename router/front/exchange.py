@@ -44,7 +44,8 @@ class RequestView(Protocol):
 
     @property
     def session_headers(self) -> Sequence[str]:
-        """Every ``X-Session-ID`` value, as received (surrounding whitespace removed)."""
+        """Every value of the session header (``X-Session-ID``, or the configured ``session_header``),
+        as received (surrounding whitespace removed); that header is never forwarded as received."""
         ...
 
     @property

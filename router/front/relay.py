@@ -32,10 +32,12 @@ _REQUEST_ID_LOWER = REQUEST_ID_HEADER.lower()
 class Relay:
     """Forwards requests to the aiohttp app on ``host:port``."""
 
-    def __init__(self, host: str, port: int, ids: IdGenerator) -> None:
+    def __init__(self, host: str, port: int, ids: IdGenerator, session_header: str = SESSION_HEADER) -> None:
         self.host = host
         self.port = port
         self.ids = ids
+        #: the app reads the client's session header under this name (its ``session_header``)
+        self.session_header = session_header
         self._host_header = f"{host}:{port}"
         self.pool = UpstreamPool(RELAY_TIMEOUTS, UpstreamLimits(max_idle_per_host=8))
 
@@ -43,7 +45,7 @@ class Relay:
         request_id = ex.request_id or self.ids.next()
         try:
             body = await ex.read_body()
-            own = [(REQUEST_ID_HEADER, request_id)] + [(SESSION_HEADER, v) for v in ex.session_headers]
+            own = [(REQUEST_ID_HEADER, request_id)] + [(self.session_header, v) for v in ex.session_headers]
             method = "GET" if ex.head_only else ex.method
             head = request_head(method, ex.path_qs, self._host_header, ex.forward_headers() + render_headers(own),
                                 len(body))

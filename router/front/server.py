@@ -19,10 +19,12 @@ import socket
 from typing import TYPE_CHECKING
 
 from router.front.connection import FrontConnection
+from router.front.exchange import DROP_REQUEST
 from router.front.relay import Relay
 from router.front.wire import DateServer
 from router.ids import IdGenerator
 from router.proxy import OTHER, ROUTES
+from router.session import SESSION_HEADER
 
 if TYPE_CHECKING:
     from router.proxy import Proxy, Route
@@ -49,7 +51,11 @@ class RawFront:
         self.body_timeout_s = body_timeout_s
         #: request ids for the answers the front makes itself (the proxy's, when there is one)
         self.ids = proxy.state.request_ids if proxy is not None else IdGenerator()
-        self.relay = Relay(app_host, app_port, self.ids)
+        #: the header clients send their session in (``session_header``); the relay passes it on under that name
+        session_header = proxy.session_header if proxy is not None else SESSION_HEADER
+        self.session_header_b = session_header.lower().encode()
+        self.drop_request_b = frozenset(h.encode() for h in DROP_REQUEST) | {self.session_header_b}
+        self.relay = Relay(app_host, app_port, self.ids, session_header)
         #: POST path -> route, for the routes served natively (none without a proxy: all relayed)
         self.hot: dict[bytes, Route] = {r.path.encode(): r for r in ROUTES} if proxy is not None else {}
         self.dates = DateServer()

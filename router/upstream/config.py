@@ -7,6 +7,7 @@ import msgspec
 from router.errors import ConfigError
 
 KiB = 1024
+MiB = 1024 * KiB
 
 
 class UpstreamTimeouts(msgspec.Struct, frozen=True):
@@ -33,6 +34,11 @@ class UpstreamLimits(msgspec.Struct, frozen=True):
     than the backend; above high water the socket stops being read, at or below low water it resumes.
     ``sweep_interval_s``: period of the one sweeper task that enforces every timeout of the pool
     (timeouts fire up to this much late).
+    ``max_head_bytes``: a response head (status line and headers, 1xx heads before it included)
+    larger than this fails the exchange (a 502) and closes the connection.
+    ``max_body_bytes``: a body read whole (``UpstreamResponse.read``) larger than this fails the
+    exchange and closes the connection; bodies consumed chunk by chunk (relayed streams) are not
+    bounded by it.
     """
 
     max_idle_per_host: int = 64
@@ -40,6 +46,8 @@ class UpstreamLimits(msgspec.Struct, frozen=True):
     read_high_water: int = 256 * KiB
     read_low_water: int = 64 * KiB
     sweep_interval_s: float = 0.1
+    max_head_bytes: int = 64 * KiB
+    max_body_bytes: int = 64 * MiB
 
     def __post_init__(self) -> None:
         if self.max_idle_per_host < 0:
@@ -48,6 +56,10 @@ class UpstreamLimits(msgspec.Struct, frozen=True):
             raise ConfigError(f"idle_timeout_s must be > 0, got {self.idle_timeout_s}")
         if not self.sweep_interval_s > 0:
             raise ConfigError(f"sweep_interval_s must be > 0, got {self.sweep_interval_s}")
+        if self.max_head_bytes < 1 or self.max_body_bytes < 1:
+            raise ConfigError(
+                f"max_head_bytes and max_body_bytes must be >= 1, got {self.max_head_bytes} and {self.max_body_bytes}"
+            )
         if self.read_high_water <= 0 or not 0 <= self.read_low_water <= self.read_high_water:
             raise ConfigError(
                 f"need 0 <= read_low_water <= read_high_water and read_high_water > 0, "

@@ -43,7 +43,8 @@ class UpstreamResponse:
 
     ``headers`` are as received minus hop-by-hop headers and ``Content-Length`` (framing is in
     ``content_length`` / ``chunked``; the proxy frames its own response). Names and values are
-    decoded as latin-1.
+    decoded as UTF-8 with ``surrogateescape``: encoding them back the same way gives the exact bytes
+    the backend sent (non-ASCII and non-UTF-8 bytes included).
     """
 
     __slots__ = (
@@ -61,6 +62,7 @@ class UpstreamResponse:
         "_waiter",
         "_read_all",
         "_label",
+        "_max_body",
     )
 
     def __init__(
@@ -87,6 +89,7 @@ class UpstreamResponse:
         self._exc: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._read_all = False
+        self._max_body = conn.pool.limits.max_body_bytes
 
     # ------------------------------------------------------------------ consumer side
     @property
@@ -114,15 +117,22 @@ class UpstreamResponse:
         return default
 
     async def read(self) -> bytes:
-        """The whole body. Raises ``UpstreamProtocolError`` if the backend broke off mid-body and
+        """The whole body. Raises ``UpstreamProtocolError`` if the backend broke off mid-body or the
+        body exceeds the pool's ``max_body_bytes`` (the connection is closed then), and
         ``UpstreamTimeoutError`` past the total timeout. Cancelling it aborts the connection."""
         if not self._eof and self._exc is None:
-            self._read_all = True
-            conn = self._conn
-            if conn is not None and conn.paused:
-                conn.resume()
-            while not self._eof and self._exc is None:
-                await self._wait()
+            length = self.content_length
+            if (length is not None and length > self._max_body) or self._buffered > self._max_body:
+                self._too_large(length)
+            else:
+                self._read_all = True
+                conn = self._conn
+                if conn is not None and conn.paused:
+                    conn.resume()
+                while not self._eof and self._exc is None:
+                    await self._wait()
+        elif self._exc is None and self._buffered > self._max_body:
+            self._too_large(self._buffered)
         if self._exc is not None:
             raise self._exc
         chunks = self._chunks
@@ -203,6 +213,22 @@ class UpstreamResponse:
             self._exc = exc
         self._wake()
 
+    def _too_large(self, size: int | None) -> None:
+        """The body is (or would be) over ``max_body_bytes``: fail the read, close the connection."""
+        told = f" ({size} bytes)" if size is not None else ""
+        exc = UpstreamProtocolError(
+            f"backend {self._label} sent a response body larger than {self._max_body} bytes{told}, the "
+            "router's bound on an answer it buffers whole (max_upstream_body_bytes)"
+        )
+        conn = self._conn
+        if conn is not None:
+            conn._fail(exc)  # closes the connection; fails this response through it
+        self._exc = exc
+        self._eof = False
+        self._chunks.clear()
+        self._buffered = 0
+        self._wake()
+
 
 class UpstreamConnection(asyncio.Protocol):
     """One TCP connection to one backend; created by ``UpstreamPool``."""
@@ -235,6 +261,8 @@ class UpstreamConnection(asyncio.Protocol):
         "_fb_s",
         "_total_s",
         "_lost_waiter",
+        "_max_head",
+        "_head_left",
     )
 
     def __init__(self, pool: "UpstreamPool", key: tuple[str, int], loop: asyncio.AbstractEventLoop) -> None:
@@ -267,6 +295,9 @@ class UpstreamConnection(asyncio.Protocol):
         self._fb_s = 0.0
         self._total_s = 0.0
         self._lost_waiter: asyncio.Future[None] | None = None
+        self._max_head = limits.max_head_bytes
+        #: bytes the response head of the current exchange may still take
+        self._head_left = 0
 
     # ------------------------------------------------------------------ the exchange
     def send(
@@ -294,6 +325,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._total_deadline = total_deadline
         self._fb_s = fb_s
         self._total_s = total_s
+        self._head_left = self._max_head
         self.transport.write(data)
         return waiter
 
@@ -382,6 +414,28 @@ class UpstreamConnection(asyncio.Protocol):
                 self.transport.abort()
             return
         self._got_data = True
+        if self._resp is None and not self._complete:  # still in the response head
+            left = self._head_left
+            if len(data) > left:
+                # feed only what the head may still take: the parser buffers nothing past the bound
+                if left and not self._feed(data[:left]):
+                    return
+                if not self.busy:
+                    return
+                if self._resp is None and not self._complete:
+                    self._fail(UpstreamProtocolError(
+                        f"backend {self.label} sent a response head larger than {self._max_head} bytes "
+                        "(max_upstream_head_bytes)"
+                    ))
+                    return
+                data = data[left:]
+            else:
+                self._head_left = left - len(data)
+        if self._feed(data) and self._complete and self.busy:
+            self._release()
+
+    def _feed(self, data: bytes) -> bool:
+        """Parse ``data``; False when the exchange failed (the connection is closed)."""
         try:
             self._parser.feed_data(data)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
@@ -391,9 +445,8 @@ class UpstreamConnection(asyncio.Protocol):
                 self._poisoned = True
             else:
                 self._fail(UpstreamProtocolError(f"backend {self.label} sent an invalid HTTP response: {exc}"))
-                return
-        if self._complete and self.busy:
-            self._release()
+                return False
+        return True
 
     def eof_received(self) -> bool:
         return False
@@ -455,6 +508,11 @@ class UpstreamConnection(asyncio.Protocol):
         if self._complete:
             return
         status = self._parser.get_status_code()
+        if not 100 <= status <= 599:  # llhttp takes any three digits
+            self._fail(UpstreamProtocolError(
+                f"backend {self.label} answered with status {status:03d}, which is not an HTTP status (100-599)"
+            ))
+            return
         if status < 200:  # 1xx: skip it, the real response follows
             self._informational = True
             self._raw = []
@@ -480,7 +538,7 @@ class UpstreamConnection(asyncio.Protocol):
                 continue
             if lname == b"content-type":
                 content_type = value.decode("latin-1")
-            headers.append((name.decode("latin-1"), value.decode("latin-1")))
+            headers.append((name.decode("latin-1"), value.decode("utf-8", "surrogateescape")))
         if named:
             drop = {n.decode("latin-1") for n in named}
             headers = [h for h in headers if h[0].lower() not in drop]
@@ -501,6 +559,8 @@ class UpstreamConnection(asyncio.Protocol):
         resp._chunks.append(body)
         resp._buffered += len(body)
         if resp._read_all:
+            if resp._buffered > resp._max_body:
+                resp._too_large(None)
             return
         waiter = resp._waiter
         if waiter is not None and not waiter.done():
