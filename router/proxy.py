@@ -167,6 +167,11 @@ class Proxy:
         #: where requests go: the decode pool in P/D mode (prefill legs are the hand-off's business)
         self.pool = state.serving_pool
         self._deny = path_rules(state.config.proxy_deny)
+        #: the client-side session header (read and echoed under this name; upstream it is always
+        #: SESSION_HEADER, the name vLLM reads)
+        self.session_header = state.config.session_header
+        self._drop_response = _DROP_RESPONSE | {self.session_header.lower()}
+        self.access_log = state.access_log
 
     def forwards(self, target: str) -> bool:
         """Whether a request for ``target`` that no route of the router matched goes to a backend
@@ -180,12 +185,6 @@ class Proxy:
             return False
         exact, prefixes = self._deny
         return path not in exact and not path.startswith(prefixes)
-
-        #: the client-side session header (read and echoed under this name; upstream it is always
-        #: SESSION_HEADER, the name vLLM reads)
-        self.session_header = state.config.session_header
-        self._drop_response = _DROP_RESPONSE | {self.session_header.lower()}
-        self.access_log = state.access_log
 
     # ------------------------------------------------------------------ entry point
     async def handle(self, request: RequestView, writer: ResponseWriter, route: Route) -> None:
