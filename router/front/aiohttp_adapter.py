@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from router.errors import PayloadTooLargeError, RequestTimeoutError
-from router.front.exchange import DROP_REQUEST, REQUEST_ID_HEADER, Headers
+from router.front.exchange import DROP_REQUEST, REQUEST_ID_HEADER, Headers, drop_connection_options
 from router.session import SESSION_HEADER
 from router.upstream import render_headers
 
@@ -55,7 +55,9 @@ class AiohttpRequest:
         return self._request.content_length
 
     def forward_headers(self) -> str:
-        return render_headers((k, v) for k, v in self._request.headers.items() if k.lower() not in DROP_REQUEST)
+        headers = self._request.headers
+        rendered = render_headers((k, v) for k, v in headers.items() if k.lower() not in DROP_REQUEST)
+        return drop_connection_options(rendered, headers.getall("Connection", ()))
 
     async def read_body(self) -> bytes:
         request = self._request

@@ -29,9 +29,9 @@ from typing import TYPE_CHECKING
 import httptools
 
 from router.errors import BadRequestError, PayloadTooLargeError, RequestTimeoutError, error_body
-from router.front.exchange import DROP_REQUEST, REQUEST_ID_HEADER, Headers
+from router.front.exchange import DROP_REQUEST, REQUEST_ID_HEADER, Headers, drop_connection_options
 from router.front.wire import CONTINUE, LAST_CHUNK, chunk, error_headers, header_lines, status_line
-from router.http_server import MALFORMED_MESSAGE, MAX_LINE_BYTES
+from router.http_server import HOST_MESSAGE, MALFORMED_MESSAGE, MAX_LINE_BYTES, valid_host
 
 if TYPE_CHECKING:
     from router.front.server import RawFront
@@ -39,9 +39,16 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: a request head (request line + headers) larger than this is refused
+#: a request head (request line + headers + the blank line) larger than this is refused
 MAX_HEAD_BYTES = 256 * 1024
+#: header fields in one head (and trailer fields after a chunked body)
 MAX_HEADERS = 256
+HEAD_TOO_LARGE_MESSAGE = (
+    f"request head too large: the request line and headers together may not exceed {MAX_HEAD_BYTES} bytes "
+    f"(nor {MAX_HEADERS} header fields); send fewer or shorter headers"
+)
+#: bytes of a request line beyond its method and target: " " + " HTTP/1.1" + CRLF
+_REQUEST_LINE_EXTRA = 12
 #: how long a connection closed with unread input keeps discarding it (so the client reads the answer)
 LINGER_S = 5.0
 
@@ -66,7 +73,8 @@ class Exchange:
     __slots__ = (
         "conn", "method", "raw_path", "path_qs", "route", "http10", "keep_alive", "head_only",
         "lines", "session_headers", "request_id", "content_length", "expect_continue",
-        "conn_close", "conn_keep_alive", "url",
+        "conn_close", "conn_keep_alive", "url", "connection", "hosts", "bad_host", "transfer_encoding",
+        "fields",
         "complete", "too_large", "bad", "_chunks", "_size", "_waiter",
         "started", "finished", "_pending", "_chunked",
     )  # fmt: skip
@@ -89,6 +97,14 @@ class Exchange:
         self.conn_close = False
         self.conn_keep_alive = False
         self.url = b""
+        #: the Connection header values (their options are dropped from the forwarded headers)
+        self.connection: list[str] = []
+        #: Host header fields seen, and whether one was not a valid Host value
+        self.hosts = 0
+        self.bad_host = False
+        self.transfer_encoding = False
+        #: header fields seen (trailer fields included)
+        self.fields = 0
         #: the whole body arrived
         self.complete = False
         self.too_large = False
@@ -105,7 +121,8 @@ class Exchange:
     # ------------------------------------------------------------------ RequestView
     def forward_headers(self) -> str:
         # names were checked by the parser (tokens), values in on_header (no CR, LF or NUL)
-        return b"".join(self.lines).decode("utf-8", "surrogateescape")
+        rendered = b"".join(self.lines).decode("utf-8", "surrogateescape")
+        return drop_connection_options(rendered, self.connection) if self.connection else rendered
 
     async def read_body(self) -> bytes:
         if not self.complete and not self.too_large and self.bad is None:
@@ -216,8 +233,8 @@ class FrontConnection(asyncio.Protocol):
 
     __slots__ = (
         "front", "loop", "transport", "closed", "closing", "write_paused", "idle_since",
-        "_parser", "_queue", "_parsing", "task", "_in_head", "_head_bytes", "_reading_paused",
-        "_drain", "_stopped", "_linger",
+        "_parser", "_queue", "_parsing", "task", "_in_head", "_head_bytes", "_head_read", "_reading_paused",
+        "_drain", "_stopped", "_linger", "_body_only",
     )  # fmt: skip
 
     def __init__(self, front: "RawFront") -> None:
@@ -236,12 +253,18 @@ class FrontConnection(asyncio.Protocol):
         self._parsing: Exchange | None = None
         self.task: asyncio.Task[None] | None = None
         self._in_head = False
+        #: bytes of the head being parsed, counted from what the parser reports (exact for a head
+        #: written with one space after each colon), and read since the head began (a bound on
+        #: what the parser buffers for a header that is not whole yet)
         self._head_bytes = 0
+        self._head_read = 0
         self._reading_paused = False
         self._drain: asyncio.Future[None] | None = None
         #: the parser stopped (error or upgrade): input is discarded
         self._stopped = False
         self._linger: asyncio.TimerHandle | None = None
+        #: the parser is reading a made-up head that frames the body of an upgrade offer (``_upgrade``)
+        self._body_only = False
 
     # ------------------------------------------------------------------ asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -267,15 +290,16 @@ class FrontConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._stopped or self.closed:
             return  # lingering, or the parser gave up: discard
-        if self._in_head:
-            self._head_bytes += len(data)
-            if self._head_bytes > MAX_HEAD_BYTES:
-                self._parse_error(_Rejected())
+        if self._in_head:  # a head continues: count its bytes in this read (up to its end, if here)
+            end = data.find(b"\r\n\r\n")
+            self._head_read += len(data) if end < 0 else end + 4
+            if self._head_read > MAX_HEAD_BYTES:
+                self._parse_error(_Rejected(HEAD_TOO_LARGE_MESSAGE))
                 return
         try:
             self._parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            self._upgrade()
+        except httptools.HttpParserUpgrade as exc:
+            self._upgrade(data, exc.args[0] if exc.args else len(data))
         except httptools.HttpParserError as exc:
             cause = exc.__context__
             self._parse_error(cause if isinstance(cause, _Rejected) else _Rejected())
@@ -297,11 +321,15 @@ class FrontConnection(asyncio.Protocol):
 
     # ------------------------------------------------------------------ httptools callbacks
     def on_message_begin(self) -> None:
+        if self._body_only:
+            return
         self._parsing = Exchange(self)
         self._in_head = True
-        self._head_bytes = 0
+        self._head_bytes = self._head_read = 0
 
     def on_url(self, url: bytes) -> None:
+        if self._body_only:
+            return
         ex = self._parsing
         assert ex is not None
         ex.url += url
@@ -309,10 +337,20 @@ class FrontConnection(asyncio.Protocol):
             raise _Rejected()
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self._body_only:
+            return
         ex = self._parsing
         assert ex is not None
-        if len(value) + len(name) > MAX_LINE_BYTES or len(ex.lines) >= MAX_HEADERS:
+        if len(value) + len(name) > MAX_LINE_BYTES:
             raise _Rejected()
+        ex.fields += 1
+        if ex.fields > MAX_HEADERS:
+            raise _Rejected(HEAD_TOO_LARGE_MESSAGE)
+        if not self._in_head:
+            return  # a trailer field (after a chunked body): never a header, never forwarded (RFC 9110 §6.5)
+        self._head_bytes += len(name) + len(value) + 4  # name ": " value CRLF
+        if self._head_bytes > MAX_HEAD_BYTES:
+            raise _Rejected(HEAD_TOO_LARGE_MESSAGE)
         value = value.strip(b" \t")
         if b"\r" in value or b"\n" in value or b"\x00" in value:  # never reaches a backend
             raise _Rejected()
@@ -327,36 +365,60 @@ class FrontConnection(asyncio.Protocol):
         elif lname == b"content-length":
             ex.content_length = int(value)  # llhttp checked the digits and refused duplicates
         elif lname == b"connection":
+            options = False
             for token in value.lower().split(b","):
-                token = token.strip()
+                token = token.strip(b" \t")
                 if token == b"close":
                     ex.conn_close = True
                 elif token == b"keep-alive":
                     ex.conn_keep_alive = True
+                elif token:
+                    options = True
+            if options:
+                ex.connection.append(value.decode("latin-1"))
+        elif lname == b"host":
+            ex.hosts += 1
+            if not valid_host(value.decode("latin-1")):
+                ex.bad_host = True
+        elif lname == b"transfer-encoding":
+            ex.transfer_encoding = True
         elif lname == b"expect":
             ex.expect_continue = value.lower() == b"100-continue"
 
     def on_headers_complete(self) -> None:
+        if self._body_only:
+            self._body_only = False
+            return
         ex = self._parsing
         assert ex is not None
         self._in_head = False
         parser = self._parser
+        method = parser.get_method()
+        url = ex.url
+        self._head_bytes += len(method) + len(url) + _REQUEST_LINE_EXTRA + 2  # the request line, the blank line
+        if self._head_bytes > MAX_HEAD_BYTES:
+            raise _Rejected(HEAD_TOO_LARGE_MESSAGE)
         version = parser.get_http_version()
         if version == "1.1":
             ex.keep_alive = not ex.conn_close
+            if ex.hosts != 1:
+                raise _Rejected(HOST_MESSAGE)
         elif version == "1.0":
             ex.http10 = True
-            ex.keep_alive = ex.conn_keep_alive and not ex.conn_close
+            # RFC 9112 §6.1: an HTTP/1.0 message with Transfer-Encoding has faulty framing: close after it
+            ex.keep_alive = ex.conn_keep_alive and not ex.conn_close and not ex.transfer_encoding
+            if ex.hosts > 1:
+                raise _Rejected(HOST_MESSAGE)
         else:
             raise _Rejected(f"HTTP/{version} is not supported: send HTTP/1.1 (or HTTP/1.0)")
-        url = ex.url
+        if ex.bad_host:
+            raise _Rejected(HOST_MESSAGE)
         if url[:1] != b"/":
             raise _Rejected(
                 "the request target must be a path starting with '/' (origin-form): this router is a "
                 "reverse proxy, not a forward proxy; send e.g. POST /v1/completions with the router's "
                 "address in the Host header"
             )
-        method = parser.get_method()
         if method == b"CONNECT":  # even with a path target: tunnels are a forward proxy's business
             raise _Rejected("CONNECT is not supported: this router is a reverse proxy, not a forward proxy")
         ex.method = method.decode("ascii")
@@ -471,15 +533,26 @@ class FrontConnection(asyncio.Protocol):
         ex.respond(400, error_headers(self.front.ids.next()), error_body(400, message))
         self._linger_close()
 
-    def _upgrade(self) -> None:
-        """``Upgrade``/``CONNECT``: the router speaks plain HTTP only. A request whose head was
-        accepted is answered as a normal request, then the connection closes."""
-        self._stopped = True
-        queue = self._queue
-        if queue:
-            queue[-1].keep_alive = False
-        else:
+    def _upgrade(self, data: bytes, offset: int) -> None:
+        """A request offered a protocol upgrade (``Upgrade`` with ``Connection: upgrade``, e.g.
+        h2c): the router speaks HTTP/1.1 only, so it ignores the offer (RFC 9110 §7.8) and serves
+        the request as any other, as aiohttp does. httptools ends such a message at its head and
+        hands back the rest of the input at ``offset``: a made-up head with the request's own
+        framing lets the parser read the body into the request, then parsing goes on as usual.
+        (CONNECT never gets here: its head is refused.)"""
+        ex = self._queue[-1] if self._queue else None
+        if ex is None or not ex.complete:
             self._parse_error(_Rejected("protocol upgrades (Upgrade, CONNECT) are not supported by this router"))
+            return
+        if ex.transfer_encoding or ex.content_length:
+            ex.complete = False  # set by the parser at the end of the head: the body is still to come
+            self._parsing = ex
+            framing = b"Transfer-Encoding: chunked" if ex.transfer_encoding else b"Content-Length: %d" % ex.content_length
+            self._body_only = True
+            self._parser.feed_data(b"POST / HTTP/1.1\r\n%b\r\n\r\n" % framing)
+        rest = data[offset:]
+        if rest:
+            self.data_received(rest)
 
     # ------------------------------------------------------------------ transport helpers
     def write(self, data: bytes) -> None:
