@@ -146,6 +146,7 @@ class _JsonErrorServer(web.Server):
 async def _close_when_draining(request: web.Request, response: web.StreamResponse) -> None:
     if getattr(request.protocol, "draining", False):
         response.force_close()
+        response.headers["Connection"] = "close"  # (the hook runs after aiohttp chose the header)
 
 
 class JsonErrorAppRunner(web.AppRunner):

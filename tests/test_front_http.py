@@ -131,3 +131,181 @@ async def test_good_hosts_and_http_1_0_without_host_are_served(served: Factory, 
                 host.encode(), len(GOOD), GOOD)
         answer = await conn.ask(data)
         assert answer.status == 200, (host, answer.body[:200])
+
+
+# ------------------------------------------------------------- 8. the head-size limit
+
+
+def head_of(size: int) -> bytes:
+    """A POST head of exactly ``size`` bytes (request line through the blank line), then its body."""
+    from router.front.connection import MAX_HEAD_BYTES  # noqa: F401  (the limit the caller compares with)
+
+    start = f"POST /v1/completions HTTP/1.1\r\nHost: router\r\nContent-Length: {len(GOOD)}\r\n".encode()
+    pads: list[bytes] = []
+    room = size - len(start) - 2
+    i = 0
+    while room > 0:
+        name = b"X-Pad-%03d" % i
+        overhead = len(name) + 4  # name ": " value CRLF
+        value_len = min(8000, room - overhead)  # fake backends take 8190-byte lines
+        if value_len < 1:  # too little room left for a header: widen the previous one
+            last = pads.pop()
+            pads.append(last[:-2] + b"a" * room + b"\r\n")
+            room = 0
+            break
+        pads.append(name + b": " + b"a" * value_len + b"\r\n")
+        room -= overhead + value_len
+        i += 1
+    head = start + b"".join(pads) + b"\r\n"
+    assert len(head) == size
+    return head + GOOD
+
+
+async def test_the_head_limit_counts_every_byte_of_the_head(served: Factory) -> None:
+    from router.front.connection import MAX_HEAD_BYTES
+
+    router = await served()
+    answer = await router.once(head_of(MAX_HEAD_BYTES))
+    assert answer.status == 200, answer.body[:200]
+    for size in (MAX_HEAD_BYTES + 1, MAX_HEAD_BYTES * 3 // 2, 2 * MAX_HEAD_BYTES - 1000):
+        conn = await router.conn()
+        answer = await conn.ask(head_of(size))
+        assert answer.status == 400, (size, answer.body[:200])
+        assert "head too large" in answer.error()["message"]
+        assert await conn.closed_by_peer()
+    # written in pieces, the count goes on across reads
+    conn = await router.conn()
+    data = head_of(MAX_HEAD_BYTES + 1)
+    for i in range(0, len(data), 50_000):
+        await conn.send(data[i:i + 50_000])
+        await asyncio.sleep(0.01)  # separate reads (the result must not depend on it)
+    answer = await read_answer(conn.reader)
+    assert answer.status == 400
+    assert len(router.fakes[0].seen) == 1
+    # a head pipelined behind a request is counted on its own: at the limit it is served, past it
+    # the connection closes after the answers before it (as for any malformed pipelined request)
+    conn = await router.conn()
+    await conn.send(post("/v1/completions") + head_of(MAX_HEAD_BYTES))
+    assert (await read_answer(conn.reader)).status == 200
+    assert (await read_answer(conn.reader)).status == 200
+    await conn.send(post("/v1/completions") + head_of(MAX_HEAD_BYTES + 1))
+    last = await read_answer(conn.reader)
+    assert last.status == 200 and last.header("connection") == "close"
+    assert await conn.closed_by_peer()
+
+
+# ------------------------------------------------------------- 9. an upgrade offer
+
+
+UPGRADE = "Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n"
+
+
+@pytest.mark.parametrize("front", FRONTS)
+async def test_an_upgrade_offer_is_ignored_and_the_request_served(served: Factory, front: str) -> None:
+    router = await served()
+    conn = await open_front(router, front)
+    answer = await conn.ask(post("/v1/completions", extra=UPGRADE))
+    assert answer.status == 200, answer.body[:200]
+    assert answer.header("upgrade") is None and answer.header("connection") is None
+    seen = router.fakes[0].seen[-1]
+    assert seen.body == GOOD
+    for hop in ("upgrade", "http2-settings", "connection"):
+        assert hop not in seen.headers, hop
+    # the connection stays HTTP/1.1: the next request on it, and a chunked upgrade offer, are answered too
+    answer = await conn.ask(post("/v1/completions"))
+    assert answer.status == 200
+    answer = await conn.ask(chunked("/v1/completions", GOOD, extra=UPGRADE))
+    assert answer.status == 200
+    assert [s.body for s in router.fakes[0].seen] == [GOOD] * 3
+    if front == "raw":  # (aiohttp's parser loses what follows an upgrade offer in the same read)
+        await conn.send(chunked("/v1/completions", GOOD, extra=UPGRADE)
+                        + post("/v1/completions", extra=UPGRADE + "X-Request-Id: after\r\n")
+                        + post("/v1/completions", extra="X-Request-Id: last\r\n"))
+        answers = [await read_answer(conn.reader) for _ in range(3)]
+        assert [a.status for a in answers] == [200] * 3
+        assert [a.header("x-request-id") for a in answers][1:] == ["after", "last"]
+        assert [s.body for s in router.fakes[0].seen] == [GOOD] * 6
+    # a GET offering websocket: served as a plain GET
+    answer = await conn.ask(get("/health", extra="Connection: Upgrade\r\nUpgrade: websocket\r\n"))
+    assert answer.status == 200
+
+
+# ------------------------------------------- 10. the request that closes, then more bytes
+
+
+@pytest.mark.parametrize("front", FRONTS)
+@pytest.mark.parametrize("closing", ["connection_close", "http_1_0"])
+async def test_bytes_after_a_request_that_closes_are_discarded(served: Factory, front: str, closing: str) -> None:
+    router = await served()
+    conn = await open_front(router, front)
+    request = post("/v1/completions", extra="Connection: close\r\n") if closing == "connection_close" else \
+        post("/v1/completions", version="1.0")
+    await conn.send(request + b"GARBAGE / HTTP/9\r\n\r\n" + post("/v1/completions"))
+    answer = await read_answer(conn.reader)
+    assert answer.status == 200, answer.body[:200]
+    assert closes(answer)
+    assert await conn.closed_by_peer()  # and no second answer
+    assert len(router.fakes[0].seen) == 1
+
+
+class Gated:
+    """A backend whose (non-streamed) answers wait until the test opens the gate."""
+
+    def __init__(self) -> None:
+        self.gate = asyncio.Event()
+        self.arrived = asyncio.Event()
+
+    def app(self) -> Any:
+        from aiohttp import web
+
+        async def infer(request: web.Request) -> web.Response:
+            await request.read()
+            self.arrived.set()
+            await self.gate.wait()
+            return web.json_response({"ok": True})
+
+        async def health(request: web.Request) -> web.Response:
+            return web.Response(text="ok")
+
+        app = web.Application()
+        app.router.add_post("/v1/completions", infer)
+        app.router.add_get("/health", health)
+        return app
+
+
+@pytest.mark.parametrize("front", FRONTS)
+async def test_answers_during_the_drain_say_connection_close(served: Factory, aiohttp_server: Any, front: str) -> None:
+    from aiohttp import web
+
+    from router.app import create_app
+    from router.config import BackendConfig, RouterConfig
+    from router.http_server import JsonErrorAppRunner
+
+    gated = Gated()
+    backend = await aiohttp_server(gated.app(), host="127.0.0.1")
+    url = f"http://127.0.0.1:{backend.port}"
+    if front == "raw":
+        router = await served(backends=[url])
+        conn = await open_front(router, front)
+        drain = lambda: router.front.shutdown(30)  # noqa: E731
+    else:  # the aiohttp front as router.cli.serve runs it: its drain is the runner's cleanup
+        config = RouterConfig(backends=[BackendConfig(url)], health_interval_s=3600.0)
+        runner = JsonErrorAppRunner(create_app(config), access_log=None, handle_signals=False,
+                                    handler_cancellation=True, shutdown_timeout=30)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        conn = await Conn.open(site.port)
+        drain = runner.cleanup
+    try:
+        await conn.send(post("/v1/completions"))
+        await asyncio.wait_for(gated.arrived.wait(), 10)
+        draining = asyncio.create_task(drain())
+        await asyncio.sleep(0.05)  # the drain has begun (nothing below depends on more than that)
+        gated.gate.set()
+        answer = await read_answer(conn.reader)
+        assert answer.status == 200 and answer.header("connection") == "close"
+        assert await conn.closed_by_peer()
+        await asyncio.wait_for(draining, 10)
+    finally:
+        conn.close()
