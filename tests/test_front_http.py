@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from tests.support import eventually
 from tests.test_front_raw import GOOD, Conn, Factory, get, post, read_answer, served  # noqa: F401
 
 FRONTS = ["raw", "aiohttp"]
@@ -309,3 +310,74 @@ async def test_answers_during_the_drain_say_connection_close(served: Factory, ai
         await asyncio.wait_for(draining, 10)
     finally:
         conn.close()
+
+
+# ------------------------------------------------ 12. pipelining to a client that never reads
+
+
+class Bulky:
+    """A backend whose answers are large (so that unread answers fill the socket buffers soon)."""
+
+    def __init__(self, size: int) -> None:
+        self.body = json.dumps({"data": "x" * size}).encode()
+        self.count = 0
+
+    def app(self) -> Any:
+        from aiohttp import web
+
+        async def infer(request: web.Request) -> web.Response:
+            await request.read()
+            self.count += 1
+            return web.Response(body=self.body, content_type="application/json")
+
+        async def health(request: web.Request) -> web.Response:
+            return web.Response(text="ok")
+
+        app = web.Application()
+        app.router.add_post("/v1/completions", infer)
+        app.router.add_get("/health", health)
+        return app
+
+
+@pytest.mark.parametrize("front", FRONTS)
+async def test_pipelined_requests_wait_while_the_client_does_not_read(served: Factory, aiohttp_server: Any,
+                                                                      front: str) -> None:
+    import socket
+
+    bulky = Bulky(128 * 1024)
+    backend = await aiohttp_server(bulky.app(), host="127.0.0.1")
+    router = await served(backends=[f"http://127.0.0.1:{backend.port}"])
+    total = 300  # 300 answers of 128 KiB: ~38 MiB if the router answered them all into its buffers
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 * 1024)
+    sock.connect(("127.0.0.1", router.port if front == "raw" else router.aiohttp_port))
+    sock.setblocking(False)
+    reader, writer = await asyncio.open_connection(sock=sock)
+    try:
+        requests = b"".join(post("/v1/completions", extra=f"X-Request-Id: p-{i}\r\n") for i in range(total))
+        writer.write(requests)
+        await writer.drain()
+
+        # the router stops: the backend saw far fewer requests than were sent, and that stays so
+        async def settled() -> bool:
+            if front == "raw":  # the answers are not read, and nothing runs: the count is final
+                conns = router.front.connections
+                return bool(conns) and all(c.write_paused and c.task is None for c in conns)
+            before = bulky.count
+            await asyncio.sleep(0.3)
+            return bulky.count == before
+
+        await eventually(settled, timeout=20.0, what="the router to stop serving the unread pipeline")
+        assert bulky.count < total // 3, bulky.count
+        if front == "raw":
+            conn = next(iter(router.front.connections))
+            assert conn.transport is not None
+            assert conn.transport.get_write_buffer_size() <= 512 * 1024  # high water + one answer
+        # the client reads: every answer comes, in order
+        for i in range(total):
+            answer = await read_answer(reader)
+            assert answer.status == 200 and answer.header("x-request-id") == f"p-{i}"
+            assert len(answer.body) == len(bulky.body)
+        assert bulky.count == total
+    finally:
+        writer.close()

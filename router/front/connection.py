@@ -9,7 +9,11 @@ Life of a connection::
                          or idle (keep-alive), or close (Connection: close, HTTP/1.0, unread body)
 
 Pipelined requests are parsed as they arrive, but only the first one runs; while a second one
-is queued the socket is not read (so at most one read's worth of requests waits). A client
+is queued the socket is not read (so at most one read's worth of requests waits). The next
+request starts only while the client reads its answers: with the transport's write buffer over
+its high-water mark (``pause_writing``), nothing new runs and the socket is not read until it
+drains (``resume_writing``), so a client that pipelines and never reads holds one answer's worth
+of the router's memory, not all of them. A client
 that goes away cancels the running exchange at once (its upstream connection is closed, so the
 backend aborts). A slow reader pauses the stream relay (``pause_writing``). Requests the parser
 rejects get a 400 in OpenAI's error shape with ``Connection: close`` (one pipelined behind valid
@@ -318,6 +322,11 @@ class FrontConnection(asyncio.Protocol):
         drain = self._drain
         if drain is not None and not drain.done():
             drain.set_result(None)
+        queue = self._queue
+        if self.task is None and queue and not self.closed:
+            self._start(queue[0])  # held back while the client was not reading its answers
+        if len(queue) <= 1:
+            self.resume_reading()
 
     # ------------------------------------------------------------------ httptools callbacks
     def on_message_begin(self) -> None:
@@ -433,10 +442,11 @@ class FrontConnection(asyncio.Protocol):
             ex.keep_alive = False
         queue = self._queue
         queue.append(ex)
-        if len(queue) == 1:
+        if len(queue) == 1 and not self.write_paused:
             self._start(ex)
         elif not self._reading_paused and self.transport is not None:
-            self._reading_paused = True  # a request is in flight: read no more until it is answered
+            # a request is in flight, or the client is not reading its answers: read no more until then
+            self._reading_paused = True
             self.transport.pause_reading()
 
     def on_body(self, body: bytes) -> None:
@@ -502,10 +512,12 @@ class FrontConnection(asyncio.Protocol):
             else:
                 self._linger_close()  # input we will not read may follow: let the client read the answer
             return
+        if not queue:
+            self.idle_since = self.loop.time()
+        if self.write_paused:
+            return  # the client is not reading its answers: resume_writing goes on from here
         if queue:
             self._start(queue[0])
-        else:
-            self.idle_since = self.loop.time()
         if len(queue) <= 1:
             self.resume_reading()
 
