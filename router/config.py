@@ -77,6 +77,10 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     front: str = "raw"
     #: bound on remembered Responses API ids (previous_response_id -> backend)
     max_response_ids: int = 100_000
+    # ---- connection bound (issue 11, item 14)
+    #: open client connections per process; over it a new connection is closed as soon as it is
+    #: accepted (and the open-files limit is raised to fit it, as far as the hard limit allows)
+    max_connections: int = 10_000
 
     @property
     def pd_mode(self) -> bool:
@@ -216,7 +220,8 @@ def validate_config(config: RouterConfig, *, labels: Mapping[str, str] | None = 
         value = getattr(config, name)
         check(value >= 0, name, f"must be >= 0 seconds, got {value}")
     check(config.retries >= 0, "retries", f"must be >= 0 (0 = no retries), got {config.retries}")
-    for name in ("max_sessions", "max_body_bytes", "eject_after_failures", "workers", "max_response_ids"):
+    for name in ("max_sessions", "max_body_bytes", "eject_after_failures", "workers", "max_response_ids",
+                 "max_connections"):
         value = getattr(config, name)
         check(value >= 1, name, f"must be at least 1, got {value}")
     check(

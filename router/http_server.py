@@ -23,10 +23,12 @@ The handler also keeps HTTP/1.x the way the raw front (``router.front.connection
 from __future__ import annotations
 
 import asyncio
+import errno
 import inspect
 import logging
 import re
 import secrets
+import time
 from typing import Any
 
 from aiohttp import web
@@ -64,6 +66,60 @@ def valid_host(value: str) -> bool:
     return _HOST.fullmatch(value) is not None
 
 
+#: accept() failures that mean "out of resources" (file descriptors, memory): they recur on every
+#: connection attempt until something is freed, so they are logged at a bounded rate
+ACCEPT_ERRNOS = frozenset((errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM))
+#: at most one line per this many seconds for one recurring condition
+LOG_INTERVAL_S = 10.0
+
+
+class RateLimitedLog:
+    """A warning that may recur many times a second (refused connections, accept failures): at
+    most one line per ``interval_s``, saying how many were left out since the last line."""
+
+    def __init__(self, logger: logging.Logger, interval_s: float = LOG_INTERVAL_S) -> None:
+        self.logger = logger
+        self.interval_s = interval_s
+        self.suppressed = 0
+        self._next = 0.0
+
+    def warning(self, message: str, *args: object) -> None:
+        now = time.monotonic()
+        if now < self._next:
+            self.suppressed += 1
+            return
+        self._next = now + self.interval_s
+        if self.suppressed:
+            message += f" ({self.suppressed} more like it in the last {self.interval_s:g} s not logged)"
+            self.suppressed = 0
+        self.logger.warning(message, *args)
+
+
+def limit_accept_error_logs(loop: asyncio.AbstractEventLoop, interval_s: float = LOG_INTERVAL_S) -> None:
+    """Make ``loop`` log accept() failures for lack of resources (EMFILE, ENFILE, ...) at most once
+    per ``interval_s`` (asyncio's loop logs each with a traceback, many times a second while the
+    process is out of file descriptors; uvloop's drops them); other errors go where they went."""
+    limited = RateLimitedLog(log, interval_s)
+    previous = loop.get_exception_handler()
+
+    def handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        exc = context.get("exception")
+        if isinstance(exc, OSError) and exc.errno in ACCEPT_ERRNOS:
+            limited.warning("cannot accept connections: %s; raise the open-files limit (ulimit -n) or lower "
+                            "max_connections", exc.strerror or exc)
+        elif previous is not None:
+            previous(loop, context)
+        else:
+            loop.default_exception_handler(context)
+
+    loop.set_exception_handler(handler)
+
+
+def refuse_message(max_connections: int) -> str:
+    return (f"refusing new connections: {max_connections} are open (max_connections); raise max_connections "
+            "or add router workers")
+
+
 #: RequestHandler's parser settings and their defaults (the handler builds its own parser with them)
 _PARSER_DEFAULTS = {
     name: param.default for name, param in inspect.signature(RequestHandler.__init__).parameters.items()
@@ -89,6 +145,13 @@ class JsonErrorRequestHandler(RequestHandler):
         self._closing_payload: StreamReader | None = None
         #: the server drains: every answer says Connection: close
         self.draining = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        manager = self._manager
+        if isinstance(manager, _JsonErrorServer) and len(manager.connections) > manager.max_connections:
+            manager.refusals.warning(refuse_message(manager.max_connections))
+            transport.close()  # refused at once (nothing was read): connection_lost cleans up
 
     def data_received(self, data: bytes) -> None:
         closing = self._closing_payload
@@ -133,6 +196,10 @@ class JsonErrorRequestHandler(RequestHandler):
 
 
 class _JsonErrorServer(web.Server):
+    #: more open connections than this: new ones are closed at once (set by JsonErrorAppRunner)
+    max_connections: int = 1 << 62
+    refusals: RateLimitedLog
+
     def __call__(self) -> RequestHandler:
         return JsonErrorRequestHandler(self, loop=self._loop, **self._kwargs)
 
@@ -150,9 +217,13 @@ async def _close_when_draining(request: web.Request, response: web.StreamRespons
 
 
 class JsonErrorAppRunner(web.AppRunner):
-    """``web.AppRunner`` whose connections answer parser-level errors in OpenAI's shape."""
+    """``web.AppRunner`` whose connections answer parser-level errors in OpenAI's shape.
 
-    def __init__(self, app: web.Application, **kwargs: Any) -> None:
+    ``max_connections``: connections over this many open ones are closed as soon as they are
+    accepted (logged at a bounded rate)."""
+
+    def __init__(self, app: web.Application, *, max_connections: int | None = None, **kwargs: Any) -> None:
+        self._max_connections = max_connections
         kwargs.setdefault("max_line_size", MAX_LINE_BYTES)
         kwargs.setdefault("max_field_size", MAX_LINE_BYTES)
         super().__init__(app, **kwargs)
@@ -163,4 +234,8 @@ class JsonErrorAppRunner(web.AppRunner):
         server = await super()._make_server()
         if type(server) is web.Server:  # same layout: only the handler factory differs
             server.__class__ = _JsonErrorServer
+            assert isinstance(server, _JsonErrorServer)
+            server.refusals = RateLimitedLog(log)
+            if self._max_connections is not None:
+                server.max_connections = self._max_connections
         return server

@@ -381,3 +381,126 @@ async def test_pipelined_requests_wait_while_the_client_does_not_read(served: Fa
         assert bulky.count == total
     finally:
         writer.close()
+
+
+# ------------------------------------------------------------- 14. the connection bound
+
+
+@pytest.mark.parametrize("front", FRONTS)
+async def test_connections_over_max_connections_are_closed_at_once_and_logged_rarely(
+        aiohttp_server: Any, front: str, caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+    from aiohttp import web
+
+    from router.app import PROXY, create_app
+    from router.config import BackendConfig, RouterConfig
+    from router.front.server import RawFront
+    from router.http_server import JsonErrorAppRunner
+    from tests.fakes import EchoBackend
+
+    fake = EchoBackend("b0")
+    backend = await aiohttp_server(fake.app(), host="127.0.0.1")
+    config = RouterConfig(backends=[BackendConfig(f"http://127.0.0.1:{backend.port}")], health_interval_s=3600.0,
+                          max_connections=2)
+    app = create_app(config)
+    runner = JsonErrorAppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True,
+                                max_connections=config.max_connections if front == "aiohttp" else None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    raw = None
+    port = site.port
+    if front == "raw":
+        raw = RawFront(app[PROXY], "127.0.0.1", site.port, max_body_bytes=config.max_body_bytes,
+                       max_connections=config.max_connections)
+        port = await raw.start("127.0.0.1", 0)
+    opened: list[Conn] = []
+    try:
+        caplog.set_level("WARNING")
+        for _ in range(2):
+            conn = await Conn.open(port)
+            opened.append(conn)
+            assert (await conn.ask(post("/v1/completions"))).status == 200
+        for _ in range(30):  # over the bound: closed at once, before any answer
+            conn = await Conn.open(port)
+            opened.append(conn)
+            await conn.send(post("/v1/completions"))
+            assert await conn.closed_by_peer()
+        refusals = [r for r in caplog.records if "max_connections" in r.getMessage()]
+        assert len(refusals) == 1, [r.getMessage() for r in refusals]  # one line per 10 s, not 30
+        assert len(fake.seen) == 2
+        # the two connections inside the bound still serve; once one closes, a new one is taken
+        assert (await opened[0].ask(post("/v1/completions"))).status == 200
+        opened[1].close()
+        if raw is not None:
+            await eventually(lambda: len(raw.connections) == 1, timeout=10.0, what="the front to forget it")
+
+        async def accepted() -> bool:
+            conn = await Conn.open(port)
+            opened.append(conn)
+            try:
+                return (await conn.ask(post("/v1/completions"))).status == 200
+            except (ConnectionError, asyncio.IncompleteReadError):
+                return False
+
+        await eventually(accepted, timeout=10.0, what="a connection within the bound again")
+    finally:
+        for conn in opened:
+            conn.close()
+        if raw is not None:
+            await raw.shutdown(0)
+        await runner.cleanup()
+
+
+EMFILE_SCRIPT = r"""
+import asyncio, resource, sys, logging
+logging.basicConfig(level="WARNING", stream=sys.stderr)
+resource.setrlimit(resource.RLIMIT_NOFILE, (32, 32))
+from router.http_server import limit_accept_error_logs
+
+class Hold(asyncio.Protocol):
+    pass
+
+async def main():
+    loop = asyncio.get_running_loop()
+    limit_accept_error_logs(loop)
+    server = await loop.create_server(Hold, "127.0.0.1", 0)
+    print(server.sockets[0].getsockname()[1], flush=True)
+    await asyncio.sleep(float(sys.argv[1]))
+
+asyncio.run(main())  # asyncio's own loop: it logs every failed accept() with a traceback
+"""
+
+
+def test_out_of_file_descriptors_is_logged_at_a_bounded_rate(tmp_path: Any) -> None:
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from tests.support import REPO
+
+    err_path = tmp_path / "stderr.log"
+    with open(err_path, "wb") as err:
+        proc = subprocess.Popen([sys.executable, "-c", EMFILE_SCRIPT, "4"], stdout=subprocess.PIPE, stderr=err,
+                                cwd=str(REPO))
+    held: list[socket.socket] = []
+    try:
+        assert proc.stdout is not None
+        port = int(proc.stdout.readline())
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:  # far more connections than the child has descriptors
+            try:
+                held.append(socket.create_connection(("127.0.0.1", port), timeout=1))
+            except OSError:
+                pass
+        assert len(held) > 32
+        assert proc.wait(20) == 0
+    finally:
+        for sock in held:
+            sock.close()
+        if proc.poll() is None:
+            proc.kill()
+    log = err_path.read_text()
+    assert log.count("cannot accept connections") == 1, log[:2000]
+    assert "Too many open files" in log and "Traceback" not in log
+    assert len(log) < 2000

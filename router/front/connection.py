@@ -35,7 +35,7 @@ import httptools
 from router.errors import BadRequestError, PayloadTooLargeError, RequestTimeoutError, error_body
 from router.front.exchange import DROP_REQUEST, REQUEST_ID_HEADER, Headers, drop_connection_options
 from router.front.wire import CONTINUE, LAST_CHUNK, chunk, error_headers, header_lines, status_line
-from router.http_server import HOST_MESSAGE, MALFORMED_MESSAGE, MAX_LINE_BYTES, valid_host
+from router.http_server import HOST_MESSAGE, MALFORMED_MESSAGE, MAX_LINE_BYTES, refuse_message, valid_host
 
 if TYPE_CHECKING:
     from router.front.server import RawFront
@@ -273,7 +273,13 @@ class FrontConnection(asyncio.Protocol):
     # ------------------------------------------------------------------ asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's transports are not asyncio.Transport subclasses
-        self.front.connections.add(self)
+        front = self.front
+        if len(front.connections) >= front.max_connections:
+            front.refusals.warning(refuse_message(front.max_connections))
+            self._stopped = True
+            transport.close()  # refused at once: nothing was read, nothing is answered
+            return
+        front.connections.add(self)
         if self.front.draining:
             self.closing = True
 
