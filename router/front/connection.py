@@ -21,6 +21,14 @@ requests: those are answered, the last with ``Connection: close``, then the conn
 a connection closed before
 its request body was read is closed "lingering" (write side first, input discarded for a
 bounded time) so the client reads the answer instead of a reset.
+
+HTTP/1.x rules kept here (aiohttp's front keeps the same, see ``router.http_server``): trailer
+fields after a chunked body are discarded (never headers, never forwarded, never a session id);
+the headers a ``Connection`` header names are not forwarded (``drop_connection_options``); an
+HTTP/1.1 request needs exactly one valid ``Host`` (else 400); an HTTP/1.0 request with
+``Transfer-Encoding`` closes the connection after its answer; an ``Upgrade`` offer (h2c,
+websocket) is ignored and the request served; the head limit (``MAX_HEAD_BYTES``) counts the
+request line, every header line and the blank line.
 """
 
 from __future__ import annotations
@@ -264,7 +272,7 @@ class FrontConnection(asyncio.Protocol):
         self._head_read = 0
         self._reading_paused = False
         self._drain: asyncio.Future[None] | None = None
-        #: the parser stopped (error or upgrade): input is discarded
+        #: the parser stopped (an error, or the connection closes): input is discarded
         self._stopped = False
         self._linger: asyncio.TimerHandle | None = None
         #: the parser is reading a made-up head that frames the body of an upgrade offer (``_upgrade``)

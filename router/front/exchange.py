@@ -8,11 +8,14 @@ through ``ResponseWriter``; it never touches a server framework. Two fronts impl
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Protocol
 
 from router.session import SESSION_HEADER
 from router.upstream import HOP_BY_HOP
+from router.upstream.head import drop_connection_options
+
+__all__ = ["DROP_REQUEST", "REQUEST_ID_HEADER", "Headers", "RequestView", "ResponseWriter", "drop_connection_options"]
 
 REQUEST_ID_HEADER = "X-Request-Id"
 
@@ -21,34 +24,6 @@ REQUEST_ID_HEADER = "X-Request-Id"
 DROP_REQUEST = frozenset(
     {h.lower() for h in ("Host", "Content-Length", "Expect", SESSION_HEADER, REQUEST_ID_HEADER)} | HOP_BY_HOP
 )
-
-#: Connection options that name no header to drop (lower case)
-_PLAIN_CONNECTION_OPTIONS = frozenset({"close", "keep-alive", ""}) | DROP_REQUEST
-
-
-def connection_options(values: Iterable[str]) -> frozenset[str]:
-    """The header names that ``Connection`` header values list (lower case): hop-by-hop for this
-    connection only (RFC 9110 §7.6.1), so never forwarded. ``close``, ``keep-alive`` and headers
-    dropped anyway are left out: for almost every request the answer is empty."""
-    options: set[str] = set()
-    for value in values:
-        for token in value.lower().split(","):
-            token = token.strip(" \t")
-            if token not in _PLAIN_CONNECTION_OPTIONS:
-                options.add(token)
-    return frozenset(options)
-
-
-def drop_connection_options(rendered: str, connection: Iterable[str]) -> str:
-    """``rendered`` header lines (``name: value\r\n`` each, as ``forward_headers`` returns them)
-    without the headers the ``connection`` values name. The one place both fronts (and the raw
-    front's relay) drop them."""
-    options = connection_options(connection)
-    if not options:
-        return rendered
-    kept = [line for line in rendered.split("\r\n") if line and line.split(":", 1)[0].lower() not in options]
-    return "".join(line + "\r\n" for line in kept)
-
 
 #: response header pairs: (name, value), in order
 Headers = Sequence[tuple[str, str]]
