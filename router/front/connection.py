@@ -9,7 +9,8 @@ Life of a connection::
                          or idle (keep-alive), or close (Connection: close, HTTP/1.0, unread body)
 
 Pipelined requests are parsed as they arrive, but only the first one runs; while a second one
-is queued the socket is not read (so at most one read's worth of requests waits). The next
+is queued the socket is not read, and input is parsed ``FEED_BYTES`` at a time: once
+``MAX_QUEUED`` requests wait, the rest of a read waits unparsed until answers make room. The next
 request starts only while the client reads its answers: with the transport's write buffer over
 its high-water mark (``pause_writing``), nothing new runs and the socket is not read until it
 drains (``resume_writing``), so a client that pipelines and never reads holds one answer's worth
@@ -63,6 +64,12 @@ HEAD_TOO_LARGE_MESSAGE = (
 _REQUEST_LINE_EXTRA = 12
 #: how long a connection closed with unread input keeps discarding it (so the client reads the answer)
 LINGER_S = 5.0
+#: pipelined requests parsed ahead of the one running: past this many, the rest of a read waits
+#: unparsed (and the socket is not read) until answers make room
+MAX_QUEUED = 32
+#: input is parsed this many bytes at a time, so that one read full of small pipelined requests
+#: does not all turn into queued requests at once
+FEED_BYTES = 16 * 1024
 
 _DROP_B = frozenset(h.encode() for h in DROP_REQUEST)
 _SESSION_B = b"x-session-id"
@@ -246,7 +253,7 @@ class FrontConnection(asyncio.Protocol):
     __slots__ = (
         "front", "loop", "transport", "closed", "closing", "write_paused", "idle_since",
         "_parser", "_queue", "_parsing", "task", "_in_head", "_head_bytes", "_head_read", "_reading_paused",
-        "_drain", "_stopped", "_linger", "_body_only",
+        "_drain", "_stopped", "_linger", "_body_only", "_backlog",
     )  # fmt: skip
 
     def __init__(self, front: "RawFront") -> None:
@@ -277,6 +284,8 @@ class FrontConnection(asyncio.Protocol):
         self._linger: asyncio.TimerHandle | None = None
         #: the parser is reading a made-up head that frames the body of an upgrade offer (``_upgrade``)
         self._body_only = False
+        #: input read but not parsed yet: MAX_QUEUED requests wait already
+        self._backlog = b""
 
     # ------------------------------------------------------------------ asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -308,6 +317,23 @@ class FrontConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._stopped or self.closed:
             return  # lingering, or the parser gave up: discard
+        self._feed(data)
+
+    def _feed(self, data: bytes) -> None:
+        """Parse ``data`` a piece at a time; once MAX_QUEUED requests wait, keep the rest for later."""
+        size = len(data)
+        pos = 0
+        while pos < size:
+            if self._backlog or len(self._queue) >= MAX_QUEUED:
+                self._backlog += data[pos:] if pos else data
+                self._pause_reading()
+                return
+            self._feed_piece(data if size <= FEED_BYTES else data[pos:pos + FEED_BYTES])
+            pos += FEED_BYTES
+            if self._stopped or self.closed:
+                return
+
+    def _feed_piece(self, data: bytes) -> None:
         if self._in_head:  # a head continues: count its bytes in this read (up to its end, if here)
             end = data.find(b"\r\n\r\n")
             self._head_read += len(data) if end < 0 else end + 4
@@ -336,11 +362,8 @@ class FrontConnection(asyncio.Protocol):
         drain = self._drain
         if drain is not None and not drain.done():
             drain.set_result(None)
-        queue = self._queue
-        if self.task is None and queue and not self.closed:
-            self._start(queue[0])  # held back while the client was not reading its answers
-        if len(queue) <= 1:
-            self.resume_reading()
+        if not self.closed and self._linger is None:
+            self._go_on()  # held back while the client was not reading its answers
 
     # ------------------------------------------------------------------ httptools callbacks
     def on_message_begin(self) -> None:
@@ -458,10 +481,8 @@ class FrontConnection(asyncio.Protocol):
         queue.append(ex)
         if len(queue) == 1 and not self.write_paused:
             self._start(ex)
-        elif not self._reading_paused and self.transport is not None:
-            # a request is in flight, or the client is not reading its answers: read no more until then
-            self._reading_paused = True
-            self.transport.pause_reading()
+        else:  # a request is in flight, or the client is not reading its answers: read no more until then
+            self._pause_reading()
 
     def on_body(self, body: bytes) -> None:
         ex = self._parsing
@@ -530,9 +551,19 @@ class FrontConnection(asyncio.Protocol):
             self.idle_since = self.loop.time()
         if self.write_paused:
             return  # the client is not reading its answers: resume_writing goes on from here
-        if queue:
+        self._go_on()
+
+    def _go_on(self) -> None:
+        """After an answer: parse input that waited, run the next request, read again."""
+        queue = self._queue
+        if self._backlog and not self._stopped and len(queue) < MAX_QUEUED:
+            data, self._backlog = self._backlog, b""
+            self._feed(data)
+            if self.closed:
+                return
+        if self.task is None and queue:
             self._start(queue[0])
-        if len(queue) <= 1:
+        if len(queue) <= 1 and not self._backlog:
             self.resume_reading()
 
     # ------------------------------------------------------------------ errors
@@ -578,7 +609,7 @@ class FrontConnection(asyncio.Protocol):
             self._parser.feed_data(b"POST / HTTP/1.1\r\n%b\r\n\r\n" % framing)
         rest = data[offset:]
         if rest:
-            self.data_received(rest)
+            self._feed(rest)
 
     # ------------------------------------------------------------------ transport helpers
     def write(self, data: bytes) -> None:
@@ -594,6 +625,11 @@ class FrontConnection(asyncio.Protocol):
             await drain
         finally:
             self._drain = None
+
+    def _pause_reading(self) -> None:
+        if not self._reading_paused and not self.closed and self.transport is not None:
+            self._reading_paused = True
+            self.transport.pause_reading()
 
     def resume_reading(self) -> None:
         if self._reading_paused and not self.closed and self.transport is not None:
