@@ -183,6 +183,10 @@ async def test_the_head_limit_counts_every_byte_of_the_head(served: Factory) -> 
     answer = await read_answer(conn.reader)
     assert answer.status == 400
     assert len(router.fakes[0].seen) == 1
+    # whitespace counts too (the parser does not report it)
+    answer = await router.once(post("/v1/completions", extra="X-Pad:" + " " * MAX_HEAD_BYTES + "v\r\n"))
+    assert answer.status == 400 and "head too large" in answer.error()["message"]
+    assert len(router.fakes[0].seen) == 1
     # a head pipelined behind a request is counted on its own: at the limit it is served, past it
     # the connection closes after the answers before it (as for any malformed pipelined request)
     conn = await router.conn()

@@ -252,7 +252,8 @@ class FrontConnection(asyncio.Protocol):
 
     __slots__ = (
         "front", "loop", "transport", "closed", "closing", "write_paused", "idle_since",
-        "_parser", "_queue", "_parsing", "task", "_in_head", "_head_bytes", "_head_read", "_reading_paused",
+        "_parser", "_queue", "_parsing", "task", "_in_head", "_head_bytes", "_head_read", "_head_tail",
+        "_begun", "_reading_paused",
         "_drain", "_stopped", "_linger", "_body_only", "_backlog",
     )  # fmt: skip
 
@@ -277,6 +278,10 @@ class FrontConnection(asyncio.Protocol):
         #: what the parser buffers for a header that is not whole yet)
         self._head_bytes = 0
         self._head_read = 0
+        #: the last bytes of the head's previous piece (its blank line may straddle two pieces)
+        self._head_tail = b""
+        #: messages begun in the piece being parsed
+        self._begun = 0
         self._reading_paused = False
         self._drain: asyncio.Future[None] | None = None
         #: the parser stopped (an error, or the connection closes): input is discarded
@@ -334,12 +339,17 @@ class FrontConnection(asyncio.Protocol):
                 return
 
     def _feed_piece(self, data: bytes) -> None:
-        if self._in_head:  # a head continues: count its bytes in this read (up to its end, if here)
-            end = data.find(b"\r\n\r\n")
-            self._head_read += len(data) if end < 0 else end + 4
+        if self._in_head:  # a head continues: count its bytes in this piece (up to its end, if here)
+            tail = self._head_tail
+            end = (tail + data).find(b"\r\n\r\n") if tail else data.find(b"\r\n\r\n")
+            self._head_read += len(data) if end < 0 else max(end + 4 - len(tail), 0)
             if self._head_read > MAX_HEAD_BYTES:
                 self._parse_error(_Rejected(HEAD_TOO_LARGE_MESSAGE))
                 return
+            idle = False
+        else:  # no message under way: one that begins here begins at this piece's first byte
+            idle = self._parsing is None
+        self._begun = 0
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade as exc:
@@ -347,6 +357,13 @@ class FrontConnection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             cause = exc.__context__
             self._parse_error(cause if isinstance(cause, _Rejected) else _Rejected())
+        else:
+            if self._in_head:  # the head goes on in the next piece
+                self._head_tail = data[-3:]
+                if idle and self._begun == 1:
+                    # it began with this piece: all of it is head (a head that began after another
+                    # request's end is counted from what the parser reports, whitespace aside)
+                    self._head_read = len(data)
 
     def eof_received(self) -> bool:
         # The client's FIN counts as going away (as on aiohttp's server): the transport closes and
@@ -372,6 +389,8 @@ class FrontConnection(asyncio.Protocol):
         self._parsing = Exchange(self)
         self._in_head = True
         self._head_bytes = self._head_read = 0
+        self._head_tail = b""
+        self._begun += 1
 
     def on_url(self, url: bytes) -> None:
         if self._body_only:
