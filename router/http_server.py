@@ -107,12 +107,21 @@ def limit_accept_error_logs(loop: asyncio.AbstractEventLoop, interval_s: float =
         if isinstance(exc, OSError) and exc.errno in ACCEPT_ERRNOS:
             limited.warning("cannot accept connections: %s; raise the open-files limit (ulimit -n) or lower "
                             "max_connections", exc.strerror or exc)
+        elif isinstance(exc, (ValueError, OSError)) and _retried_accept(context.get("handle")):
+            # asyncio retries accept() 1 s after such a failure, even when the listening socket was
+            # closed meanwhile (a drain): nothing is lost, nothing to report
+            log.debug("accept retry on a closed listening socket: %s", exc)
         elif previous is not None:
             previous(loop, context)
         else:
             loop.default_exception_handler(context)
 
     loop.set_exception_handler(handler)
+
+
+def _retried_accept(handle: object) -> bool:
+    callback = getattr(handle, "_callback", None)
+    return getattr(callback, "__name__", "") == "_start_serving"
 
 
 def refuse_message(max_connections: int) -> str:

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.support import eventually
+from tests.support import eventually, wait_until
 from tests.test_front_raw import GOOD, Conn, Factory, get, post, read_answer, served  # noqa: F401
 
 FRONTS = ["raw", "aiohttp"]
@@ -530,3 +530,53 @@ async def test_large_bodies_and_many_pipelined_requests_parse_piece_by_piece(ser
     for i in range(count):
         answer = await read_answer(conn.reader)
         assert answer.status == 200 and answer.header("x-request-id") == f"h-{i}"
+
+
+ROUTER_WITH_FEW_FDS = r"""
+import resource, runpy, sys
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+sys.modules["uvloop"] = None  # asyncio's own loop, as without the `fast` extra: it logs every failed accept()
+sys.argv = ["session-router", *sys.argv[1:]]
+runpy.run_module("router", run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("front", FRONTS)
+def test_process_out_of_file_descriptors_keeps_a_small_log_and_recovers(tmp_path: Any, front: str) -> None:
+    import socket
+    import sys
+    import time
+
+    from tests.support import LOOPBACK, REPO, free_port, http_status, start_backend
+    from bench.procs import launch
+
+    backend = start_backend(str(tmp_path))
+    port = free_port()
+    router = launch("router", [sys.executable, "-c", ROUTER_WITH_FEW_FDS, "--host", LOOPBACK, "--port", str(port),
+                               "--backend", backend.url, "--front", front, "--log-level", "info"],
+                    port, str(tmp_path), cwd=str(REPO))
+    held: list[socket.socket] = []
+    try:
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline and len(held) < 600:  # ten times the router's descriptors
+            try:
+                sock = socket.create_connection((LOOPBACK, port), timeout=1)
+                sock.sendall(b"GET /health HTTP/1.1\r\nHost: r\r\n\r\n")
+                held.append(sock)
+            except OSError:
+                pass
+        for sock in held:
+            sock.close()
+        held.clear()
+        wait_until(lambda: http_status(router.url + "/health") == 200, what="the router to serve again")
+        assert router.stop() == 0
+    finally:
+        for sock in held:
+            sock.close()
+        for proc in (router, backend):
+            if proc.alive():
+                proc.kill()
+    log = router.log()
+    assert len(log) < 4000, log[:4000]
+    assert "Traceback" not in log
