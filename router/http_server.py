@@ -61,6 +61,7 @@ HOST_MESSAGE = (
     "or address with an optional port (e.g. Host: router.example:8000); fix the request and send it again"
 )
 
+
 def valid_host(value: str) -> bool:
     """A ``Host`` value of the RFC 9110 grammar (ASCII, no whitespace, userinfo or path)."""
     return _HOST.fullmatch(value) is not None
