@@ -55,7 +55,7 @@ from router.app import PROXY
 from router.config import MiB, RouterConfig, build_config
 from router.errors import ConfigError
 from router.front.server import RawFront
-from router.http_server import JsonErrorAppRunner
+from router.http_server import JsonErrorAppRunner, limit_accept_error_logs
 
 logger = logging.getLogger("router.cli")
 
@@ -159,6 +159,7 @@ def run_worker(
             front=config.front,
             max_body_bytes=config.max_body_bytes,
             body_timeout_s=config.body_timeout_s,
+            max_connections=config.max_connections,
             reuse_port=reuse_port,
             on_ready=on_ready,
             admin=admin,
@@ -166,6 +167,7 @@ def run_worker(
             ignore_late_signals=ignore_late_signals,
         )
 
+    raise_open_files_limit(config.max_connections)
     try:
         run_async(_main())
     except ConfigError as exc:
@@ -186,6 +188,7 @@ async def serve(
     front: str = "raw",
     max_body_bytes: int = 8 * MiB,
     body_timeout_s: float = 60.0,
+    max_connections: int = 10_000,
     reuse_port: bool = False,
     on_ready: Callable[[int], None] | None = None,
     admin: tuple[web.Application, str, int] | None = None,
@@ -198,6 +201,9 @@ async def serve(
     ``front``: ``"raw"`` serves the port with ``router.front.RawFront`` (request bodies over
     ``max_body_bytes`` get a 413 there, bodies not whole ``body_timeout_s`` after their head a 408), the app then listening on an internal loopback port for
     the requests the raw front relays; ``"aiohttp"`` serves the port with aiohttp itself.
+    ``max_connections``: on each port, a connection over this many open ones is closed as soon
+    as it is accepted; refusals and accept() failures (out of file descriptors) are logged at
+    most once per 10 s.
     Draining: the listening sockets close at once, in-flight requests (streams included) get up
     to ``drain_timeout_s`` to finish, then are cancelled; the app's cleanup runs last.
     ``lifeline``: a file descriptor that turns readable (EOF) when the supervisor dies; it
@@ -207,6 +213,7 @@ async def serve(
     cannot turn a clean exit into a death by signal. Only for a process that exits next.
     """
     loop = asyncio.get_running_loop()
+    limit_accept_error_logs(loop)
     stop = asyncio.Event()
     signals = (signal.SIGTERM, signal.SIGINT)
     for signum in signals:  # before anything else: a signal during start-up also drains
@@ -224,7 +231,7 @@ async def serve(
             # handler_cancellation: a client that disconnects cancels its handler at once, which closes
             # the upstream connection so the backend aborts the request (streams and non-streams).
             runner = JsonErrorAppRunner(served, access_log=None, handle_signals=False, shutdown_timeout=shutdown_timeout,
-                                   handler_cancellation=True)
+                                   handler_cancellation=True, max_connections=max_connections)
             await runner.setup()
             runners.append(runner)
             if served is app and front == "raw":
@@ -242,7 +249,7 @@ async def serve(
                 bound_port = site.port
         if internal is not None:
             raw = RawFront(app.get(PROXY), INTERNAL_HOST, internal.port, max_body_bytes=max_body_bytes,
-                           body_timeout_s=body_timeout_s)
+                           body_timeout_s=body_timeout_s, max_connections=max_connections)
             try:
                 bound_port = await raw.start(host, port, backlog=LISTEN_BACKLOG, reuse_port=reuse_port)
             except OSError as exc:
@@ -273,6 +280,31 @@ async def serve(
                 loop.remove_signal_handler(signum)
                 if ignore_late_signals:
                     signal.signal(signum, signal.SIG_IGN)
+
+
+def raise_open_files_limit(max_connections: int) -> None:
+    """Raise this process's soft open-files limit (RLIMIT_NOFILE) so that ``max_connections``
+    client connections fit with room for backend connections, as far as the hard limit allows.
+    Past the limit, accept() fails (EMFILE) and new connections are dropped; that is logged at a
+    bounded rate."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not on POSIX
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = max_connections * 2 + 256  # each proxied request also holds an upstream connection
+    if hard != resource.RLIM_INFINITY:
+        wanted = min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+        except (ValueError, OSError):
+            return
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft != resource.RLIM_INFINITY and soft < max_connections + 256:
+        logger.warning("the open-files limit (%d) is below max_connections (%d) + room for backends: past "
+                       "it new connections fail; raise it (ulimit -n) or lower max_connections",
+                       soft, max_connections)
 
 
 def run_async(coro: Coroutine[Any, Any, None]) -> None:

@@ -122,6 +122,11 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     #: the header clients send their session id in (and get it back in); upstream it is always X-Session-ID
     session_header: str = "X-Session-ID"
 
+    # ---- connection bound (issue 11, item 14)
+    #: open client connections per process; over it a new connection is closed as soon as it is
+    #: accepted (and the open-files limit is raised to fit it, as far as the hard limit allows)
+    max_connections: int = 10_000
+
     @property
     def pd_mode(self) -> bool:
         return bool(self.prefill or self.decode)
@@ -270,7 +275,8 @@ def validate_config(config: RouterConfig, *, labels: Mapping[str, str] | None = 
         value = getattr(config, name)
         check(value >= 0, name, f"must be >= 0 seconds, got {value}")
     check(config.retries >= 0, "retries", f"must be >= 0 (0 = no retries), got {config.retries}")
-    for name in ("max_sessions", "max_body_bytes", "eject_after_failures", "workers", "max_response_ids"):
+    for name in ("max_sessions", "max_body_bytes", "eject_after_failures", "workers", "max_response_ids",
+                 "max_connections"):
         value = getattr(config, name)
         check(value >= 1, name, f"must be at least 1, got {value}")
     check(

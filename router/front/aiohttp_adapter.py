@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from router.errors import PayloadTooLargeError, RequestTimeoutError
-from router.front.exchange import DROP_REQUEST, REQUEST_ID_HEADER, Headers
+from router.front.exchange import DROP_REQUEST, REQUEST_ID_HEADER, Headers, drop_connection_options
 from router.upstream import render_headers
 
 if TYPE_CHECKING:
@@ -57,8 +57,9 @@ class AiohttpRequest:
         return self._request.content_length
 
     def forward_headers(self) -> str:
-        drop = self._drop
-        return render_headers((k, v) for k, v in self._request.headers.items() if k.lower() not in drop)
+        headers = self._request.headers
+        rendered = render_headers((k, v) for k, v in headers.items() if k.lower() not in self._drop)
+        return drop_connection_options(rendered, headers.getall("Connection", ()))
 
     async def read_body(self) -> bytes:
         request = self._request

@@ -9,7 +9,12 @@ Life of a connection::
                          or idle (keep-alive), or close (Connection: close, HTTP/1.0, unread body)
 
 Pipelined requests are parsed as they arrive, but only the first one runs; while a second one
-is queued the socket is not read (so at most one read's worth of requests waits). A client
+is queued the socket is not read, and input is parsed ``FEED_BYTES`` at a time: once
+``MAX_QUEUED`` requests wait, the rest of a read waits unparsed until answers make room. The next
+request starts only while the client reads its answers: with the transport's write buffer over
+its high-water mark (``pause_writing``), nothing new runs and the socket is not read until it
+drains (``resume_writing``), so a client that pipelines and never reads holds one answer's worth
+of the router's memory, not all of them. A client
 that goes away cancels the running exchange at once (its upstream connection is closed, so the
 backend aborts). A slow reader pauses the stream relay (``pause_writing``). Requests the parser
 rejects get a 400 in OpenAI's error shape with ``Connection: close`` (one pipelined behind valid
@@ -17,6 +22,14 @@ requests: those are answered, the last with ``Connection: close``, then the conn
 a connection closed before
 its request body was read is closed "lingering" (write side first, input discarded for a
 bounded time) so the client reads the answer instead of a reset.
+
+HTTP/1.x rules kept here (aiohttp's front keeps the same, see ``router.http_server``): trailer
+fields after a chunked body are discarded (never headers, never forwarded, never a session id);
+the headers a ``Connection`` header names are not forwarded (``drop_connection_options``); an
+HTTP/1.1 request needs exactly one valid ``Host`` (else 400); an HTTP/1.0 request with
+``Transfer-Encoding`` closes the connection after its answer; an ``Upgrade`` offer (h2c,
+websocket) is ignored and the request served; the head limit (``MAX_HEAD_BYTES``) counts the
+request line, every header line and the blank line.
 """
 
 from __future__ import annotations
@@ -29,9 +42,9 @@ from typing import TYPE_CHECKING
 import httptools
 
 from router.errors import BadRequestError, PayloadTooLargeError, RequestTimeoutError, error_body
-from router.front.exchange import DROP_REQUEST, REQUEST_ID_HEADER, Headers
+from router.front.exchange import REQUEST_ID_HEADER, Headers, drop_connection_options
 from router.front.wire import CONTINUE, LAST_CHUNK, chunk, error_headers, header_lines, status_line
-from router.http_server import MALFORMED_MESSAGE, MAX_LINE_BYTES
+from router.http_server import HOST_MESSAGE, MALFORMED_MESSAGE, MAX_LINE_BYTES, refuse_message, valid_host
 
 if TYPE_CHECKING:
     from router.front.server import RawFront
@@ -39,13 +52,25 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: a request head (request line + headers) larger than this is refused
+#: a request head (request line + headers + the blank line) larger than this is refused
 MAX_HEAD_BYTES = 256 * 1024
+#: header fields in one head (and trailer fields after a chunked body)
 MAX_HEADERS = 256
+HEAD_TOO_LARGE_MESSAGE = (
+    f"request head too large: the request line and headers together may not exceed {MAX_HEAD_BYTES} bytes "
+    f"(nor {MAX_HEADERS} header fields); send fewer or shorter headers"
+)
+#: bytes of a request line beyond its method and target: " " + " HTTP/1.1" + CRLF
+_REQUEST_LINE_EXTRA = 12
 #: how long a connection closed with unread input keeps discarding it (so the client reads the answer)
 LINGER_S = 5.0
+#: pipelined requests parsed ahead of the one running: past this many, the rest of a read waits
+#: unparsed (and the socket is not read) until answers make room
+MAX_QUEUED = 32
+#: input is parsed this many bytes at a time, so that one read full of small pipelined requests
+#: does not all turn into queued requests at once
+FEED_BYTES = 16 * 1024
 
-_DROP_B = frozenset(h.encode() for h in DROP_REQUEST)
 _REQUEST_ID_B = REQUEST_ID_HEADER.lower().encode()
 _NO_BODY_STATUSES = frozenset((204, 304))
 
@@ -65,7 +90,8 @@ class Exchange:
     __slots__ = (
         "conn", "method", "raw_path", "path_qs", "route", "http10", "keep_alive", "head_only",
         "lines", "session_headers", "request_id", "content_length", "expect_continue",
-        "conn_close", "conn_keep_alive", "url",
+        "conn_close", "conn_keep_alive", "url", "connection", "hosts", "bad_host", "transfer_encoding",
+        "fields",
         "complete", "too_large", "bad", "_chunks", "_size", "_waiter",
         "started", "finished", "_pending", "_chunked",
     )  # fmt: skip
@@ -88,6 +114,14 @@ class Exchange:
         self.conn_close = False
         self.conn_keep_alive = False
         self.url = b""
+        #: the Connection header values (their options are dropped from the forwarded headers)
+        self.connection: list[str] = []
+        #: Host header fields seen, and whether one was not a valid Host value
+        self.hosts = 0
+        self.bad_host = False
+        self.transfer_encoding = False
+        #: header fields seen (trailer fields included)
+        self.fields = 0
         #: the whole body arrived
         self.complete = False
         self.too_large = False
@@ -104,7 +138,8 @@ class Exchange:
     # ------------------------------------------------------------------ RequestView
     def forward_headers(self) -> str:
         # names were checked by the parser (tokens), values in on_header (no CR, LF or NUL)
-        return b"".join(self.lines).decode("utf-8", "surrogateescape")
+        rendered = b"".join(self.lines).decode("utf-8", "surrogateescape")
+        return drop_connection_options(rendered, self.connection) if self.connection else rendered
 
     async def read_body(self) -> bytes:
         if not self.complete and not self.too_large and self.bad is None:
@@ -215,8 +250,9 @@ class FrontConnection(asyncio.Protocol):
 
     __slots__ = (
         "front", "loop", "transport", "closed", "closing", "write_paused", "idle_since",
-        "_parser", "_queue", "_parsing", "task", "_in_head", "_head_bytes", "_reading_paused",
-        "_drain", "_stopped", "_linger", "_session_b", "_drop_b",
+        "_parser", "_queue", "_parsing", "task", "_in_head", "_head_bytes", "_head_read", "_head_tail",
+        "_begun", "_reading_paused",
+        "_drain", "_stopped", "_linger", "_body_only", "_backlog", "_session_b", "_drop_b",
     )  # fmt: skip
 
     def __init__(self, front: "RawFront") -> None:
@@ -235,20 +271,38 @@ class FrontConnection(asyncio.Protocol):
         self._parsing: Exchange | None = None
         self.task: asyncio.Task[None] | None = None
         self._in_head = False
+        #: bytes of the head being parsed, counted from what the parser reports (exact for a head
+        #: written with one space after each colon), and read since the head began (a bound on
+        #: what the parser buffers for a header that is not whole yet)
         self._head_bytes = 0
+        self._head_read = 0
+        #: the last bytes of the head's previous piece (its blank line may straddle two pieces)
+        self._head_tail = b""
+        #: messages begun in the piece being parsed
+        self._begun = 0
         self._reading_paused = False
         self._drain: asyncio.Future[None] | None = None
-        #: the parser stopped (error or upgrade): input is discarded
+        #: the parser stopped (an error, or the connection closes): input is discarded
         self._stopped = False
         self._linger: asyncio.TimerHandle | None = None
         #: the session header's name (lower case) and the request headers not forwarded as received
         self._session_b = front.session_header_b
         self._drop_b = front.drop_request_b
+        #: the parser is reading a made-up head that frames the body of an upgrade offer (``_upgrade``)
+        self._body_only = False
+        #: input read but not parsed yet: MAX_QUEUED requests wait already
+        self._backlog = b""
 
     # ------------------------------------------------------------------ asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's transports are not asyncio.Transport subclasses
-        self.front.connections.add(self)
+        front = self.front
+        if len(front.connections) >= front.max_connections:
+            front.refusals.warning(refuse_message(front.max_connections))
+            self._stopped = True
+            transport.close()  # refused at once: nothing was read, nothing is answered
+            return
+        front.connections.add(self)
         if self.front.draining:
             self.closing = True
 
@@ -269,18 +323,48 @@ class FrontConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._stopped or self.closed:
             return  # lingering, or the parser gave up: discard
-        if self._in_head:
-            self._head_bytes += len(data)
-            if self._head_bytes > MAX_HEAD_BYTES:
-                self._parse_error(_Rejected())
+        self._feed(data)
+
+    def _feed(self, data: bytes) -> None:
+        """Parse ``data`` a piece at a time; once MAX_QUEUED requests wait, keep the rest for later."""
+        size = len(data)
+        pos = 0
+        while pos < size:
+            if self._backlog or len(self._queue) >= MAX_QUEUED:
+                self._backlog += data[pos:] if pos else data
+                self._pause_reading()
                 return
+            self._feed_piece(data if size <= FEED_BYTES else data[pos:pos + FEED_BYTES])
+            pos += FEED_BYTES
+            if self._stopped or self.closed:
+                return
+
+    def _feed_piece(self, data: bytes) -> None:
+        if self._in_head:  # a head continues: count its bytes in this piece (up to its end, if here)
+            tail = self._head_tail
+            end = (tail + data).find(b"\r\n\r\n") if tail else data.find(b"\r\n\r\n")
+            self._head_read += len(data) if end < 0 else max(end + 4 - len(tail), 0)
+            if self._head_read > MAX_HEAD_BYTES:
+                self._parse_error(_Rejected(HEAD_TOO_LARGE_MESSAGE))
+                return
+            idle = False
+        else:  # no message under way: one that begins here begins at this piece's first byte
+            idle = self._parsing is None
+        self._begun = 0
         try:
             self._parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            self._upgrade()
+        except httptools.HttpParserUpgrade as exc:
+            self._upgrade(data, exc.args[0] if exc.args else len(data))
         except httptools.HttpParserError as exc:
             cause = exc.__context__
             self._parse_error(cause if isinstance(cause, _Rejected) else _Rejected())
+        else:
+            if self._in_head:  # the head goes on in the next piece
+                self._head_tail = data[-3:]
+                if idle and self._begun == 1:
+                    # it began with this piece: all of it is head (a head that began after another
+                    # request's end is counted from what the parser reports, whitespace aside)
+                    self._head_read = len(data)
 
     def eof_received(self) -> bool:
         # The client's FIN counts as going away (as on aiohttp's server): the transport closes and
@@ -296,14 +380,22 @@ class FrontConnection(asyncio.Protocol):
         drain = self._drain
         if drain is not None and not drain.done():
             drain.set_result(None)
+        if not self.closed and self._linger is None:
+            self._go_on()  # held back while the client was not reading its answers
 
     # ------------------------------------------------------------------ httptools callbacks
     def on_message_begin(self) -> None:
+        if self._body_only:
+            return
         self._parsing = Exchange(self)
         self._in_head = True
-        self._head_bytes = 0
+        self._head_bytes = self._head_read = 0
+        self._head_tail = b""
+        self._begun += 1
 
     def on_url(self, url: bytes) -> None:
+        if self._body_only:
+            return
         ex = self._parsing
         assert ex is not None
         ex.url += url
@@ -311,10 +403,20 @@ class FrontConnection(asyncio.Protocol):
             raise _Rejected()
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self._body_only:
+            return
         ex = self._parsing
         assert ex is not None
-        if len(value) + len(name) > MAX_LINE_BYTES or len(ex.lines) >= MAX_HEADERS:
+        if len(value) + len(name) > MAX_LINE_BYTES:
             raise _Rejected()
+        ex.fields += 1
+        if ex.fields > MAX_HEADERS:
+            raise _Rejected(HEAD_TOO_LARGE_MESSAGE)
+        if not self._in_head:
+            return  # a trailer field (after a chunked body): never a header, never forwarded (RFC 9110 §6.5)
+        self._head_bytes += len(name) + len(value) + 4  # name ": " value CRLF
+        if self._head_bytes > MAX_HEAD_BYTES:
+            raise _Rejected(HEAD_TOO_LARGE_MESSAGE)
         value = value.strip(b" \t")
         if b"\r" in value or b"\n" in value or b"\x00" in value:  # never reaches a backend
             raise _Rejected()
@@ -329,36 +431,60 @@ class FrontConnection(asyncio.Protocol):
         elif lname == b"content-length":
             ex.content_length = int(value)  # llhttp checked the digits and refused duplicates
         elif lname == b"connection":
+            options = False
             for token in value.lower().split(b","):
-                token = token.strip()
+                token = token.strip(b" \t")
                 if token == b"close":
                     ex.conn_close = True
                 elif token == b"keep-alive":
                     ex.conn_keep_alive = True
+                elif token:
+                    options = True
+            if options:
+                ex.connection.append(value.decode("latin-1"))
+        elif lname == b"host":
+            ex.hosts += 1
+            if not valid_host(value.decode("latin-1")):
+                ex.bad_host = True
+        elif lname == b"transfer-encoding":
+            ex.transfer_encoding = True
         elif lname == b"expect":
             ex.expect_continue = value.lower() == b"100-continue"
 
     def on_headers_complete(self) -> None:
+        if self._body_only:
+            self._body_only = False
+            return
         ex = self._parsing
         assert ex is not None
         self._in_head = False
         parser = self._parser
+        method = parser.get_method()
+        url = ex.url
+        self._head_bytes += len(method) + len(url) + _REQUEST_LINE_EXTRA + 2  # the request line, the blank line
+        if self._head_bytes > MAX_HEAD_BYTES:
+            raise _Rejected(HEAD_TOO_LARGE_MESSAGE)
         version = parser.get_http_version()
         if version == "1.1":
             ex.keep_alive = not ex.conn_close
+            if ex.hosts != 1:
+                raise _Rejected(HOST_MESSAGE)
         elif version == "1.0":
             ex.http10 = True
-            ex.keep_alive = ex.conn_keep_alive and not ex.conn_close
+            # RFC 9112 §6.1: an HTTP/1.0 message with Transfer-Encoding has faulty framing: close after it
+            ex.keep_alive = ex.conn_keep_alive and not ex.conn_close and not ex.transfer_encoding
+            if ex.hosts > 1:
+                raise _Rejected(HOST_MESSAGE)
         else:
             raise _Rejected(f"HTTP/{version} is not supported: send HTTP/1.1 (or HTTP/1.0)")
-        url = ex.url
+        if ex.bad_host:
+            raise _Rejected(HOST_MESSAGE)
         if url[:1] != b"/":
             raise _Rejected(
                 "the request target must be a path starting with '/' (origin-form): this router is a "
                 "reverse proxy, not a forward proxy; send e.g. POST /v1/completions with the router's "
                 "address in the Host header"
             )
-        method = parser.get_method()
         if method == b"CONNECT":  # even with a path target: tunnels are a forward proxy's business
             raise _Rejected("CONNECT is not supported: this router is a reverse proxy, not a forward proxy")
         ex.method = method.decode("ascii")
@@ -372,11 +498,10 @@ class FrontConnection(asyncio.Protocol):
             ex.keep_alive = False
         queue = self._queue
         queue.append(ex)
-        if len(queue) == 1:
+        if len(queue) == 1 and not self.write_paused:
             self._start(ex)
-        elif not self._reading_paused and self.transport is not None:
-            self._reading_paused = True  # a request is in flight: read no more until it is answered
-            self.transport.pause_reading()
+        else:  # a request is in flight, or the client is not reading its answers: read no more until then
+            self._pause_reading()
 
     def on_body(self, body: bytes) -> None:
         ex = self._parsing
@@ -441,11 +566,23 @@ class FrontConnection(asyncio.Protocol):
             else:
                 self._linger_close()  # input we will not read may follow: let the client read the answer
             return
-        if queue:
-            self._start(queue[0])
-        else:
+        if not queue:
             self.idle_since = self.loop.time()
-        if len(queue) <= 1:
+        if self.write_paused:
+            return  # the client is not reading its answers: resume_writing goes on from here
+        self._go_on()
+
+    def _go_on(self) -> None:
+        """After an answer: parse input that waited, run the next request, read again."""
+        queue = self._queue
+        if self._backlog and not self._stopped and len(queue) < MAX_QUEUED:
+            data, self._backlog = self._backlog, b""
+            self._feed(data)
+            if self.closed:
+                return
+        if self.task is None and queue:
+            self._start(queue[0])
+        if len(queue) <= 1 and not self._backlog:
             self.resume_reading()
 
     # ------------------------------------------------------------------ errors
@@ -472,15 +609,26 @@ class FrontConnection(asyncio.Protocol):
         ex.respond(400, error_headers(self.front.ids.next()), error_body(400, message))
         self._linger_close()
 
-    def _upgrade(self) -> None:
-        """``Upgrade``/``CONNECT``: the router speaks plain HTTP only. A request whose head was
-        accepted is answered as a normal request, then the connection closes."""
-        self._stopped = True
-        queue = self._queue
-        if queue:
-            queue[-1].keep_alive = False
-        else:
+    def _upgrade(self, data: bytes, offset: int) -> None:
+        """A request offered a protocol upgrade (``Upgrade`` with ``Connection: upgrade``, e.g.
+        h2c): the router speaks HTTP/1.1 only, so it ignores the offer (RFC 9110 §7.8) and serves
+        the request as any other, as aiohttp does. httptools ends such a message at its head and
+        hands back the rest of the input at ``offset``: a made-up head with the request's own
+        framing lets the parser read the body into the request, then parsing goes on as usual.
+        (CONNECT never gets here: its head is refused.)"""
+        ex = self._queue[-1] if self._queue else None
+        if ex is None or not ex.complete:
             self._parse_error(_Rejected("protocol upgrades (Upgrade, CONNECT) are not supported by this router"))
+            return
+        if ex.transfer_encoding or ex.content_length:
+            ex.complete = False  # set by the parser at the end of the head: the body is still to come
+            self._parsing = ex
+            framing = b"Transfer-Encoding: chunked" if ex.transfer_encoding else b"Content-Length: %d" % ex.content_length
+            self._body_only = True
+            self._parser.feed_data(b"POST / HTTP/1.1\r\n%b\r\n\r\n" % framing)
+        rest = data[offset:]
+        if rest:
+            self._feed(rest)
 
     # ------------------------------------------------------------------ transport helpers
     def write(self, data: bytes) -> None:
@@ -496,6 +644,11 @@ class FrontConnection(asyncio.Protocol):
             await drain
         finally:
             self._drain = None
+
+    def _pause_reading(self) -> None:
+        if not self._reading_paused and not self.closed and self.transport is not None:
+            self._reading_paused = True
+            self.transport.pause_reading()
 
     def resume_reading(self) -> None:
         if self._reading_paused and not self.closed and self.transport is not None:

@@ -13,6 +13,9 @@ from typing import Protocol
 
 from router.session import SESSION_HEADER
 from router.upstream import HOP_BY_HOP
+from router.upstream.head import drop_connection_options
+
+__all__ = ["DROP_REQUEST", "REQUEST_ID_HEADER", "Headers", "RequestView", "ResponseWriter", "drop_connection_options"]
 
 REQUEST_ID_HEADER = "X-Request-Id"
 

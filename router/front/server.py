@@ -22,6 +22,7 @@ from router.front.connection import FrontConnection
 from router.front.exchange import DROP_REQUEST
 from router.front.relay import Relay
 from router.front.wire import DateServer
+from router.http_server import RateLimitedLog
 from router.ids import IdGenerator
 from router.proxy import OTHER, ROUTES
 from router.session import SESSION_HEADER
@@ -42,11 +43,14 @@ class RawFront:
     """The router's port on an ``asyncio.Protocol`` + httptools (uvloop's loop when running on it)."""
 
     def __init__(self, proxy: "Proxy | None", app_host: str, app_port: int, *, max_body_bytes: int,
-                 body_timeout_s: float = 60.0) -> None:
+                 body_timeout_s: float = 60.0, max_connections: int = 10_000) -> None:
         """``proxy``: the app's (None: relay everything); ``app_host:app_port``: the aiohttp app's
         internal listener; ``max_body_bytes``: larger request bodies get a 413; ``body_timeout_s``:
-        a body not whole this long after its head gets a 408."""
+        a body not whole this long after its head gets a 408; ``max_connections``: with this many
+        open, a new connection is closed as soon as it is accepted."""
         self.proxy = proxy
+        self.max_connections = max_connections
+        self.refusals = RateLimitedLog(log)
         self.max_body_bytes = max_body_bytes
         self.body_timeout_s = body_timeout_s
         #: request ids for the answers the front makes itself (the proxy's, when there is one)

@@ -54,31 +54,51 @@ def build_request_head(
     return request_head(method, path, host_header, render_headers(headers), content_length)
 
 
+def connection_options(values: Iterable[str]) -> frozenset[str]:
+    """The header names that ``Connection`` header values list (lower case): hop-by-hop for this
+    connection only (RFC 9110 §7.6.1), so never forwarded. ``close``, ``keep-alive`` and headers
+    dropped anyway are left out: for almost every request the answer is empty."""
+    options: set[str] = set()
+    for value in values:
+        for token in value.lower().split(","):
+            token = token.strip(" \t")
+            if token not in _PLAIN_CONNECTION_TOKENS:
+                options.add(token)
+    return frozenset(options)
+
+
+def drop_connection_options(rendered: str, connection: Iterable[str]) -> str:
+    """``rendered`` header lines (``name: value\r\n`` each, as ``render_headers`` makes them)
+    without the headers the ``connection`` values name: the one place that drops them, for
+    ``render_headers`` and for both client fronts (``router.front``)."""
+    options = connection_options(connection)
+    if not options:
+        return rendered
+    kept = [line for line in rendered.split("\r\n") if line and line.split(":", 1)[0].lower() not in options]
+    return "".join(line + "\r\n" for line in kept)
+
+
 def render_headers(headers: Iterable[tuple[str, str]]) -> str:
     """The end-to-end header lines of a request, validated and filtered once (a proxy renders them
     once per client request and reuses them for every upstream attempt)."""
     parts: list[str] = []
-    named: set[str] | None = None
+    connection: list[str] | None = None
     for name, value in headers:
         lname = name.lower()
         if lname in _DROP:
             if lname == "connection":
-                for token in value.lower().split(","):
-                    token = token.strip()
-                    if token not in _PLAIN_CONNECTION_TOKENS:
-                        if named is None:
-                            named = set()
-                        named.add(token)
+                if connection is None:
+                    connection = []
+                connection.append(value)
             continue
         if _TOKEN.fullmatch(name) is None:
             raise BadRequestError(f"invalid header name {name!r}: remove it or use letters, digits and '-' only")
         if _BAD_IN_VALUE.search(value) is not None:
             raise BadRequestError(f"header {name} contains CR, LF or NUL: remove those characters")
         parts.append(f"{name}: {value}\r\n")
-    if named:
-        # rare: the client's Connection header names end-to-end headers as hop-by-hop
-        parts = [p for p in parts if p.split(":", 1)[0].lower() not in named]
-    return "".join(parts)
+    rendered = "".join(parts)
+    # rare: the client's Connection header names end-to-end headers as hop-by-hop
+    return drop_connection_options(rendered, connection) if connection else rendered
 
 
 def request_head(method: str, path: str, host_header: str, rendered: str, content_length: int) -> bytes:
