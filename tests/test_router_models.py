@@ -121,8 +121,9 @@ async def test_requests_go_to_the_backends_of_their_model(serve: Serve, front: s
     status, _, body = await ask(routed, "POST", "/tokenize", json_body={"model": "alpha", "prompt": "x"})
     assert status == 200 and json.loads(body)["backend"].startswith("a")
     seen = set()
-    for _ in range(8):
-        status, _, body = await ask(routed, "POST", "/v1/completions", json_body={"prompt": "x"})
+    for i in range(64):  # 64 distinct sessions: all on 2 of the 4 backends by chance has odds of ~2**-60
+        status, _, body = await ask(routed, "POST", "/v1/completions", json_body={"prompt": "x"},
+                                    headers={"X-Session-ID": f"any-{i}"})
         assert status == 200
         seen.add(json.loads(body)["backend"])
     assert len(seen) > 2  # not confined to one model's backends
