@@ -96,8 +96,7 @@ async def add_backend(request: web.Request) -> web.Response:
             raise PermissionDeniedError(str(exc), param="url") from None
         _check_unique(candidate, spec.pool, state)  # again: a concurrent call may have added it meanwhile
         backend = pool.add(candidate)
-        if state.health is not None:
-            await state.health.check_backend(backend)
+        await state.health.check_backend(backend)
     except SessionRouterError as exc:
         return error_response(exc)
     return json_response(_view(backend), status=201)

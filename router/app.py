@@ -14,14 +14,16 @@ from router import admin, api
 from router.access_log import AccessLog
 from router.config import RouterConfig
 from router.errors import error_body
+from router.exchange import REQUEST_ID_HEADER
 from router.front.aiohttp_adapter import proxy_handler
-from router.front.exchange import REQUEST_ID_HEADER
 from router.health import HealthChecker
 from router.metrics import RouterMetrics
 from router.placement import make_policy
 from router.pool import POOL_DECODE, POOL_DEFAULT, POOL_PREFILL, Backend, BackendPool
-from router.proxy import OTHER, ROUTES, Proxy
+from router.pd import PDHandoff
+from router.proxy import Proxy
 from router.responses import ResponseIndex
+from router.routes import OTHER, ROUTES
 from router.sessions import SessionTable
 from router.state import ROUTER_STATE, RouterState
 from router.upstream import UpstreamLimits, UpstreamPool, UpstreamTimeouts
@@ -44,9 +46,15 @@ def build_state(config: RouterConfig, registry: CollectorRegistry | None = None)
                             session_label=config.session_label)
     sessions = SessionTable(config.max_sessions, config.session_ttl_s)
     sessions.on_evict = metrics.session_evicted
+    pools = build_pools(config)
+    health = HealthChecker.from_config(
+        config, list(pools.values()),
+        on_change=lambda backend, healthy: metrics.health_transitions.labels(
+            backend.name, "healthy" if healthy else "unhealthy").inc(),
+    )
     state = RouterState(
         config=config,
-        pools=build_pools(config),
+        pools=pools,
         policy=make_policy(config.policy, load_factor=config.load_factor,
                            reported_load_weight=config.reported_load_weight,
                            sticky_headroom=config.sticky_headroom),
@@ -57,22 +65,29 @@ def build_state(config: RouterConfig, registry: CollectorRegistry | None = None)
                                                config.total_timeout_s),
                               UpstreamLimits(max_head_bytes=config.max_upstream_head_bytes,
                                              max_body_bytes=config.max_upstream_body_bytes)),
+        health=health,
         access_log=AccessLog(config.access_log, config.access_log_file) if config.access_log != "off" else None,
     )
     metrics.attach_live(state.all_pools, sessions)
     return state
 
 
+def build_proxy(state: RouterState) -> Proxy:
+    """The data path, given its collaborators from ``state`` (and the P/D hand-off in P/D mode)."""
+    config = state.config
+    pd = None
+    if config.pd_mode:
+        pd = PDHandoff(state.pools[POOL_PREFILL], policy=state.policy, metrics=state.metrics,
+                       upstream=state.upstream, health=state.health, fallback=config.pd_fallback)
+    return Proxy(config, pool=state.serving_pool, policy=state.policy, sessions=state.sessions,
+                 responses=state.responses, metrics=state.metrics, upstream=state.upstream, health=state.health,
+                 request_ids=state.request_ids, access_log=state.access_log, pd=pd)
+
+
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     state = app[ROUTER_STATE]
-    config = state.config
     state.http = aiohttp.ClientSession(auto_decompress=False)
-    state.health = HealthChecker.from_config(
-        config, state.all_pools(), state.http,
-        on_change=lambda backend, healthy: state.metrics.health_transitions.labels(
-            backend.name, "healthy" if healthy else "unhealthy").inc(),
-    )
-    state.health.start()
+    state.health.start(state.http)
     sweeper = asyncio.create_task(_sweep_sessions(state))
     try:
         yield
@@ -132,7 +147,7 @@ def create_app(config: RouterConfig, *, registry: CollectorRegistry | None = Non
     app[ROUTER_STATE] = state
     app.cleanup_ctx.append(_lifecycle)
     app.on_response_prepare.append(_stamp_request_id)
-    proxy = app[PROXY] = Proxy(state)
+    proxy = app[PROXY] = build_proxy(state)
     for route in ROUTES:
         app.router.add_post(route.path, proxy_handler(proxy, route))
     app.router.add_get("/health", api.health)
