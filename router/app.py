@@ -1,4 +1,10 @@
-"""The router's app factory: state, lifecycle (``cleanup_ctx``) and routes."""
+"""The router's app factory: state, the data path's wiring, lifecycle (``cleanup_ctx``), routes, and
+the app's one error middleware.
+
+Errors: a handler of the app (``router.api``, ``router.admin``, the router's 404/405) raises a
+``SessionRouterError`` and ``error_middleware`` answers it in OpenAI's shape; every answer gets
+``X-Request-Id`` in ``_stamp_request_id``. The proxied routes answer their own errors (front-agnostic,
+``Proxy._error``), so nothing reaches the middleware from them."""
 
 from __future__ import annotations
 
@@ -13,7 +19,7 @@ from prometheus_client import CollectorRegistry
 from router import admin, api
 from router.access_log import AccessLog
 from router.config import RouterConfig
-from router.errors import error_body
+from router.errors import MethodNotAllowedError, NotFoundError, SessionRouterError
 from router.exchange import REQUEST_ID_HEADER
 from router.front.aiohttp_adapter import proxy_handler
 from router.health import HealthChecker
@@ -125,12 +131,20 @@ def _catch_all(proxy: Proxy) -> Callable[[web.Request], Awaitable[web.StreamResp
 async def _not_found(request: web.Request) -> web.Response:
     known = {r.path for r in ROUTES} | {"/health", "/metrics", "/v1/models", "/v1/sessions"}
     if request.path in known:
-        status, message = 405, f"method {request.method} is not allowed on {request.path}"
-    else:
-        status, message = 404, (f"no route {request.method} {request.path}: not a route of the router, and not "
-                                "forwarded to backends (proxy_deny, or a path with empty or dot segments); "
-                                "see the README for the router's routes")
-    return web.Response(status=status, body=error_body(status, message), content_type="application/json")
+        raise MethodNotAllowedError(f"method {request.method} is not allowed on {request.path}")
+    raise NotFoundError(f"no route {request.method} {request.path}: not a route of the router, and not "
+                        "forwarded to backends (proxy_deny, or a path with empty or dot segments); "
+                        "see the README for the router's routes")
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                           ) -> web.StreamResponse:
+    """A ``SessionRouterError`` raised by a handler: its status and OpenAI's error body."""
+    try:
+        return await handler(request)
+    except SessionRouterError as exc:
+        return web.Response(status=exc.status, body=exc.body(), content_type="application/json")
 
 
 async def _stamp_request_id(request: web.Request, response: web.StreamResponse) -> None:
@@ -142,7 +156,7 @@ async def _stamp_request_id(request: web.Request, response: web.StreamResponse) 
 
 
 def create_app(config: RouterConfig, *, registry: CollectorRegistry | None = None) -> web.Application:
-    app = web.Application(client_max_size=config.max_body_bytes)
+    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[error_middleware])
     state = build_state(config, registry)
     app[ROUTER_STATE] = state
     app.cleanup_ctx.append(_lifecycle)
@@ -165,7 +179,7 @@ def create_app(config: RouterConfig, *, registry: CollectorRegistry | None = Non
 
 def create_admin_app(main_app: web.Application) -> web.Application:
     """The admin API on its own app, sharing the main app's state (for ``admin_port``)."""
-    app = web.Application()
+    app = web.Application(middlewares=[error_middleware])
     state = app[ROUTER_STATE] = main_app[ROUTER_STATE]
     app.on_response_prepare.append(_stamp_request_id)
     admin.add_admin_routes(app, state.config)
