@@ -10,6 +10,7 @@ Where it is served (``router.app``):
 
 ``GET /v1/sessions`` (every session, with its id) is an admin action and lives with the admin API;
 ``GET``/``DELETE /v1/sessions/{id}`` stay on the data port for anyone holding the id.
+Errors are raised (``router.errors``); the app's ``error_middleware`` answers them.
 """
 
 from __future__ import annotations
@@ -22,11 +23,10 @@ import msgspec
 from aiohttp import web
 
 from router import api
-from router.api import error_response, json_response
+from router.api import json_response
 from router.backend_allow import BackendAllowList, BackendNotAllowed
 from router.config import RouterConfig
-from router.errors import (AuthenticationError, BadRequestError, ConfigError, NotFoundError, PermissionDeniedError,
-                           SessionRouterError)
+from router.errors import AuthenticationError, BadRequestError, ConfigError, NotFoundError, PermissionDeniedError
 from router.pool import POOL_DEFAULT, Backend
 from router.state import ROUTER_STATE, RouterState
 
@@ -70,36 +70,29 @@ def _authorize(request: web.Request, state: RouterState) -> None:
 
 async def list_backends(request: web.Request) -> web.Response:
     state = request.app[ROUTER_STATE]
-    try:
-        _authorize(request, state)
-    except SessionRouterError as exc:
-        return error_response(exc)
+    _authorize(request, state)
     return json_response({"data": [_view(b) for pool in state.pools.values() for b in pool.members]})
 
 
 async def add_backend(request: web.Request) -> web.Response:
     state = request.app[ROUTER_STATE]
+    _authorize(request, state)
     try:
-        _authorize(request, state)
-        try:
-            spec = msgspec.json.decode(await request.read(), type=AddBackend)
-        except msgspec.MsgspecError as exc:
-            raise BadRequestError(f"invalid backend: {exc}; send {{\"url\": \"http://host:port\"}}") from None
-        pool = state.pools.get(spec.pool)
-        if pool is None:
-            raise BadRequestError(f"unknown pool {spec.pool!r}; pools: {', '.join(state.pools)}", param="pool")
-        candidate = _new_backend(spec)
-        _check_unique(candidate, spec.pool, state)
-        try:
-            await request.app[BACKEND_ALLOW].check(candidate.host, candidate.port)
-        except BackendNotAllowed as exc:
-            raise PermissionDeniedError(str(exc), param="url") from None
-        _check_unique(candidate, spec.pool, state)  # again: a concurrent call may have added it meanwhile
-        backend = pool.add(candidate)
-        if state.health is not None:
-            await state.health.check_backend(backend)
-    except SessionRouterError as exc:
-        return error_response(exc)
+        spec = msgspec.json.decode(await request.read(), type=AddBackend)
+    except msgspec.MsgspecError as exc:
+        raise BadRequestError(f"invalid backend: {exc}; send {{\"url\": \"http://host:port\"}}") from None
+    pool = state.pools.get(spec.pool)
+    if pool is None:
+        raise BadRequestError(f"unknown pool {spec.pool!r}; pools: {', '.join(state.pools)}", param="pool")
+    candidate = _new_backend(spec)
+    _check_unique(candidate, spec.pool, state)
+    try:
+        await request.app[BACKEND_ALLOW].check(candidate.host, candidate.port)
+    except BackendNotAllowed as exc:
+        raise PermissionDeniedError(str(exc), param="url") from None
+    _check_unique(candidate, spec.pool, state)  # again: a concurrent call may have added it meanwhile
+    backend = pool.add(candidate)
+    await state.health.check_backend(backend)
     return json_response(_view(backend), status=201)
 
 
@@ -140,10 +133,7 @@ def _check_unique(backend: Backend, pool_name: str, state: RouterState) -> None:
 
 async def list_sessions(request: web.Request) -> web.Response:
     """``GET /v1/sessions``: every session with its id, so an admin action."""
-    try:
-        _authorize(request, request.app[ROUTER_STATE])
-    except SessionRouterError as exc:
-        return error_response(exc)
+    _authorize(request, request.app[ROUTER_STATE])
     return await api.list_sessions(request)
 
 
@@ -151,13 +141,10 @@ async def remove_backend(request: web.Request) -> web.Response:
     """Drain (no new requests), wait for in-flight ones up to ``drain_timeout_s``, then remove."""
     state = request.app[ROUTER_STATE]
     name = request.match_info["name"]
-    try:
-        _authorize(request, state)
-        backend = state.find_backend(name)
-        if backend is None:
-            raise NotFoundError(f"no backend named {name!r}; GET /admin/backends lists them")
-    except SessionRouterError as exc:
-        return error_response(exc)
+    _authorize(request, state)
+    backend = state.find_backend(name)
+    if backend is None:
+        raise NotFoundError(f"no backend named {name!r}; GET /admin/backends lists them")
     backend.draining = True
     loop = asyncio.get_running_loop()
     deadline = loop.time() + state.config.drain_timeout_s
@@ -193,13 +180,13 @@ def add_unserved_routes(app: web.Application, config: RouterConfig) -> None:
                  "<admin_token>'), or admin_port to serve it on its own listener on admin_host (default 127.0.0.1)")
 
     async def admin_not_here(request: web.Request) -> web.Response:
-        return error_response(NotFoundError(f"no route {request.method} {request.path}: the admin API is not "
-                                            f"served on this port; {where}"))
+        raise NotFoundError(f"no route {request.method} {request.path}: the admin API is not "
+                            f"served on this port; {where}")
 
     async def listing_not_here(request: web.Request) -> web.Response:
-        return error_response(NotFoundError(
+        raise NotFoundError(
             "listing every session (GET /v1/sessions) is an admin action and the admin API is not served on "
-            f"this port; {where}. GET /v1/sessions/{{id}} shows one session to whoever has its id"))
+            f"this port; {where}. GET /v1/sessions/{{id}} shows one session to whoever has its id")
 
     app.router.add_get("/v1/sessions", listing_not_here)
     app.router.add_route("*", "/admin", admin_not_here)

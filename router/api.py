@@ -1,4 +1,6 @@
-"""The router's own endpoints: /health, /v1/models, /metrics, /v1/sessions (the listing through router.admin)."""
+"""The router's own endpoints: /health, /v1/models, /metrics, /v1/sessions (the listing through router.admin).
+
+Errors are raised (``router.errors``); the app's ``error_middleware`` answers them."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from router.errors import BadRequestError, NotFoundError, SessionRouterError
+from router.errors import BadRequestError, NotFoundError
 from router.state import ROUTER_STATE
 
 log = logging.getLogger(__name__)
@@ -20,10 +22,6 @@ _json = msgspec.json.Encoder()
 
 def json_response(payload: Any, status: int = 200) -> web.Response:
     return web.Response(body=_json.encode(payload), status=status, content_type="application/json")
-
-
-def error_response(exc: SessionRouterError) -> web.Response:
-    return web.Response(body=exc.body(), status=exc.status, content_type="application/json")
 
 
 async def health(request: web.Request) -> web.Response:
@@ -83,7 +81,7 @@ async def list_sessions(request: web.Request) -> web.Response:
         if limit < 1 or offset < 0:
             raise ValueError
     except ValueError:
-        return error_response(BadRequestError("limit must be a positive integer and offset a non-negative one"))
+        raise BadRequestError("limit must be a positive integer and offset a non-negative one") from None
     state.sessions.sweep()
     entries = state.sessions.recent(min(limit, 10_000), offset)
     return json_response({
@@ -100,7 +98,7 @@ async def get_session(request: web.Request) -> web.Response:
     session_id = request.match_info["session_id"]
     entry = state.sessions.get(session_id)
     if entry is None:
-        return error_response(NotFoundError(f"session {session_id!r} is not in the router's session table"))
+        raise NotFoundError(f"session {session_id!r} is not in the router's session table")
     return json_response(entry.to_json())
 
 
@@ -108,5 +106,5 @@ async def delete_session(request: web.Request) -> web.Response:
     state = request.app[ROUTER_STATE]
     session_id = request.match_info["session_id"]
     if not state.sessions.delete(session_id):
-        return error_response(NotFoundError(f"session {session_id!r} is not in the router's session table"))
+        raise NotFoundError(f"session {session_id!r} is not in the router's session table")
     return json_response({"id": session_id, "object": "session", "deleted": True})

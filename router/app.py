@@ -1,4 +1,10 @@
-"""The router's app factory: state, lifecycle (``cleanup_ctx``) and routes."""
+"""The router's app factory: state, the data path's wiring, lifecycle (``cleanup_ctx``), routes, and
+the app's one error middleware.
+
+Errors: a handler of the app (``router.api``, ``router.admin``, the router's 404/405) raises a
+``SessionRouterError`` and ``error_middleware`` answers it in OpenAI's shape; every answer gets
+``X-Request-Id`` in ``_stamp_request_id``. The proxied routes answer their own errors (front-agnostic,
+``Proxy._error``), so nothing reaches the middleware from them."""
 
 from __future__ import annotations
 
@@ -13,15 +19,17 @@ from prometheus_client import CollectorRegistry
 from router import admin, api
 from router.access_log import AccessLog
 from router.config import RouterConfig
-from router.errors import error_body
+from router.errors import MethodNotAllowedError, NotFoundError, SessionRouterError
+from router.exchange import REQUEST_ID_HEADER
 from router.front.aiohttp_adapter import proxy_handler
-from router.front.exchange import REQUEST_ID_HEADER
 from router.health import HealthChecker
 from router.metrics import RouterMetrics
 from router.placement import make_policy
 from router.pool import POOL_DECODE, POOL_DEFAULT, POOL_PREFILL, Backend, BackendPool
-from router.proxy import OTHER, ROUTES, Proxy
+from router.pd import PDHandoff
+from router.proxy import Proxy
 from router.responses import ResponseIndex
+from router.routes import OTHER, ROUTES
 from router.sessions import SessionTable
 from router.state import ROUTER_STATE, RouterState
 from router.upstream import UpstreamLimits, UpstreamPool, UpstreamTimeouts
@@ -44,9 +52,15 @@ def build_state(config: RouterConfig, registry: CollectorRegistry | None = None)
                             session_label=config.session_label)
     sessions = SessionTable(config.max_sessions, config.session_ttl_s)
     sessions.on_evict = metrics.session_evicted
+    pools = build_pools(config)
+    health = HealthChecker.from_config(
+        config, list(pools.values()),
+        on_change=lambda backend, healthy: metrics.health_transitions.labels(
+            backend.name, "healthy" if healthy else "unhealthy").inc(),
+    )
     state = RouterState(
         config=config,
-        pools=build_pools(config),
+        pools=pools,
         policy=make_policy(config.policy, load_factor=config.load_factor,
                            reported_load_weight=config.reported_load_weight,
                            sticky_headroom=config.sticky_headroom),
@@ -57,22 +71,29 @@ def build_state(config: RouterConfig, registry: CollectorRegistry | None = None)
                                                config.total_timeout_s),
                               UpstreamLimits(max_head_bytes=config.max_upstream_head_bytes,
                                              max_body_bytes=config.max_upstream_body_bytes)),
+        health=health,
         access_log=AccessLog(config.access_log, config.access_log_file) if config.access_log != "off" else None,
     )
     metrics.attach_live(state.all_pools, sessions)
     return state
 
 
+def build_proxy(state: RouterState) -> Proxy:
+    """The data path, given its collaborators from ``state`` (and the P/D hand-off in P/D mode)."""
+    config = state.config
+    pd = None
+    if config.pd_mode:
+        pd = PDHandoff(state.pools[POOL_PREFILL], policy=state.policy, metrics=state.metrics,
+                       upstream=state.upstream, health=state.health, fallback=config.pd_fallback)
+    return Proxy(config, pool=state.serving_pool, policy=state.policy, sessions=state.sessions,
+                 responses=state.responses, metrics=state.metrics, upstream=state.upstream, health=state.health,
+                 request_ids=state.request_ids, access_log=state.access_log, pd=pd)
+
+
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     state = app[ROUTER_STATE]
-    config = state.config
     state.http = aiohttp.ClientSession(auto_decompress=False)
-    state.health = HealthChecker.from_config(
-        config, state.all_pools(), state.http,
-        on_change=lambda backend, healthy: state.metrics.health_transitions.labels(
-            backend.name, "healthy" if healthy else "unhealthy").inc(),
-    )
-    state.health.start()
+    state.health.start(state.http)
     sweeper = asyncio.create_task(_sweep_sessions(state))
     try:
         yield
@@ -110,12 +131,20 @@ def _catch_all(proxy: Proxy) -> Callable[[web.Request], Awaitable[web.StreamResp
 async def _not_found(request: web.Request) -> web.Response:
     known = {r.path for r in ROUTES} | {"/health", "/metrics", "/v1/models", "/v1/sessions"}
     if request.path in known:
-        status, message = 405, f"method {request.method} is not allowed on {request.path}"
-    else:
-        status, message = 404, (f"no route {request.method} {request.path}: not a route of the router, and not "
-                                "forwarded to backends (proxy_deny, or a path with empty or dot segments); "
-                                "see the README for the router's routes")
-    return web.Response(status=status, body=error_body(status, message), content_type="application/json")
+        raise MethodNotAllowedError(f"method {request.method} is not allowed on {request.path}")
+    raise NotFoundError(f"no route {request.method} {request.path}: not a route of the router, and not "
+                        "forwarded to backends (proxy_deny, or a path with empty or dot segments); "
+                        "see the README for the router's routes")
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                           ) -> web.StreamResponse:
+    """A ``SessionRouterError`` raised by a handler: its status and OpenAI's error body."""
+    try:
+        return await handler(request)
+    except SessionRouterError as exc:
+        return web.Response(status=exc.status, body=exc.body(), content_type="application/json")
 
 
 async def _stamp_request_id(request: web.Request, response: web.StreamResponse) -> None:
@@ -127,12 +156,12 @@ async def _stamp_request_id(request: web.Request, response: web.StreamResponse) 
 
 
 def create_app(config: RouterConfig, *, registry: CollectorRegistry | None = None) -> web.Application:
-    app = web.Application(client_max_size=config.max_body_bytes)
+    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[error_middleware])
     state = build_state(config, registry)
     app[ROUTER_STATE] = state
     app.cleanup_ctx.append(_lifecycle)
     app.on_response_prepare.append(_stamp_request_id)
-    proxy = app[PROXY] = Proxy(state)
+    proxy = app[PROXY] = build_proxy(state)
     for route in ROUTES:
         app.router.add_post(route.path, proxy_handler(proxy, route))
     app.router.add_get("/health", api.health)
@@ -150,7 +179,7 @@ def create_app(config: RouterConfig, *, registry: CollectorRegistry | None = Non
 
 def create_admin_app(main_app: web.Application) -> web.Application:
     """The admin API on its own app, sharing the main app's state (for ``admin_port``)."""
-    app = web.Application()
+    app = web.Application(middlewares=[error_middleware])
     state = app[ROUTER_STATE] = main_app[ROUTER_STATE]
     app.on_response_prepare.append(_stamp_request_id)
     admin.add_admin_routes(app, state.config)

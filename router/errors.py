@@ -12,6 +12,7 @@ error shape ``{"error": {"message", "type", "param", "code"}}`` in one place::
      |    +-- AuthenticationError           401
      |    +-- PermissionDeniedError         403
      |    +-- NotFoundError                 404
+     |    +-- MethodNotAllowedError         405
      |    +-- PayloadTooLargeError          413
      +-- UpstreamError                      (5xx: a backend failed us)
      |    +-- NoHealthyBackendError         503
@@ -84,6 +85,11 @@ class PermissionDeniedError(ClientError):
 class NotFoundError(ClientError):
     status = 404
     error_type = "NotFoundError"
+
+
+class MethodNotAllowedError(ClientError):
+    status = 405
+    error_type = "MethodNotAllowedError"
 
 
 class RequestTimeoutError(ClientError):

@@ -81,7 +81,7 @@ class HealthChecker:
         timeout_s: float,
         eject_after_failures: int,
         eject_s: float,
-        session: aiohttp.ClientSession,
+        session: aiohttp.ClientSession | None = None,
         on_change: Callable[[Backend, bool], None] | None = None,
         *,
         scrape_load: bool = False,
@@ -94,6 +94,7 @@ class HealthChecker:
         self.eject_s = eject_s
         self.scrape_load = scrape_load
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        #: the client the checks go through (given here or to ``start``)
         self._session = session
         self._on_change = on_change
         self._clock = clock
@@ -106,7 +107,7 @@ class HealthChecker:
         cls,
         config: RouterConfig,
         pools: list[BackendPool],
-        session: aiohttp.ClientSession,
+        session: aiohttp.ClientSession | None = None,
         on_change: Callable[[Backend, bool], None] | None = None,
     ) -> HealthChecker:
         return cls(
@@ -126,8 +127,14 @@ class HealthChecker:
     def running(self) -> bool:
         return self._task is not None and not self._task.done()
 
-    def start(self) -> None:
-        """Start the periodic checks (one task; the first round runs at once)."""
+    def start(self, session: aiohttp.ClientSession | None = None) -> None:
+        """Start the periodic checks (one task; the first round runs at once), through ``session``
+        when given (the app factory makes the checker before an event loop runs, so before the
+        client exists; its lifecycle hands the client over here)."""
+        if session is not None:
+            self._session = session
+        if self._session is None:
+            raise RuntimeError("HealthChecker.start needs an aiohttp.ClientSession (none was given)")
         if self.running:
             return
         self._task = asyncio.get_running_loop().create_task(self._run(), name="session-router health checks")
@@ -182,7 +189,7 @@ class HealthChecker:
     async def _probe(self, backend: Backend) -> str | None:
         """``None`` when ``GET /health`` answered 200, else why not."""
         try:
-            async with self._session.get(backend.url + HEALTH_PATH, timeout=self._timeout) as resp:
+            async with self._client().get(backend.url + HEALTH_PATH, timeout=self._timeout) as resp:
                 await resp.read()
                 if resp.status == 200:
                     return None
@@ -194,7 +201,7 @@ class HealthChecker:
 
     async def _scrape_load(self, backend: Backend) -> None:
         try:
-            async with self._session.get(backend.url + LOAD_PATH, timeout=self._timeout) as resp:
+            async with self._client().get(backend.url + LOAD_PATH, timeout=self._timeout) as resp:
                 body = await resp.read()
                 if resp.status != 200:
                     return
@@ -204,7 +211,7 @@ class HealthChecker:
 
     async def _fetch_models(self, backend: Backend) -> None:
         try:
-            async with self._session.get(backend.url + MODELS_PATH, timeout=self._timeout) as resp:
+            async with self._client().get(backend.url + MODELS_PATH, timeout=self._timeout) as resp:
                 body = await resp.read()
                 status = resp.status
             if status != 200:
@@ -217,6 +224,12 @@ class HealthChecker:
         if pool is not None and pool.set_models(backend, models, cards):
             logger.info("backend %s (pool %s) serves models: %s", backend.name, backend.pool,
                         ", ".join(sorted(models)) or "none")
+
+    def _client(self) -> aiohttp.ClientSession:
+        session = self._session
+        if session is None:
+            raise RuntimeError("the health checker has no aiohttp.ClientSession yet: call start(session) first")
+        return session
 
     # ---------------------------------------------------------- passive signals
 

@@ -23,17 +23,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 
+from router.attempt import Attempt
 from router.errors import NoHealthyBackendError, UpstreamConnectError, UpstreamError, UpstreamStatusError
-from router.pool import POOL_PREFILL, Backend
-from router.upstream import UpstreamTimeouts, request_head
-
-if TYPE_CHECKING:
-    from router.proxy import Attempt, Route
-    from router.state import RouterState
+from router.health import HealthChecker
+from router.metrics import RouterMetrics
+from router.placement.base import Policy
+from router.pool import Backend, BackendPool
+from router.routes import Route
+from router.upstream import UpstreamPool, UpstreamTimeouts, request_head
 
 log = logging.getLogger(__name__)
 
@@ -114,23 +115,31 @@ class PrefillFailed(Exception):
 
 
 class PDHandoff:
-    def __init__(self, state: "RouterState") -> None:
-        self.state = state
-        self.prefill_pool = state.pools[POOL_PREFILL]
+    """The prefill leg and the release of what it holds. Its collaborators are given by the app
+    factory (``router.app``)."""
+
+    def __init__(self, prefill_pool: BackendPool, *, policy: Policy, metrics: RouterMetrics,
+                 upstream: UpstreamPool, health: HealthChecker, fallback: bool) -> None:
+        """``fallback``: a failed prefill leg falls back to decode-only (``pd_fallback``)."""
+        self.prefill_pool = prefill_pool
+        self.policy = policy
+        self.metrics = metrics
+        self.upstream = upstream
+        self.health = health
+        self.fallback = fallback
         #: releases under way (kept referenced until done)
         self._releases: set[asyncio.Task[None]] = set()
 
-    async def prefill(self, route: "Route", body: bytes, attempt: "Attempt",
+    async def prefill(self, route: Route, body: bytes, attempt: Attempt,
                       headers: str, path: str) -> Handoff:
         """Run the prefill leg; return the decode leg's body (the original one on fallback) and
         what ``release`` needs should the decode leg fail."""
-        state = self.state
         try:
             request = _decoder.decode(body)
             params, backend = await self._prefill_leg(route, request, attempt, headers, path)
         except PrefillFailed as failed:
-            state.metrics.pd_fallbacks.labels(failed.reason).inc()
-            if not state.config.pd_fallback:
+            self.metrics.pd_fallbacks.labels(failed.reason).inc()
+            if not self.fallback:
                 raise UpstreamStatusError(
                     f"prefill failed ({failed.reason}) and pd_fallback is off; "
                     "enable pd_fallback to let decode instances compute the prompt",
@@ -149,17 +158,16 @@ class PDHandoff:
         task.add_done_callback(self._releases.discard)
 
     async def _release(self, handoff: Handoff) -> None:
-        state = self.state
         backend = handoff.backend
         assert backend is not None
         payload = _encoder.encode(handoff.params)
         head = request_head("POST", RELEASE_PATH, f"{backend.host}:{backend.port}", handoff.headers, len(payload))
-        t = state.upstream.timeouts
+        t = self.upstream.timeouts
         timeouts = UpstreamTimeouts(min(t.connect_s, RELEASE_TIMEOUT_S), min(t.first_byte_s, RELEASE_TIMEOUT_S),
                                     RELEASE_TIMEOUT_S)
         upstream = None
         try:
-            upstream = await state.upstream.request(backend.host, backend.port, head, payload, timeouts=timeouts)
+            upstream = await self.upstream.request(backend.host, backend.port, head, payload, timeouts=timeouts)
             await upstream.read()
             status = upstream.status
         except UpstreamError as exc:
@@ -178,45 +186,41 @@ class PDHandoff:
             if status:
                 log.warning("P/D: releasing the KV held on %s answered %d; it is freed after its hold timeout",
                             backend.name, status)
-        state.metrics.pd_kv_releases.labels(result).inc()
+        self.metrics.pd_kv_releases.labels(result).inc()
 
-    async def _prefill_leg(self, route: "Route", request: dict[str, Any], attempt: "Attempt",
+    async def _prefill_leg(self, route: Route, request: dict[str, Any], attempt: Attempt,
                            headers: str, path: str) -> tuple[dict[str, Any], Backend]:
-        state = self.state
         pool = self.prefill_pool.for_model(request.get("model"))  # the model's prefill instances
         if pool is None:
             raise PrefillFailed("no_prefill")
         try:
-            placement = state.policy.place(pool, attempt.session_id, attempt.entry)
+            placement = self.policy.place(pool, attempt.session_id, attempt.entry)
         except NoHealthyBackendError:
             raise PrefillFailed("no_prefill") from None
-        state.metrics.placement(state.policy.name, placement.outcome.value)
+        self.metrics.placement(self.policy.name, placement.outcome.value)
         backend = placement.backend
         payload = prefill_body(route.kind, request)
         head = request_head("POST", path, f"{backend.host}:{backend.port}", headers, len(payload))
         backend.in_flight += 1
         upstream = None
         try:
-            upstream = await state.upstream.request(backend.host, backend.port, head, payload)
+            upstream = await self.upstream.request(backend.host, backend.port, head, payload)
             data = await upstream.read()
         except UpstreamError as exc:
             reason = exc.reason
-            state.metrics.upstream_errors.labels(backend.name, reason).inc()
-            if state.health is not None:
-                state.health.record_failure(backend, connect_error=isinstance(exc, UpstreamConnectError))
+            self.metrics.upstream_errors.labels(backend.name, reason).inc()
+            self.health.record_failure(backend, connect_error=isinstance(exc, UpstreamConnectError))
             raise PrefillFailed(reason, exc) from None
         finally:
             backend.in_flight -= 1
             if upstream is not None:
                 upstream.close()
         if upstream.status >= 500:
-            if state.health is not None:
-                state.health.record_failure(backend, connect_error=False)
+            self.health.record_failure(backend, connect_error=False)
             raise PrefillFailed("status_5xx")
         if upstream.status != 200:
             raise PrefillFailed("rejected")
-        if state.health is not None:
-            state.health.record_success(backend)
+        self.health.record_success(backend)
         try:
             params = _reply_decoder.decode(data).kv_transfer_params
         except msgspec.MsgspecError:

@@ -7,8 +7,9 @@ candidate while nothing has reached the client yet, then relays the response (st
 by chunk) and accounts it to the session.
 
 The proxy is front-agnostic: it reads the client's request through a ``RequestView`` and
-answers through a ``ResponseWriter`` (``router.front.exchange``); the aiohttp app and the raw
-front (``router.front``) each implement those two.
+answers through a ``ResponseWriter`` (``router.exchange``, owned here); the aiohttp app and the
+raw front (``router.front``) each implement those two. The route table and which paths are never
+forwarded are ``router.routes``; a request's journey is an ``Attempt`` (``router.attempt``).
 
 Models: a request whose JSON body names a ``model`` goes to the candidate set of that model in
 the pool (``BackendPool.for_model``, rebuilt when membership or models change); placement runs on
@@ -21,23 +22,21 @@ limits, retries and failover: session placement when a session resolves (the ``X
 header, or ``session_id``/``vllm_xargs`` in a JSON object body), else the policy's plain choice;
 ``GET``/``POST /v1/responses/{id}...`` goes to the backend that created the response when the
 router saw it. Never forwarded: the router's own paths (``ROUTER_PATHS``, ``ROUTER_PREFIXES``) and
-``proxy_deny``, matched on a canonical form of the path (``canonical_path``).
+``proxy_deny``, matched on a canonical form of the path (``canonical_path``; all in ``router.routes``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import posixpath
 import random
-import re
 from collections import deque
-from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
-from urllib.parse import unquote
+from typing import cast
 
 from router import inspect
+from router.access_log import AccessLog
+from router.attempt import Attempt
+from router.config import RouterConfig
 from router.errors import (
     BadRequestError,
     NotFoundError,
@@ -48,24 +47,27 @@ from router.errors import (
     UpstreamTimeoutError,
     error_body,
 )
-from router.front.exchange import REQUEST_ID_HEADER, Headers, RequestView, ResponseWriter
-from router.placement.base import Outcome, Placement
+from router.exchange import REQUEST_ID_HEADER, Headers, RequestView, ResponseWriter
+from router.health import HealthChecker
+from router.ids import IdGenerator
+from router.metrics import RouterMetrics
+from router.placement.base import Outcome, Placement, Policy
 from router.pd import PD_ROUTE_KINDS, Handoff, PDHandoff
-from router.pool import Backend, BackendSet
+from router.pool import Backend, BackendPool, BackendSet
+from router.responses import ResponseIndex
+from router.routes import AMBIGUOUS, NAMED_PATHS, OPEN_KINDS, ROUTER_PATHS, ROUTER_PREFIXES, Route, canonical_path, path_rules
 from router.session import SESSION_HEADER, resolve_session_id, session_from_headers
-from router.upstream import UpstreamResponse, UpstreamTimeouts, render_headers, request_head
-
-if TYPE_CHECKING:
-    from router.sessions import SessionEntry
-    from router.state import RouterState
+from router.sessions import SessionTable
+from router.upstream import UpstreamPool, UpstreamResponse, UpstreamTimeouts, render_headers, request_head
 
 log = logging.getLogger(__name__)
 
 JSON_CONTENT_TYPE = "application/json"
 RETRY_STATUSES = frozenset((502, 503, 504))
 _REPINS = frozenset((Outcome.REPIN_UNHEALTHY, Outcome.REPIN_REMOVED))
+_RESPONSES_PREFIX = "/v1/responses/"
 
-# Request headers never forwarded as received: router.front.exchange.DROP_REQUEST.
+# Request headers never forwarded as received: router.exchange.DROP_REQUEST.
 # Response headers the router (or its front) sets itself instead of relaying (and the configured
 # session_header, see Proxy).
 _DROP_RESPONSE = frozenset(
@@ -77,111 +79,43 @@ _DROP_RESPONSE = frozenset(
 )
 
 
-@dataclass(frozen=True, slots=True)
-class Route:
-    """A proxied route and how the router reads its body."""
-
-    name: str  # metric label
-    path: str
-    #: chat | completion | responses | generate | plain | other (a route the router does not name)
-    kind: str
-
-    @property
-    def session_aware(self) -> bool:
-        """An inference route of the router's session contract (stamping, usage accounting)."""
-        return self.kind not in _OPEN_KINDS
-
-
-ROUTES: tuple[Route, ...] = (
-    Route("chat", "/v1/chat/completions", "chat"),
-    Route("completions", "/v1/completions", "completion"),
-    Route("responses", "/v1/responses", "responses"),
-    Route("generate", "/inference/v1/generate", "generate"),
-    Route("tokenize", "/tokenize", "plain"),
-    Route("detokenize", "/detokenize", "plain"),
-)
-
-#: every route the router does not name, any method (forwarded when ``Proxy.forwards`` says so)
-OTHER = Route("other", "", "other")
-
-#: kinds whose body is the backend's to judge: read only when it is a JSON object
-_OPEN_KINDS = frozenset(("plain", "other"))
-
-#: the router's own routes: never forwarded (canonical paths; the prefixes cover what is below them)
-ROUTER_PATHS = frozenset(("/health", "/metrics", "/v1/models"))
-ROUTER_PREFIXES = ("/v1/sessions", "/admin")
-_NAMED_PATHS = frozenset(route.path for route in ROUTES)
-
-#: a path a lenient server could read as another one: never forwarded (vLLM's routes are plain paths)
-_AMBIGUOUS = re.compile(r"//|\\|%2f|%5c|%00|(?:^|/)(?:\.|%2e){1,2}(?:/|$)", re.IGNORECASE)
-_SLASHES = re.compile(r"/{2,}")
-_PARAMS = re.compile(r";[^/]*")
-_RESPONSES_PREFIX = "/v1/responses/"
-
-
-def canonical_path(target: str) -> str:
-    """The path of a request target as a lenient server might read it, for deciding what is never
-    forwarded: query dropped, percent-decoded, lower case, ``\\`` as ``/``, ``;params`` dropped,
-    repeated slashes merged, dot segments resolved."""
-    path = unquote(target.partition("?")[0], errors="surrogateescape").lower().replace("\\", "/")
-    return posixpath.normpath(_SLASHES.sub("/", _PARAMS.sub("", path)) or "/")
-
-
-def path_rules(paths: Iterable[str]) -> tuple[frozenset[str], tuple[str, ...]]:
-    """``(exact, prefixes)`` matching each of ``paths`` and everything below it (canonical)."""
-    bases = [canonical_path(path).rstrip("/") for path in paths]
-    return frozenset(base or "/" for base in bases), tuple(base + "/" for base in bases)
-
-
-class Attempt:
-    """One request's journey: what it resolved to and where it went."""
-
-    __slots__ = ("route", "request_id", "session_id", "entry", "started", "backend", "status", "pool", "home",
-                 "ttfb", "outcome", "usage")
-
-    def __init__(self, route: Route, request_id: str, started: float) -> None:
-        self.route = route
-        self.request_id = request_id
-        self.session_id: str | None = None
-        self.entry: SessionEntry | None = None
-        self.started = started
-        self.backend: Backend | None = None
-        self.status = 0
-        #: where it may go: the serving pool, or the candidate set of the model it names
-        self.pool: BackendSet | None = None
-        #: URL of the backend that must serve it when available (a stored Responses API id)
-        self.home: str | None = None
-        #: seconds from the start until the (last) backend's response head arrived
-        self.ttfb: float | None = None
-        #: the (last) placement's outcome
-        self.outcome: Outcome | None = None
-        #: the answer's token usage, when the router read it
-        self.usage: inspect.Usage | None = None
-
-
 class Proxy:
-    def __init__(self, state: "RouterState") -> None:
-        self.state = state
-        self.config = state.config
-        self.pd = PDHandoff(state) if state.config.pd_mode else None
-        #: where requests go: the decode pool in P/D mode (prefill legs are the hand-off's business)
-        self.pool = state.serving_pool
-        self._deny = path_rules(state.config.proxy_deny)
+    """The data path. Its collaborators are given by the app factory (``router.app``)."""
+
+    def __init__(self, config: RouterConfig, *, pool: BackendPool, policy: Policy, sessions: SessionTable,
+                 responses: ResponseIndex, metrics: RouterMetrics, upstream: UpstreamPool,
+                 health: HealthChecker, request_ids: IdGenerator, access_log: AccessLog | None = None,
+                 pd: PDHandoff | None = None) -> None:
+        """``pool``: where requests go (the decode pool in P/D mode: prefill legs are ``pd``'s
+        business); ``pd``: the P/D hand-off (None: aggregated serving); ``access_log``: None when
+        ``access_log = "off"``."""
+        self.config = config
+        self.pool = pool
+        self.policy = policy
+        self.sessions = sessions
+        self.responses = responses
+        self.metrics = metrics
+        self.upstream = upstream
+        self.health = health
+        #: request ids for requests that come without one (the fronts use it for their own answers)
+        self.request_ids = request_ids
+        self.access_log = access_log
+        self.pd = pd
+        self._deny = path_rules(config.proxy_deny)
         #: the client-side session header (read and echoed under this name; upstream it is always
         #: SESSION_HEADER, the name vLLM reads)
-        self.session_header = state.config.session_header
+        self.session_header = config.session_header
         self._drop_response = _DROP_RESPONSE | {self.session_header.lower()}
-        self.access_log = state.access_log
 
     def forwards(self, target: str) -> bool:
         """Whether a request for ``target`` that no route of the router matched goes to a backend
         (``OTHER``), rather than being answered by the router (404/405): not one of the router's
         own paths, not a named route's path (another method), not under ``proxy_deny``, and not a
         path that could be read as another (empty or dot segments, encoded slashes)."""
-        if _AMBIGUOUS.search(target.partition("?")[0]) is not None:
+        if AMBIGUOUS.search(target.partition("?")[0]) is not None:
             return False
         path = canonical_path(target)
-        if path in ROUTER_PATHS or path.startswith(ROUTER_PREFIXES) or path in _NAMED_PATHS:
+        if path in ROUTER_PATHS or path.startswith(ROUTER_PREFIXES) or path in NAMED_PATHS:
             return False
         exact, prefixes = self._deny
         return path not in exact and not path.startswith(prefixes)
@@ -192,8 +126,7 @@ class Proxy:
         client went away, or the front gave up draining), or what the writer raises when a
         failure after a stream started leaves no way to answer but cutting the connection."""
         loop = asyncio.get_running_loop()
-        state = self.state
-        attempt = Attempt(route, request.request_id or state.request_ids.next(), loop.time())
+        attempt = Attempt(route, request.request_id or self.request_ids.next(), loop.time())
         try:
             if request.raw_path[:1] != "/":
                 raise BadRequestError(
@@ -206,7 +139,7 @@ class Proxy:
                 stripped = inspect.without_kv_transfer_params(body, fields)
                 if stripped is not None:  # a client's own P/D parameters reach no backend
                     body = stripped
-                    state.metrics.kv_params_stripped.labels(route.name).inc()
+                    self.metrics.kv_params_stripped.labels(route.name).inc()
             await self._dispatch(request, writer, route, body, fields, attempt)
         except SessionRouterError as exc:
             self._error(writer, exc.status, exc.body(), attempt)
@@ -232,7 +165,7 @@ class Proxy:
     def _resolve(self, request: RequestView, route: Route, body: bytes, attempt: Attempt) -> inspect.OpenFields | None:
         kind = route.kind
         fields: inspect.OpenFields | None
-        if kind in _OPEN_KINDS:
+        if kind in OPEN_KINDS:
             fields = inspect.decode_open_fields(body)
         else:
             fields = inspect.decode_routing_fields(body)
@@ -255,7 +188,7 @@ class Proxy:
             session_id = self._stamp(route, cast(inspect.RoutingFields, fields))
         attempt.session_id = session_id
         if session_id is not None:
-            entry = self.state.sessions.touch(session_id)
+            entry = self.sessions.touch(session_id)
             entry.requests += 1
             attempt.entry = entry
         return fields
@@ -282,12 +215,12 @@ class Proxy:
         previous = getattr(fields, "previous_response_id", None)
         if not isinstance(previous, str):
             return None
-        return self.state.responses.lookup(previous)
+        return self.responses.lookup(previous)
 
     def _stored_response(self, target: str) -> str | None:
         """The backend URL that created the response of ``/v1/responses/{id}...`` (None: not such a
         path, or an id the router did not see)."""
-        responses = self.state.responses
+        responses = self.responses
         if not len(responses) or not target.startswith(_RESPONSES_PREFIX):
             return None
         response_id = target[len(_RESPONSES_PREFIX):].partition("?")[0].partition("/")[0]
@@ -297,7 +230,6 @@ class Proxy:
     # ------------------------------------------------------------------ placement + upstream
     def _place(self, pool: BackendSet, attempt: Attempt, fields: inspect.OpenFields | None,
                exclude: frozenset[str]) -> Placement:
-        state = self.state
         if not exclude:
             home = attempt.home
             if home is None and attempt.route.kind == "responses":
@@ -307,13 +239,13 @@ class Proxy:
                 backend = pool.get(home)
                 if backend is not None and backend.available:
                     return Placement(backend, Outcome.STICKY)
-        placement = state.policy.place(pool, attempt.session_id, attempt.entry, exclude)
+        placement = self.policy.place(pool, attempt.session_id, attempt.entry, exclude)
         # A retry's placement is counted only when it re-pinned the session (a pin found dead by a
         # failed connection is a repin_unhealthy, like one found by a health check); a retry that
         # merely goes elsewhere is counted in retries_total, not as a spill.
         if (attempt.route.session_aware or attempt.entry is not None) and (
                 not exclude or placement.outcome in _REPINS):
-            state.metrics.placement(state.policy.name, placement.outcome.value)
+            self.metrics.placement(self.policy.name, placement.outcome.value)
         return placement
 
     async def _dispatch(self, request: RequestView, writer: ResponseWriter, route: Route, body: bytes,
@@ -358,7 +290,6 @@ class Proxy:
 
         Returns with ``backend.in_flight`` incremented; the caller decrements it when done.
         """
-        state = self.state
         loop = asyncio.get_running_loop()
         exclude: set[str] = set()
         retries_left = self.config.retries
@@ -376,7 +307,7 @@ class Proxy:
             head = request_head(method, path, f"{backend.host}:{backend.port}", headers, len(body))
             backend.in_flight += 1
             try:
-                upstream = await state.upstream.request(backend.host, backend.port, head, body, timeouts=timeouts)
+                upstream = await self.upstream.request(backend.host, backend.port, head, body, timeouts=timeouts)
             except UpstreamError as exc:
                 backend.in_flight -= 1
                 reason = exc.reason
@@ -388,10 +319,10 @@ class Proxy:
                 raise
             else:
                 if upstream.status not in RETRY_STATUSES or retries_left <= 0 or loop.time() >= deadline:
-                    if upstream.status < 500 and state.health is not None:
-                        state.health.record_success(backend)
+                    if upstream.status < 500:
+                        self.health.record_success(backend)
                     ttfb = attempt.ttfb = loop.time() - attempt.started
-                    state.metrics.first_byte(route.name, ttfb)
+                    self.metrics.first_byte(route.name, ttfb)
                     return upstream, backend
                 upstream.close()
                 backend.in_flight -= 1
@@ -399,7 +330,7 @@ class Proxy:
                 self._record_failure(backend, reason, connect_error=False)
             retries_left -= 1
             exclude.add(backend.url)
-            state.metrics.retries.labels(reason).inc()
+            self.metrics.retries.labels(reason).inc()
             if len(exclude) >= len(pool):
                 exclude.clear()  # every backend tried once: allow another round on the healthy ones
             await asyncio.sleep(min(self.config.retry_backoff_s * (0.5 + random.random()),
@@ -409,16 +340,12 @@ class Proxy:
                 raise UpstreamTimeoutError(
                     f"no backend answered within total_timeout_s ({self.config.total_timeout_s:g} s), retries included"
                 )
-            t = state.upstream.timeouts
+            t = self.upstream.timeouts
             timeouts = UpstreamTimeouts(min(t.connect_s, remaining), min(t.first_byte_s, remaining), remaining)
 
     def _record_failure(self, backend: Backend, reason: str, *, connect_error: bool) -> None:
-        state = self.state
-        state.metrics.upstream_errors.labels(backend.name, reason).inc()
-        if state.health is not None:
-            state.health.record_failure(backend, connect_error=connect_error)
-        elif connect_error:
-            backend.healthy = False
+        self.metrics.upstream_errors.labels(backend.name, reason).inc()
+        self.health.record_failure(backend, connect_error=connect_error)
 
     # ------------------------------------------------------------------ relay
     async def _relay(self, writer: ResponseWriter, route: Route, fields: inspect.OpenFields | None,
@@ -431,7 +358,7 @@ class Proxy:
                 usage, response_id = inspect.usage_from_json(data)
                 self._account(attempt, usage)
                 if route.kind == "responses" and response_id is not None:
-                    self.state.responses.remember(response_id, backend.url, attempt.session_id)
+                    self.responses.remember(response_id, backend.url, attempt.session_id)
             elif upstream.status >= 400:
                 self._account_error(attempt)
             writer.respond(upstream.status, headers, data)
@@ -457,7 +384,7 @@ class Proxy:
                 if want_id:
                     response_id = inspect.response_id_from_sse(chunk)
                     if response_id is not None:
-                        self.state.responses.remember(response_id, backend.url, attempt.session_id)
+                        self.responses.remember(response_id, backend.url, attempt.session_id)
                         want_id = False
         except UpstreamError as exc:
             # bytes already reached the client: end the stream with an error event, never hang; the
@@ -494,7 +421,7 @@ class Proxy:
         if usage is not None:
             attempt.usage = usage
             prompt, completion, cached = usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens
-            self.state.metrics.usage(prompt, completion, cached)
+            self.metrics.usage(prompt, completion, cached)
         if entry is not None:
             entry.record_usage(prompt, completion, cached)
 
@@ -513,7 +440,7 @@ class Proxy:
 
     def _finish(self, attempt: Attempt, now: float, method: str) -> None:
         backend = attempt.backend.name if attempt.backend is not None else "none"
-        self.state.metrics.request_done(attempt.route.name, backend, attempt.status, now - attempt.started)
+        self.metrics.request_done(attempt.route.name, backend, attempt.status, now - attempt.started)
         access_log = self.access_log
         if access_log is not None:
             outcome = attempt.outcome

@@ -1,4 +1,7 @@
-"""The router's state: one object created by the app factory, stored under a typed AppKey."""
+"""The router's state: one object created by the app factory, stored under a typed AppKey.
+
+The aiohttp handlers (``router.api``, ``router.admin``) read it; the data path does not: the
+factory hands ``Proxy`` and ``PDHandoff`` their collaborators one by one."""
 
 from __future__ import annotations
 
@@ -28,7 +31,8 @@ class RouterState:
     responses: ResponseIndex
     metrics: RouterMetrics
     upstream: UpstreamPool
-    health: HealthChecker | None = None
+    #: started and stopped by the app's lifecycle (``cleanup_ctx``)
+    health: HealthChecker
     #: aiohttp client for everything off the hot path (health checks, /v1/models, admin)
     http: aiohttp.ClientSession | None = None
     request_ids: IdGenerator = field(default_factory=IdGenerator)

@@ -13,11 +13,12 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from router.errors import PayloadTooLargeError, RequestTimeoutError
-from router.front.exchange import DROP_REQUEST, REQUEST_ID_HEADER, Headers, drop_connection_options
+from router.exchange import DROP_REQUEST, REQUEST_ID_HEADER, Headers, drop_connection_options
 from router.upstream import render_headers
 
 if TYPE_CHECKING:
-    from router.proxy import Proxy, Route
+    from router.proxy import Proxy
+    from router.routes import Route
 
 
 class AiohttpRequest:

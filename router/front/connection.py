@@ -37,18 +37,22 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import httptools
 
-from router.errors import BadRequestError, PayloadTooLargeError, RequestTimeoutError, error_body
-from router.front.exchange import REQUEST_ID_HEADER, Headers, drop_connection_options
-from router.front.wire import CONTINUE, LAST_CHUNK, chunk, error_headers, header_lines, status_line
-from router.http_server import HOST_MESSAGE, MALFORMED_MESSAGE, MAX_LINE_BYTES, refuse_message, valid_host
+from router.errors import error_body
+from router.exchange import REQUEST_ID_HEADER, RequestView, ResponseWriter
+from router.front.raw_exchange import Exchange
+from router.front.settings import ConnectionSettings
+from router.front.wire import DateServer, error_headers
+from router.http_server import HOST_MESSAGE, MALFORMED_MESSAGE, MAX_LINE_BYTES, valid_host
+from router.ids import IdGenerator
 
 if TYPE_CHECKING:
-    from router.front.server import RawFront
-    from router.proxy import Route
+    from router.routes import Route
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +76,6 @@ MAX_QUEUED = 32
 FEED_BYTES = 16 * 1024
 
 _REQUEST_ID_B = REQUEST_ID_HEADER.lower().encode()
-_NO_BODY_STATUSES = frozenset((204, 304))
 
 
 class _Rejected(Exception):
@@ -83,181 +86,41 @@ class _Rejected(Exception):
         self.message = message
 
 
-class Exchange:
-    """One request and its answer: the proxy's ``RequestView`` and ``ResponseWriter`` on the raw
-    front (one object for both: one allocation per request)."""
+@dataclass(frozen=True, slots=True)
+class ConnectionHooks:
+    """What a connection calls on the front that accepted it (``router.front.server``)."""
 
-    __slots__ = (
-        "conn", "method", "raw_path", "path_qs", "route", "http10", "keep_alive", "head_only",
-        "lines", "session_headers", "request_id", "content_length", "expect_continue",
-        "conn_close", "conn_keep_alive", "url", "connection", "hosts", "bad_host", "transfer_encoding",
-        "fields",
-        "complete", "too_large", "bad", "_chunks", "_size", "_waiter",
-        "started", "finished", "_pending", "_chunked",
-    )  # fmt: skip
-
-    def __init__(self, conn: "FrontConnection") -> None:
-        self.conn = conn
-        self.method = ""
-        self.raw_path = ""
-        self.path_qs = ""
-        self.route: Route | None = None
-        self.http10 = False
-        self.keep_alive = True
-        self.head_only = False
-        #: end-to-end header lines as received (``name: value\r\n``), DROP_REQUEST left out
-        self.lines: list[bytes] = []
-        self.session_headers: list[str] = []
-        self.request_id: str | None = None
-        self.content_length: int | None = None
-        self.expect_continue = False
-        self.conn_close = False
-        self.conn_keep_alive = False
-        self.url = b""
-        #: the Connection header values (their options are dropped from the forwarded headers)
-        self.connection: list[str] = []
-        #: Host header fields seen, and whether one was not a valid Host value
-        self.hosts = 0
-        self.bad_host = False
-        self.transfer_encoding = False
-        #: header fields seen (trailer fields included)
-        self.fields = 0
-        #: the whole body arrived
-        self.complete = False
-        self.too_large = False
-        #: the body could not be parsed (bad chunking): why
-        self.bad: str | None = None
-        self._chunks: list[bytes] = []
-        self._size = 0
-        self._waiter: asyncio.Future[None] | None = None
-        self.started = False
-        self.finished = False
-        self._pending = b""
-        self._chunked = False
-
-    # ------------------------------------------------------------------ RequestView
-    def forward_headers(self) -> str:
-        # names were checked by the parser (tokens), values in on_header (no CR, LF or NUL)
-        rendered = b"".join(self.lines).decode("utf-8", "surrogateescape")
-        return drop_connection_options(rendered, self.connection) if self.connection else rendered
-
-    async def read_body(self) -> bytes:
-        if not self.complete and not self.too_large and self.bad is None:
-            conn = self.conn
-            if self.expect_continue and not self.http10:
-                self.expect_continue = False
-                conn.write(CONTINUE)
-            waiter = self._waiter = conn.loop.create_future()
-            timeout = conn.front.body_timeout_s
-            try:
-                async with asyncio.timeout(timeout):
-                    await waiter
-            except TimeoutError:
-                raise RequestTimeoutError(
-                    f"the request body did not arrive within {timeout:g} s (body_timeout_s); send the whole "
-                    "body right after the head"
-                ) from None
-            finally:
-                self._waiter = None
-        if self.too_large:
-            raise PayloadTooLargeError(
-                f"request body exceeds the limit of {self.conn.front.max_body_bytes} bytes (max_body_bytes)"
-            )
-        if self.bad is not None:
-            raise BadRequestError(self.bad)
-        chunks = self._chunks
-        if not chunks:
-            return b""
-        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-    def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    # ------------------------------------------------------------------ ResponseWriter
-    def respond(self, status: int, headers: Headers, body: bytes) -> None:
-        if self.finished:
-            return
-        self.finished = True
-        conn = self.conn
-        if self.started:  # a stream is under way: cutting the connection is the only honest end
-            conn.abort()
-            return
-        close = self._decide_close()
-        if status in _NO_BODY_STATUSES or status < 200:
-            framing = b""
-            body = b""
-        else:
-            framing = b"Content-Length: %d\r\n" % len(body)
-        head = b"".join((status_line(status, self.http10), conn.front.dates.lines(), header_lines(headers),
-                         framing, self._connection_line(close), b"\r\n"))
-        if self.head_only or not body:
-            conn.write(head)
-        elif len(body) < 65536:
-            conn.write(head + body)
-        else:
-            conn.write(head)
-            conn.write(body)
-
-    async def start(self, status: int, headers: Headers) -> None:
-        self.started = True
-        if self.http10:
-            self.keep_alive = False  # close-delimited
-        close = self._decide_close()
-        self._chunked = not self.http10 and not self.head_only
-        framing = b"Transfer-Encoding: chunked\r\n" if self._chunked else b""
-        # sent with the first chunk (one write instead of two)
-        self._pending = b"".join((status_line(status, self.http10), self.conn.front.dates.lines(),
-                                  header_lines(headers), framing, self._connection_line(close), b"\r\n"))
-
-    async def write(self, data: bytes) -> None:
-        if not data or self.head_only:
-            return
-        conn = self.conn
-        if self._chunked:
-            data = chunk(data)
-        if self._pending:
-            data = self._pending + data
-            self._pending = b""
-        conn.write(data)
-        if conn.write_paused:
-            await conn.drained()
-
-    async def end(self) -> None:
-        if self.finished:
-            return
-        self.finished = True
-        tail = LAST_CHUNK if self._chunked else b""
-        if self._pending or tail:
-            self.conn.write(self._pending + tail)
-            self._pending = b""
-
-    def _decide_close(self) -> bool:
-        """Whether the connection closes after this answer (fixed once the head is rendered)."""
-        close = not self.keep_alive or not self.complete or self.conn.closing
-        self.keep_alive = not close
-        return close
-
-    def _connection_line(self, close: bool) -> bytes:
-        if close:
-            return b"Connection: close\r\n"
-        return b"Connection: keep-alive\r\n" if self.http10 else b""
+    #: the route served natively for a request line ``(method, url, target)``; None: relay it
+    route_for: Callable[[bytes, bytes, str], Route | None]
+    #: answer a request of a native route (``Proxy.handle``)
+    handle: Callable[[RequestView, ResponseWriter, Route], Awaitable[None]]
+    #: answer any other request (``Relay.forward``: the aiohttp app answers it)
+    relay: Callable[[Exchange], Awaitable[None]]
+    #: a connection was accepted: register it (False: refused, it closes at once)
+    opened: Callable[[FrontConnection], bool]
+    #: a connection closed: forget it
+    closed: Callable[[FrontConnection], None]
+    #: request ids for the answers the connection makes itself
+    ids: IdGenerator
+    #: the Date/Server lines every answer carries
+    dates: DateServer
 
 
 class FrontConnection(asyncio.Protocol):
     """One client connection; created by ``RawFront`` for every accepted socket."""
 
     __slots__ = (
-        "front", "loop", "transport", "closed", "closing", "write_paused", "idle_since",
+        "settings", "hooks", "dates", "loop", "transport", "closed", "closing", "write_paused", "idle_since",
         "_parser", "_queue", "_parsing", "task", "_in_head", "_head_bytes", "_head_read", "_head_tail",
         "_begun", "_reading_paused",
         "_drain", "_stopped", "_linger", "_body_only", "_backlog", "_session_b", "_drop_b",
     )  # fmt: skip
 
-    def __init__(self, front: "RawFront") -> None:
-        self.front = front
-        self.loop = front.loop
+    def __init__(self, settings: ConnectionSettings, hooks: ConnectionHooks, loop: asyncio.AbstractEventLoop) -> None:
+        self.settings = settings
+        self.hooks = hooks
+        self.dates = hooks.dates
+        self.loop = loop
         self.transport: asyncio.Transport | None = None
         self.closed = False
         #: no request after the current one (drain, Connection: close, an error)
@@ -286,8 +149,8 @@ class FrontConnection(asyncio.Protocol):
         self._stopped = False
         self._linger: asyncio.TimerHandle | None = None
         #: the session header's name (lower case) and the request headers not forwarded as received
-        self._session_b = front.session_header_b
-        self._drop_b = front.drop_request_b
+        self._session_b = settings.session_header_b
+        self._drop_b = settings.drop_request_b
         #: the parser is reading a made-up head that frames the body of an upgrade offer (``_upgrade``)
         self._body_only = False
         #: input read but not parsed yet: MAX_QUEUED requests wait already
@@ -296,19 +159,13 @@ class FrontConnection(asyncio.Protocol):
     # ------------------------------------------------------------------ asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's transports are not asyncio.Transport subclasses
-        front = self.front
-        if len(front.connections) >= front.max_connections:
-            front.refusals.warning(refuse_message(front.max_connections))
+        if not self.hooks.opened(self):
             self._stopped = True
             transport.close()  # refused at once: nothing was read, nothing is answered
-            return
-        front.connections.add(self)
-        if self.front.draining:
-            self.closing = True
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        self.front.forget(self)
+        self.hooks.closed(self)
         if self._linger is not None:
             self._linger.cancel()
             self._linger = None
@@ -490,9 +347,8 @@ class FrontConnection(asyncio.Protocol):
         ex.method = method.decode("ascii")
         ex.head_only = method == b"HEAD"
         ex.raw_path = ex.path_qs = url.decode("utf-8", "surrogateescape")
-        front = self.front
-        ex.route = front.route_for(method, url, ex.raw_path)
-        if ex.content_length is not None and ex.content_length > front.max_body_bytes:
+        ex.route = self.hooks.route_for(method, url, ex.raw_path)
+        if ex.content_length is not None and ex.content_length > self.settings.max_body_bytes:
             ex.too_large = True  # decided before the body: it is discarded, not buffered
         if self.closing:
             ex.keep_alive = False
@@ -507,40 +363,40 @@ class FrontConnection(asyncio.Protocol):
         ex = self._parsing
         if ex is None or ex.too_large:
             return
-        ex._size += len(body)
-        if ex._size > self.front.max_body_bytes:
+        ex.size += len(body)
+        if ex.size > self.settings.max_body_bytes:
             ex.too_large = True  # stop buffering: the answer is a 413
-            ex._chunks.clear()
-            ex._wake()
+            ex.chunks.clear()
+            ex.wake()
             return
-        ex._chunks.append(body)
+        ex.chunks.append(body)
 
     def on_message_complete(self) -> None:
         ex = self._parsing
         self._parsing = None
         if ex is not None:
             ex.complete = True
-            ex._wake()
+            ex.wake()
 
     # ------------------------------------------------------------------ running exchanges
     def _start(self, ex: Exchange) -> None:
         self.task = self.loop.create_task(self._run(ex))
 
     async def _run(self, ex: Exchange) -> None:
-        front = self.front
+        hooks = self.hooks
         try:
             route = ex.route
             if route is not None:
-                await front.proxy.handle(ex, ex, route)  # type: ignore[union-attr]  # routes imply a proxy
+                await hooks.handle(ex, ex, route)
             else:
-                await front.relay.forward(ex)
+                await hooks.relay(ex)
         except asyncio.CancelledError:
             self.abort()  # the client left, or the drain gave up: never a truncated-but-framed answer
             raise
         except Exception:  # never a traceback to the client; keep serving
             log.exception("unexpected error on %s %s", ex.method, ex.route.path if ex.route else "(relayed)")
             if not ex.started and not ex.finished:
-                request_id = ex.request_id or front.ids.next()
+                request_id = ex.request_id or hooks.ids.next()
                 ex.respond(500, error_headers(request_id), error_body(500, "internal router error; see the router's log"))
             else:
                 self.abort()
@@ -593,7 +449,7 @@ class FrontConnection(asyncio.Protocol):
             # the head was fine, the body is not (bad chunking): its read fails with a 400
             ex.bad = rejected.message
             ex.keep_alive = False
-            ex._wake()
+            ex.wake()
             return
         log.debug("rejected a malformed request from %s", self.peer())
         if self._queue:
@@ -606,7 +462,7 @@ class FrontConnection(asyncio.Protocol):
     def _reject_now(self, message: str) -> None:
         ex = Exchange(self)
         ex.keep_alive = False
-        ex.respond(400, error_headers(self.front.ids.next()), error_body(400, message))
+        ex.respond(400, error_headers(self.hooks.ids.next()), error_body(400, message))
         self._linger_close()
 
     def _upgrade(self, data: bytes, offset: int) -> None:

@@ -13,14 +13,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from router.errors import SessionRouterError, UpstreamError
-from router.front.exchange import REQUEST_ID_HEADER
+from router.exchange import REQUEST_ID_HEADER
 from router.front.wire import error_headers
 from router.ids import IdGenerator
 from router.session import SESSION_HEADER
 from router.upstream import UpstreamLimits, UpstreamPool, UpstreamTimeouts, render_headers, request_head
 
 if TYPE_CHECKING:
-    from router.front.connection import Exchange
+    from router.front.raw_exchange import Exchange
 
 #: the app bounds its own work (proxy timeouts, /v1/models fan-out); these only catch a stuck hop
 RELAY_TIMEOUTS = UpstreamTimeouts(connect_s=5.0, first_byte_s=3600.0, total_s=86400.0)

@@ -1,13 +1,15 @@
 """The raw front's listening socket, its connections, the idle sweeper and the graceful drain.
 
-``RawFront`` serves the router's port: the hot POST routes (``router.proxy.ROUTES``) and the
-routes the router forwards without naming them (``router.proxy.OTHER``: ``Proxy.forwards``) go
+``RawFront`` serves the router's port: the hot POST routes (``router.routes.ROUTES``) and the
+routes the router forwards without naming them (``router.routes.OTHER``: ``Proxy.forwards``) go
 straight to the app's ``Proxy``; everything else (the router's own routes, wrong methods, denied
 paths, non-canonical spellings of the hot paths) is relayed to the aiohttp app on its internal
 listener (``router.front.relay``), which answers exactly as the aiohttp front would.
 Drain (``shutdown``): stop accepting, close idle keep-alive connections, let exchanges in flight
 finish for up to the drain timeout (each connection closes after its answer), then cancel what is
 left.
+Connections get the front's settings (``ConnectionSettings``) and what they call back
+(``ConnectionHooks``), made once here, never the front itself.
 """
 
 from __future__ import annotations
@@ -18,17 +20,18 @@ import logging
 import socket
 from typing import TYPE_CHECKING
 
-from router.front.connection import FrontConnection
-from router.front.exchange import DROP_REQUEST
+from router.exchange import DROP_REQUEST, RequestView, ResponseWriter
+from router.front.connection import ConnectionHooks, FrontConnection
 from router.front.relay import Relay
+from router.front.settings import ConnectionSettings
 from router.front.wire import DateServer
-from router.http_server import RateLimitedLog
+from router.http_server import RateLimitedLog, refuse_message
 from router.ids import IdGenerator
-from router.proxy import OTHER, ROUTES
+from router.routes import OTHER, ROUTES, Route
 from router.session import SESSION_HEADER
 
 if TYPE_CHECKING:
-    from router.proxy import Proxy, Route
+    from router.proxy import Proxy
 
 log = logging.getLogger(__name__)
 
@@ -51,14 +54,16 @@ class RawFront:
         self.proxy = proxy
         self.max_connections = max_connections
         self.refusals = RateLimitedLog(log)
-        self.max_body_bytes = max_body_bytes
-        self.body_timeout_s = body_timeout_s
         #: request ids for the answers the front makes itself (the proxy's, when there is one)
-        self.ids = proxy.state.request_ids if proxy is not None else IdGenerator()
+        self.ids = proxy.request_ids if proxy is not None else IdGenerator()
         #: the header clients send their session in (``session_header``); the relay passes it on under that name
         session_header = proxy.session_header if proxy is not None else SESSION_HEADER
-        self.session_header_b = session_header.lower().encode()
-        self.drop_request_b = frozenset(h.encode() for h in DROP_REQUEST) | {self.session_header_b}
+        session_header_b = session_header.lower().encode()
+        #: what every connection reads (fixed at start-up)
+        self.settings = ConnectionSettings(
+            max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s, session_header_b=session_header_b,
+            drop_request_b=frozenset(h.encode() for h in DROP_REQUEST) | {session_header_b},
+        )
         self.relay = Relay(app_host, app_port, self.ids, session_header)
         #: POST path -> route, for the routes served natively (none without a proxy: all relayed)
         self.hot: dict[bytes, Route] = {r.path.encode(): r for r in ROUTES} if proxy is not None else {}
@@ -69,10 +74,15 @@ class RawFront:
         self._server: asyncio.AbstractServer | None = None
         self._sweeper: asyncio.Task[None] | None = None
         self._empty: asyncio.Event | None = None
+        #: what every connection calls back
+        self.hooks = ConnectionHooks(
+            route_for=self.route_for, handle=proxy.handle if proxy is not None else _no_proxy,
+            relay=self.relay.forward, opened=self._opened, closed=self.forget, ids=self.ids, dates=self.dates,
+        )
 
     async def start(self, host: str, port: int, *, backlog: int = 1024, reuse_port: bool = False) -> int:
         """Listen on ``host:port``; return the bound port. Raises ``OSError`` (e.g. the port is taken)."""
-        server = await self.loop.create_server(lambda: FrontConnection(self), host, port, backlog=backlog,
+        server = await self.loop.create_server(lambda: FrontConnection(self.settings, self.hooks, self.loop), host, port, backlog=backlog,
                                                reuse_port=reuse_port or None)
         self._server = server
         self._sweeper = self.loop.create_task(self._sweep(), name="raw-front-sweeper")
@@ -82,7 +92,7 @@ class RawFront:
                 return int(sock.getsockname()[1])
         return port
 
-    def route_for(self, method: bytes, url: bytes, target: str) -> "Route | None":
+    def route_for(self, method: bytes, url: bytes, target: str) -> Route | None:
         """The route the front serves natively for this request line (None: relay it to the app)."""
         if method == b"POST":
             route = self.hot.get(url.partition(b"?")[0])
@@ -90,6 +100,15 @@ class RawFront:
                 return route
         proxy = self.proxy
         return OTHER if proxy is not None and proxy.forwards(target) else None
+
+    def _opened(self, conn: FrontConnection) -> bool:
+        if len(self.connections) >= self.max_connections:
+            self.refusals.warning(refuse_message(self.max_connections))
+            return False
+        self.connections.add(conn)
+        if self.draining:
+            conn.closing = True
+        return True
 
     def forget(self, conn: FrontConnection) -> None:
         self.connections.discard(conn)
@@ -135,3 +154,7 @@ class RawFront:
             for conn in list(self.connections):
                 if not conn.busy() and conn.idle_since < deadline:
                     conn.shutdown()
+
+
+async def _no_proxy(request: RequestView, writer: ResponseWriter, route: Route) -> None:
+    raise AssertionError("a front without a proxy serves no route natively (route_for relays everything)")

@@ -16,17 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from types import TracebackType
-from typing import TYPE_CHECKING
 
 import httptools
 
 from router.errors import UpstreamProtocolError, UpstreamTimeoutError
+from router.upstream.config import UpstreamLimits
 from router.upstream.head import HOP_BY_HOP
-
-if TYPE_CHECKING:
-    from router.upstream.pool import UpstreamPool
 
 _HOP_BY_HOP_B = frozenset(h.encode() for h in HOP_BY_HOP)
 
@@ -89,7 +86,7 @@ class UpstreamResponse:
         self._exc: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._read_all = False
-        self._max_body = conn.pool.limits.max_body_bytes
+        self._max_body = conn.max_body
 
     # ------------------------------------------------------------------ consumer side
     @property
@@ -231,10 +228,14 @@ class UpstreamResponse:
 
 
 class UpstreamConnection(asyncio.Protocol):
-    """One TCP connection to one backend; created by ``UpstreamPool``."""
+    """One TCP connection to one backend; created by ``UpstreamPool``, which it calls back through
+    ``on_release`` (a clean end of an exchange on a keep-alive connection: reuse it or close it)
+    and ``on_lost`` (the connection closed)."""
 
     __slots__ = (
-        "pool",
+        "on_release",
+        "on_lost",
+        "max_body",
         "key",
         "label",
         "loop",
@@ -265,8 +266,13 @@ class UpstreamConnection(asyncio.Protocol):
         "_head_left",
     )
 
-    def __init__(self, pool: "UpstreamPool", key: tuple[str, int], loop: asyncio.AbstractEventLoop) -> None:
-        self.pool = pool
+    def __init__(self, key: tuple[str, int], loop: asyncio.AbstractEventLoop, limits: UpstreamLimits,
+                 on_release: Callable[["UpstreamConnection"], None],
+                 on_lost: Callable[["UpstreamConnection"], None]) -> None:
+        self.on_release = on_release
+        self.on_lost = on_lost
+        #: a response body read whole may not exceed this (``max_upstream_body_bytes``)
+        self.max_body = limits.max_body_bytes
         self.key = key
         self.label = f"{key[0]}:{key[1]}"
         self.loop = loop
@@ -278,7 +284,6 @@ class UpstreamConnection(asyncio.Protocol):
         self.paused = False
         self.idle_since = 0.0
         self._parser = httptools.HttpResponseParser(self)
-        limits = pool.limits
         self._high = limits.read_high_water
         self._low = limits.read_low_water
         self._head_waiter: asyncio.Future[UpstreamResponse] | None = None
@@ -338,6 +343,32 @@ class UpstreamConnection(asyncio.Protocol):
             if self.transport is not None:
                 self.transport.abort()
 
+    def close(self) -> None:
+        """Close the socket (flushing what was written); only for a connection with no exchange."""
+        if not self.closed:
+            self.closed = True
+            if self.transport is not None:
+                self.transport.close()
+
+    def cancel(self, waiter: "asyncio.Future[UpstreamResponse]") -> None:
+        """The caller of the exchange ``waiter`` (what ``send`` returned) gave up: if it is still
+        this connection's exchange, abort it, so that the backend sees the client go."""
+        if self.busy and self._head_waiter is waiter:
+            self.abort()
+
+    def shut_down(self, message: str) -> "asyncio.Future[None] | None":
+        """The pool closes: fail the exchange in flight with ``UpstreamProtocolError(message)``, or
+        close an idle connection. Returns a future done once the connection is lost (None: no socket)."""
+        lost: asyncio.Future[None] | None = None
+        if self.transport is not None:
+            lost = self._lost_waiter = self.loop.create_future()
+        if self.busy:
+            self._fail(UpstreamProtocolError(message))
+        elif self.transport is not None:
+            self.closed = True
+            self.transport.close()
+        return lost
+
     def consumed(self, buffered: int) -> None:
         """The consumer took bytes; ``buffered`` remain. Resume reading at or below low water."""
         if self.paused and buffered <= self._low:
@@ -390,7 +421,7 @@ class UpstreamConnection(asyncio.Protocol):
             self.resume()
         if self._keep_alive and not self._poisoned and not self.closed:
             self.reused = True
-            self.pool._put_idle(self)
+            self.on_release(self)
         else:
             self.closed = True
             if self.transport is not None:
@@ -453,7 +484,7 @@ class UpstreamConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        self.pool._forget(self)
+        self.on_lost(self)
         lost = self._lost_waiter
         if lost is not None and not lost.done():
             lost.set_result(None)

@@ -8,7 +8,7 @@ import errno
 import logging
 import os
 
-from router.errors import UpstreamConnectError, UpstreamProtocolError
+from router.errors import UpstreamConnectError
 from router.upstream.config import UpstreamLimits, UpstreamTimeouts
 from router.upstream.connection import StaleConnectionError, UpstreamConnection, UpstreamResponse
 
@@ -34,6 +34,9 @@ class UpstreamPool:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._sweeper: asyncio.Task[None] | None = None
         self._closed = False
+        # the connections' callbacks, bound once
+        self._on_release = self._put_idle
+        self._on_lost = self._forget
         #: connections opened, and requests retried after the keep-alive race (for metrics)
         self.connects = 0
         self.stale_retries = 0
@@ -80,8 +83,7 @@ class UpstreamPool:
         except StaleConnectionError:
             pass
         except asyncio.CancelledError:
-            if conn.busy and conn._head_waiter is fut:  # still our exchange: the backend must see us go
-                conn.abort()
+            conn.cancel(fut)  # still our exchange: the backend must see us go
             raise
         # the keep-alive race: the backend closed the idle connection as we wrote; it saw nothing
         self.stale_retries += 1
@@ -90,8 +92,7 @@ class UpstreamPool:
         try:
             return await fut
         except asyncio.CancelledError:
-            if conn.busy and conn._head_waiter is fut:
-                conn.abort()
+            conn.cancel(fut)
             raise
 
     def _send(
@@ -117,7 +118,8 @@ class UpstreamPool:
         host, port = key
         try:
             async with asyncio.timeout(connect_s):
-                _, conn = await loop.create_connection(lambda: UpstreamConnection(self, key, loop), host, port)
+                _, conn = await loop.create_connection(
+                    lambda: UpstreamConnection(key, loop, self.limits, self._on_release, self._on_lost), host, port)
         except TimeoutError:
             raise UpstreamConnectError(
                 f"cannot connect to backend {host}:{port}: no answer within {connect_s:g} s"
@@ -137,20 +139,20 @@ class UpstreamPool:
         self._conns.add(conn)
         return conn
 
-    # ------------------------------------------------------------------ called by connections
+    # ------------------------------------------------------------------ connections' callbacks
     def _put_idle(self, conn: UpstreamConnection) -> None:
+        """``on_release``: keep ``conn`` for reuse, or close it (pool closed, or enough idle)."""
         idle = self._idle.get(conn.key)
         if idle is None:
             idle = self._idle[conn.key] = []
         if self._closed or len(idle) >= self.limits.max_idle_per_host:
-            conn.closed = True
-            if conn.transport is not None:
-                conn.transport.close()
+            conn.close()
             return
         conn.idle_since = conn.loop.time()
         idle.append(conn)
 
     def _forget(self, conn: UpstreamConnection) -> None:
+        """``on_lost``: ``conn`` closed."""
         self._conns.discard(conn)
         idle = self._idle.get(conn.key)
         if idle and conn in idle:
@@ -188,17 +190,11 @@ class UpstreamPool:
             except asyncio.CancelledError:
                 pass
             self._sweeper = None
-        loop = self._loop
         waiters: list[asyncio.Future[None]] = []
         for conn in list(self._conns):
-            if loop is not None and conn.transport is not None:
-                conn._lost_waiter = loop.create_future()
-                waiters.append(conn._lost_waiter)
-            if conn.busy:
-                conn._fail(UpstreamProtocolError(f"the request to backend {conn.label} was cut: the router is shutting down"))
-            elif conn.transport is not None:
-                conn.closed = True
-                conn.transport.close()
+            lost = conn.shut_down(f"the request to backend {conn.label} was cut: the router is shutting down")
+            if lost is not None:
+                waiters.append(lost)
         self._idle.clear()
         if waiters:
             await asyncio.wait(waiters, timeout=1.0)

@@ -1,9 +1,9 @@
-"""What the proxy needs from a front: a request view and a response writer.
+"""The proxy's seam: what it needs from a front, a request view and a response writer.
 
 ``Proxy.handle(request, writer, route)`` reads the request through ``RequestView`` and answers
-through ``ResponseWriter``; it never touches a server framework. Two fronts implement them:
-``router.front.aiohttp_adapter`` (aiohttp's ``web.Request``) and ``router.front.connection``
-(the raw ``asyncio.Protocol`` + httptools front).
+through ``ResponseWriter``; it never touches a server framework. The proxy owns this seam; the
+fronts implement it: ``router.front.aiohttp_adapter`` (aiohttp's ``web.Request``) and
+``router.front.raw_exchange`` (the raw ``asyncio.Protocol`` + httptools front).
 """
 
 from __future__ import annotations

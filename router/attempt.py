@@ -1,0 +1,43 @@
+"""One request's journey through the proxy: what it resolved to and where it went.
+
+Made by ``Proxy.handle`` for every request and read by the P/D hand-off (``router.pd``) and the
+accounting; it holds no behaviour.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from router.placement.base import Outcome
+from router.pool import Backend, BackendSet
+from router.routes import Route
+
+if TYPE_CHECKING:
+    from router import inspect
+    from router.sessions import SessionEntry
+
+
+class Attempt:
+    """One request's journey: what it resolved to and where it went."""
+
+    __slots__ = ("route", "request_id", "session_id", "entry", "started", "backend", "status", "pool", "home",
+                 "ttfb", "outcome", "usage")
+
+    def __init__(self, route: Route, request_id: str, started: float) -> None:
+        self.route = route
+        self.request_id = request_id
+        self.session_id: str | None = None
+        self.entry: SessionEntry | None = None
+        self.started = started
+        self.backend: Backend | None = None
+        self.status = 0
+        #: where it may go: the serving pool, or the candidate set of the model it names
+        self.pool: BackendSet | None = None
+        #: URL of the backend that must serve it when available (a stored Responses API id)
+        self.home: str | None = None
+        #: seconds from the start until the (last) backend's response head arrived
+        self.ttfb: float | None = None
+        #: the (last) placement's outcome
+        self.outcome: Outcome | None = None
+        #: the answer's token usage, when the router read it
+        self.usage: inspect.Usage | None = None

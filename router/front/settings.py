@@ -1,0 +1,17 @@
+"""The raw front's settings as its connections and exchanges read them: fixed at start-up."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionSettings:
+    #: a larger request body gets a 413 (``max_body_bytes``)
+    max_body_bytes: int
+    #: a body not whole this long after its head gets a 408 (``body_timeout_s``)
+    body_timeout_s: float
+    #: the client-side session header's name, lower case (``session_header``)
+    session_header_b: bytes
+    #: request headers never forwarded as received, lower case (``router.exchange.DROP_REQUEST`` and the session header)
+    drop_request_b: frozenset[bytes]
