@@ -31,11 +31,11 @@ from collections.abc import Sequence
 
 from aiohttp import web
 
-from router.http_server import JsonErrorAppRunner
 from backends import __version__
 from backends.engine.outputs import EngineConfig
 from backends.kv_transfer import DEFAULT_PULL_TIMEOUT_S, parse_allow_entry
 from backends.server import create_app, create_side_channel_app
+from contract.aiohttp_json_errors import JsonErrorAppRunner
 
 log = logging.getLogger("backends")
 

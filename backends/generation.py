@@ -18,7 +18,7 @@ from backends.engine.outputs import RequestOutput
 from backends.engine.request import EngineCoreRequest
 from backends.serving import Choice, Frontend, GenerationRun
 from backends.sse import DONE, data_frame
-from router.errors import SessionRouterError, error_body
+from contract.errors import SessionRouterError, error_body
 
 log = logging.getLogger(__name__)
 

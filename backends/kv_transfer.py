@@ -84,7 +84,7 @@ from yarl import URL
 from backends.engine.holds import HoldTable
 from backends.engine.kv_cache import hash_full_blocks, token_bytes
 from backends.engine.outputs import EngineConfig
-from router.errors import BadRequestError, ClientError, NotFoundError
+from contract.errors import BadRequestError, ClientError, NotFoundError
 
 if TYPE_CHECKING:
     from backends.engine.client import AsyncEngine

@@ -50,8 +50,8 @@ from backends.serving import (
 from backends.sse import data_frame, open_stream
 from backends.state import FRONTEND
 from backends.tokenizer import Tokenizer
-from router.errors import BadRequestError
-from router.session import SESSION_HEADER, resolve_session_id, session_from_headers
+from contract.errors import BadRequestError
+from contract.session import SESSION_HEADER, resolve_session_id, session_from_headers
 
 _completion_decoder = msgspec.json.Decoder(CompletionRequest)
 _chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)

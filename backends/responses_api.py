@@ -43,8 +43,8 @@ from backends.serving import (
 )
 from backends.sse import event_frame, open_stream
 from backends.state import FRONTEND
-from router.errors import BadRequestError, NotFoundError
-from router.session import SESSION_HEADER, resolve_session_id
+from contract.errors import BadRequestError, NotFoundError
+from contract.session import SESSION_HEADER, resolve_session_id
 
 _decoder = msgspec.json.Decoder(ResponsesRequest)
 _enc = msgspec.json.Encoder()

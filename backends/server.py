@@ -11,7 +11,7 @@ Routes (vLLM's, where a client or router can see them):
   (the router's "the decode leg will not come") on both                           (``kv_transfer``)
 
 Every error is vLLM's JSON ``{"error": {"message", "type", "param", "code"}}``, produced in ONE
-place (``error_middleware``): the ``router.errors`` tree, aiohttp's 404/405/413, and anything
+place (``error_middleware``): the ``contract.errors`` tree, aiohttp's 404/405/413, and anything
 unexpected (500, logged, no traceback in the body). Every response carries ``X-Request-Id``.
 """
 
@@ -46,7 +46,7 @@ from backends.responses_store import DEFAULT_MAX_ENTRIES, ResponseStore
 from backends.serving import REQUEST_ID_HEADER, REQUEST_ID_KEY, Frontend, read_json_body
 from backends.state import ENGINE, FRONTEND
 from backends.tokenizer import Tokenizer
-from router.errors import BadRequestError, NotFoundError, SessionRouterError, error_body
+from contract.errors import BadRequestError, NotFoundError, SessionRouterError, error_body
 
 log = logging.getLogger(__name__)
 

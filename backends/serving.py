@@ -23,8 +23,8 @@ from backends.engine.request import EngineCoreRequest, SamplingParams
 from backends.protocol import PromptTokensDetails, Usage
 from backends.responses_store import ResponseStore
 from backends.tokenizer import Tokenizer
-from router.ids import IdGenerator
-from router.errors import BadRequestError, InvalidJSONError, NotFoundError
+from contract.errors import BadRequestError, InvalidJSONError, NotFoundError
+from contract.ids import IdGenerator
 
 if TYPE_CHECKING:
     from backends.kv_transfer import KVTransfer, RemoteLoad

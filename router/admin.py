@@ -21,12 +21,12 @@ from urllib.parse import urlsplit
 import msgspec
 from aiohttp import web
 
+from contract.errors import (AuthenticationError, BadRequestError, ConfigError, NotFoundError, PermissionDeniedError,
+                             SessionRouterError)
 from router import api
 from router.api import error_response, json_response
 from router.backend_allow import BackendAllowList, BackendNotAllowed
 from router.config import RouterConfig
-from router.errors import (AuthenticationError, BadRequestError, ConfigError, NotFoundError, PermissionDeniedError,
-                           SessionRouterError)
 from router.pool import POOL_DEFAULT, Backend
 from router.state import ROUTER_STATE, RouterState
 

@@ -11,7 +11,7 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from router.errors import BadRequestError, NotFoundError, SessionRouterError
+from contract.errors import BadRequestError, NotFoundError, SessionRouterError
 from router.state import ROUTER_STATE
 
 log = logging.getLogger(__name__)

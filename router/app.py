@@ -10,10 +10,10 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from contract.errors import error_body
 from router import admin, api
 from router.access_log import AccessLog
 from router.config import RouterConfig
-from router.errors import error_body
 from router.front.aiohttp_adapter import proxy_handler
 from router.front.exchange import REQUEST_ID_HEADER
 from router.health import HealthChecker

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from router.errors import NoHealthyBackendError, UpstreamConnectError, UpstreamError, UpstreamStatusError
+from contract.errors import NoHealthyBackendError, UpstreamConnectError, UpstreamError, UpstreamStatusError
 from router.pool import POOL_PREFILL, Backend
 from router.upstream import UpstreamTimeouts, request_head
 

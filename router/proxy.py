@@ -37,8 +37,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 from urllib.parse import unquote
 
-from router import inspect
-from router.errors import (
+from contract.errors import (
     BadRequestError,
     NotFoundError,
     PayloadTooLargeError,
@@ -48,11 +47,12 @@ from router.errors import (
     UpstreamTimeoutError,
     error_body,
 )
+from contract.session import SESSION_HEADER, resolve_session_id, session_from_headers
+from router import inspect
 from router.front.exchange import REQUEST_ID_HEADER, Headers, RequestView, ResponseWriter
 from router.placement.base import Outcome, Placement
 from router.pd import PD_ROUTE_KINDS, Handoff, PDHandoff
 from router.pool import Backend, BackendSet
-from router.session import SESSION_HEADER, resolve_session_id, session_from_headers
 from router.upstream import UpstreamResponse, UpstreamTimeouts, render_headers, request_head
 
 if TYPE_CHECKING:

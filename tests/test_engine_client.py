@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 from backends.engine.client import AsyncEngine, DuplicateRequestIdError, EngineDeadError
 from backends.engine.outputs import EngineConfig, RequestOutput
 from backends.engine.request import EngineCoreRequest, SamplingParams
-from router.errors import BadRequestError
+from contract.errors import BadRequestError
 from tests.support import eventually
 
 

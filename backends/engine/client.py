@@ -25,7 +25,7 @@ from backends.engine.core import EngineCore, HeldBlocks
 from backends.engine.metrics import EngineMetrics
 from backends.engine.outputs import EngineConfig, RequestOutput
 from backends.engine.request import EngineCoreRequest, encode_request
-from router.errors import BadRequestError, SessionRouterError
+from contract.errors import BadRequestError, SessionRouterError
 
 log = logging.getLogger(__name__)
 

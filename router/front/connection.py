@@ -23,7 +23,7 @@ a connection closed before
 its request body was read is closed "lingering" (write side first, input discarded for a
 bounded time) so the client reads the answer instead of a reset.
 
-HTTP/1.x rules kept here (aiohttp's front keeps the same, see ``router.http_server``): trailer
+HTTP/1.x rules kept here (aiohttp's front keeps the same, see ``contract.aiohttp_json_errors``): trailer
 fields after a chunked body are discarded (never headers, never forwarded, never a session id);
 the headers a ``Connection`` header names are not forwarded (``drop_connection_options``); an
 HTTP/1.1 request needs exactly one valid ``Host`` (else 400); an HTTP/1.0 request with
@@ -41,10 +41,11 @@ from typing import TYPE_CHECKING
 
 import httptools
 
-from router.errors import BadRequestError, PayloadTooLargeError, RequestTimeoutError, error_body
+from contract.aiohttp_json_errors import HOST_MESSAGE, MALFORMED_MESSAGE, MAX_LINE_BYTES, valid_host
+from contract.errors import BadRequestError, PayloadTooLargeError, RequestTimeoutError, error_body
 from router.front.exchange import REQUEST_ID_HEADER, Headers, drop_connection_options
 from router.front.wire import CONTINUE, LAST_CHUNK, chunk, error_headers, header_lines, status_line
-from router.http_server import HOST_MESSAGE, MALFORMED_MESSAGE, MAX_LINE_BYTES, refuse_message, valid_host
+from router.http_server import refuse_message
 
 if TYPE_CHECKING:
     from router.front.server import RawFront

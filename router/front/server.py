@@ -18,14 +18,14 @@ import logging
 import socket
 from typing import TYPE_CHECKING
 
+from contract.ids import IdGenerator
+from contract.session import SESSION_HEADER
 from router.front.connection import FrontConnection
 from router.front.exchange import DROP_REQUEST
 from router.front.relay import Relay
 from router.front.wire import DateServer
 from router.http_server import RateLimitedLog
-from router.ids import IdGenerator
 from router.proxy import OTHER, ROUTES
-from router.session import SESSION_HEADER
 
 if TYPE_CHECKING:
     from router.proxy import Proxy, Route

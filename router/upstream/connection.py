@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import httptools
 
-from router.errors import UpstreamProtocolError, UpstreamTimeoutError
+from contract.errors import UpstreamProtocolError, UpstreamTimeoutError
 from router.upstream.head import HOP_BY_HOP
 
 if TYPE_CHECKING:
