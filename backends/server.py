@@ -11,8 +11,7 @@ Routes (vLLM's, where a client or router can see them):
   (the router's "the decode leg will not come") on both                           (``kv_transfer``)
 
 Every error is vLLM's JSON ``{"error": {"message", "type", "param", "code"}}``, produced in ONE
-place (``error_middleware``): the ``contract.errors`` tree, aiohttp's 404/405/413, and anything
-unexpected (500, logged, no traceback in the body). Every response carries ``X-Request-Id``.
+place (``backends.http_errors.error_middleware``). Every response carries ``X-Request-Id``.
 """
 
 from __future__ import annotations
@@ -29,7 +28,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from backends import openai_routes, responses_api
 from backends.engine.client import AsyncEngine
 from backends.engine.outputs import EngineConfig
-from backends.generation import ClientDisconnected, json_response
+from backends.generation import json_response
+from backends.http_errors import error_middleware
 from backends.kv_transfer import DEFAULT_PULL_TIMEOUT_S, AllowList, KVTransfer
 from backends.openai_routes import chat_prompt
 from backends.protocol import (
@@ -46,7 +46,7 @@ from backends.responses_store import DEFAULT_MAX_ENTRIES, ResponseStore
 from backends.serving import REQUEST_ID_HEADER, REQUEST_ID_KEY, Frontend, read_json_body
 from backends.state import ENGINE, FRONTEND
 from backends.tokenizer import Tokenizer
-from contract.errors import BadRequestError, NotFoundError, SessionRouterError, error_body
+from contract.errors import BadRequestError, NotFoundError
 
 log = logging.getLogger(__name__)
 
@@ -56,54 +56,6 @@ DEFAULT_SESSIONS_LIMIT = 100
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 EngineFactory = Callable[[EngineConfig, CollectorRegistry], AsyncEngine]
-
-
-def _error_response(status: int, body: bytes, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(body=body, status=status, content_type="application/json", headers=headers)
-
-
-@web.middleware
-async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    try:
-        resp = await handler(request)
-    except SessionRouterError as exc:
-        resp = _error_response(exc.status, exc.body())
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        resp = _http_error(request, exc)
-    except ClientDisconnected:
-        resp = web.Response(status=499)  # never sent: the client is gone
-    except asyncio.CancelledError:
-        raise
-    except Exception:
-        log.exception("unexpected error serving %s %s", request.method, request.path)
-        resp = _error_response(
-            500, error_body(500, "The server had an unexpected error while processing the request; see its log.")
-        )
-    if not resp.prepared and REQUEST_ID_HEADER not in resp.headers:
-        rid = request.get(REQUEST_ID_KEY) or request.headers.get(REQUEST_ID_HEADER)
-        if rid is None:
-            rid = request.app[FRONTEND].ids.next()
-        resp.headers[REQUEST_ID_HEADER] = rid
-    return resp
-
-
-def _http_error(request: web.Request, exc: web.HTTPException) -> web.Response:
-    status = exc.status
-    headers: dict[str, str] = {}
-    if status == 404:
-        message = f"Not Found: no route for {request.method} {request.path}."
-    elif status == 405:
-        allowed = sorted(getattr(exc, "allowed_methods", ()) or ())
-        message = f"Method Not Allowed: {request.method} {request.path}; use {', '.join(allowed) or 'another method'}."
-        if allowed:
-            headers["Allow"] = ", ".join(allowed)
-    elif status == 413:
-        message = f"Request body too large. {exc.text} Send a smaller body."
-    else:
-        message = exc.reason or exc.text or "HTTP error"
-    return _error_response(status, error_body(status, message), headers)
 
 
 # ---- small routes ---------------------------------------------------------------------------

@@ -17,7 +17,8 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from backends.engine.client import AsyncEngine, EngineDeadError
+from backends.engine.client import AsyncEngine
+from backends.engine.errors import EngineDeadError
 from backends.engine.outputs import EngineConfig, RequestOutput
 from backends.engine.request import EngineCoreRequest, SamplingParams
 from backends.protocol import PromptTokensDetails, Usage
