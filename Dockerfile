@@ -12,7 +12,7 @@ WORKDIR /app
 COPY . /app
 # the packages (contract, router, backends) with uvloop; bench/ runs from /app (python -m bench.traffic)
 RUN pip install ".[fast]" \
-    && python -c "import contract.errors, router.app, backends.server, bench.traffic" \
+    && python -c "import contract.errors, router.app, backends.app, bench.traffic" \
     && useradd --system --uid 10001 --home-dir /app app
 USER app
 

@@ -32,9 +32,9 @@ from collections.abc import Sequence
 from aiohttp import web
 
 from backends import __version__
+from backends.app import create_app, create_side_channel_app
 from backends.engine.outputs import EngineConfig
 from backends.kv_transfer import DEFAULT_PULL_TIMEOUT_S, parse_allow_entry
-from backends.server import create_app, create_side_channel_app
 from contract.aiohttp_json_errors import JsonErrorAppRunner
 
 log = logging.getLogger("backends")

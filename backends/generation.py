@@ -14,11 +14,12 @@ from typing import cast
 import msgspec
 from aiohttp import web
 
+from backends.engine.errors import EngineError
 from backends.engine.outputs import RequestOutput
 from backends.engine.request import EngineCoreRequest
-from backends.engine.errors import EngineError
+from backends.frontend import Frontend
+from backends.generation_run import Choice, GenerationRun
 from backends.http_errors import ClientDisconnected, http_error
-from backends.serving import Choice, Frontend, GenerationRun
 from backends.sse import DONE, data_frame
 from contract.errors import SessionRouterError, error_body
 

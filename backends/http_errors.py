@@ -17,8 +17,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from backends.engine.errors import DuplicateRequestIdError, EngineDeadError, EngineError
-from backends.serving import REQUEST_ID_HEADER, REQUEST_ID_KEY
-from backends.state import FRONTEND
+from backends.frontend import FRONTEND, REQUEST_ID_HEADER, REQUEST_ID_KEY
 from contract.errors import BadRequestError, SessionRouterError, error_body
 
 log = logging.getLogger(__name__)

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
+from backends.app import create_app
 from backends.engine.outputs import EngineConfig
-from backends.server import create_app
 
 BLOCK = 16
 

@@ -10,9 +10,9 @@ from typing import Any
 import msgspec
 import pytest
 
+from backends.app import create_app as create_backend_app
 from backends.engine.outputs import EngineConfig
-from backends.server import ENGINE
-from backends.server import create_app as create_backend_app
+from backends.frontend import ENGINE
 from contract.errors import BadRequestError, InvalidJSONError
 from router import inspect
 from router.app import create_app as create_router_app

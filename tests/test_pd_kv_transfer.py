@@ -18,7 +18,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from backends.__main__ import config_from_args, parse_args
+from backends.app import create_app, create_side_channel_app
 from backends.engine.outputs import EngineConfig
+from backends.frontend import ENGINE, FRONTEND
 from backends.kv_transfer import (
     FAILURE_REASONS,
     PULL_PATH,
@@ -30,7 +32,6 @@ from backends.kv_transfer import (
     parse_remote_params,
     prompt_digest,
 )
-from backends.server import ENGINE, FRONTEND, create_app, create_side_channel_app
 from tests.support import eventually
 
 BS = 16

@@ -12,9 +12,10 @@ import msgspec
 import pytest
 from multidict import CIMultiDict
 
+from backends.app import create_app
 from backends.engine.outputs import EngineConfig
 from backends.engine.request import SESSION_ID_POSITION, WIRE_FIELD_COUNT
-from backends.server import ENGINE, create_app
+from backends.frontend import ENGINE
 from contract.errors import InvalidSessionIdError
 from contract.session import resolve_session_id, session_from_headers, validate_session_id
 
