@@ -33,7 +33,7 @@ from aiohttp import web
 
 from backends import __version__
 from backends.app import create_app, create_side_channel_app
-from backends.engine.outputs import EngineConfig
+from backends.engine.config import EngineConfig
 from backends.kv_transfer import DEFAULT_PULL_TIMEOUT_S, parse_allow_entry
 from contract.aiohttp_json_errors import JsonErrorAppRunner
 

@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry
 
 from backends import instance_routes, openai_routes, responses_api
 from backends.engine.client import AsyncEngine
-from backends.engine.outputs import EngineConfig
+from backends.engine.config import EngineConfig
 from backends.frontend import ENGINE, FRONTEND, Frontend
 from backends.http_errors import error_middleware
 from backends.kv_transfer import DEFAULT_PULL_TIMEOUT_S, AllowList, KVTransfer

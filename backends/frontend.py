@@ -16,8 +16,8 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from backends.engine.client import AsyncEngine
+from backends.engine.config import EngineConfig
 from backends.engine.errors import EngineDeadError
-from backends.engine.outputs import EngineConfig
 from backends.responses_store import ResponseStore
 from backends.tokenizer import Tokenizer
 from contract.errors import NotFoundError

@@ -81,9 +81,9 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from prometheus_client.registry import Collector
 from yarl import URL
 
+from backends.engine.config import EngineConfig
 from backends.engine.holds import HoldTable
 from backends.engine.kv_cache import hash_full_blocks, token_bytes
-from backends.engine.outputs import EngineConfig
 from contract.errors import BadRequestError, ClientError, NotFoundError
 
 if TYPE_CHECKING:

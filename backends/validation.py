@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from backends.engine.outputs import EngineConfig
+from backends.engine.config import EngineConfig
 from backends.engine.request import EngineCoreRequest, SamplingParams
 from backends.frontend import Frontend
 from backends.tokenizer import Tokenizer

@@ -14,7 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from backends.app import create_app
-from backends.engine.outputs import EngineConfig
+from backends.engine.config import EngineConfig
 from backends.frontend import ENGINE
 from tests.support import eventually
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from backends.app import create_app
-from backends.engine.outputs import EngineConfig
+from backends.engine.config import EngineConfig
 from backends.frontend import ENGINE, FRONTEND
 from tests.support import eventually
 

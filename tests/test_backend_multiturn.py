@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from backends.app import create_app
-from backends.engine.outputs import EngineConfig
+from backends.engine.config import EngineConfig
 
 BLOCK = 16
 

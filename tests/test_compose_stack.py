@@ -27,7 +27,7 @@ import pytest
 
 from backends.__main__ import parse_args as backend_args
 from backends.app import create_app as create_backend_app
-from backends.engine.outputs import EngineConfig
+from backends.engine.config import EngineConfig
 from bench.traffic import Stats, TrafficConfig
 from bench.traffic import parse_args as traffic_args
 from bench.traffic import run as traffic_run

@@ -12,8 +12,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from backends.engine.client import AsyncEngine
+from backends.engine.config import EngineConfig
 from backends.engine.errors import DuplicateRequestIdError, EngineDeadError
-from backends.engine.outputs import EngineConfig, RequestOutput
+from backends.engine.outputs import RequestOutput
 from backends.engine.request import EngineCoreRequest, SamplingParams
 from backends.http_errors import http_error
 from contract.errors import BadRequestError

@@ -11,7 +11,7 @@ import msgspec
 import pytest
 
 from backends.app import create_app as create_backend_app
-from backends.engine.outputs import EngineConfig
+from backends.engine.config import EngineConfig
 from backends.frontend import ENGINE
 from contract.errors import BadRequestError, InvalidJSONError
 from router import inspect

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from backends.app import create_app as create_backend_app
-from backends.engine.outputs import EngineConfig
+from backends.engine.config import EngineConfig
 from backends.frontend import ENGINE, FRONTEND
 from router.app import create_app as create_router_app
 from router.config import config_from_mapping

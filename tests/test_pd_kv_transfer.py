@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from backends.__main__ import config_from_args, parse_args
 from backends.app import create_app, create_side_channel_app
-from backends.engine.outputs import EngineConfig
+from backends.engine.config import EngineConfig
 from backends.frontend import ENGINE, FRONTEND
 from backends.kv_transfer import (
     FAILURE_REASONS,

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from backends.app import create_app as create_backend_app
-from backends.engine.outputs import EngineConfig
+from backends.engine.config import EngineConfig
 from backends.frontend import ENGINE
 from router.app import PROXY
 from router.app import create_app as create_router_app

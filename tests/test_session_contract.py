@@ -13,7 +13,7 @@ import pytest
 from multidict import CIMultiDict
 
 from backends.app import create_app
-from backends.engine.outputs import EngineConfig
+from backends.engine.config import EngineConfig
 from backends.engine.request import SESSION_ID_POSITION, WIRE_FIELD_COUNT
 from backends.frontend import ENGINE
 from contract.errors import InvalidSessionIdError

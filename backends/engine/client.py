@@ -21,10 +21,11 @@ from collections.abc import AsyncIterator
 from prometheus_client import CollectorRegistry
 
 from backends.engine.accounting import SessionAccounting
+from backends.engine.config import EngineConfig
 from backends.engine.core import EngineCore, HeldBlocks
 from backends.engine.errors import DuplicateRequestIdError, EngineDeadError
 from backends.engine.metrics import EngineMetrics
-from backends.engine.outputs import EngineConfig, RequestOutput
+from backends.engine.outputs import RequestOutput
 from backends.engine.request import EngineCoreRequest, encode_request
 
 log = logging.getLogger(__name__)
