@@ -29,7 +29,9 @@ from backends.engine.client import AsyncEngine
 from backends.engine.config import EngineConfig
 from backends.frontend import ENGINE, FRONTEND, Frontend
 from backends.http_errors import error_middleware
-from backends.kv_transfer import DEFAULT_PULL_TIMEOUT_S, AllowList, KVTransfer
+from backends.kv_transfer.agent import KVTransfer
+from backends.kv_transfer.allow_list import AllowList
+from backends.kv_transfer.pull_client import DEFAULT_PULL_TIMEOUT_S
 from backends.responses_store import DEFAULT_MAX_ENTRIES, ResponseStore
 from backends.tokenizer import Tokenizer
 

@@ -24,7 +24,7 @@ from contract.errors import NotFoundError
 from contract.ids import IdGenerator
 
 if TYPE_CHECKING:
-    from backends.kv_transfer import KVTransfer
+    from backends.kv_transfer.agent import KVTransfer
 
 REQUEST_ID_HEADER = "X-Request-Id"
 

@@ -10,7 +10,7 @@ from backends.protocol import PromptTokensDetails, Usage
 from backends.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from backends.kv_transfer import RemoteLoad
+    from backends.kv_transfer.agent import RemoteLoad
 
 
 class Choice:
