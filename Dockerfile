@@ -10,9 +10,9 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 WORKDIR /app
 COPY . /app
-# the package (router, backends) with uvloop; bench/ runs from /app (python -m bench.traffic)
+# the packages (contract, router, backends) with uvloop; bench/ runs from /app (python -m bench.traffic)
 RUN pip install ".[fast]" \
-    && python -c "import router.app, backends.server, bench.traffic" \
+    && python -c "import contract.errors, router.app, backends.app, bench.traffic" \
     && useradd --system --uid 10001 --home-dir /app app
 USER app
 

@@ -6,7 +6,7 @@ Prints one line when listening (``session-backend listening on http://HOST:PORT 
 ``--port 0`` it names the port the OS chose). SIGTERM / SIGINT stop it gracefully: no new
 connections, in-flight requests get ``--shutdown-timeout`` seconds, then the engine stops.
 
-P/D (see ``backends/kv_transfer.py``)::
+P/D (see ``backends/kv_transfer/``)::
 
     session-backend --port 8200 --role prefill --kv-hold-timeout 480 --kv-hold-max-fraction 0.5
     session-backend --port 8201 --role decode --kv-allow 127.0.0.1:8200
@@ -31,11 +31,12 @@ from collections.abc import Sequence
 
 from aiohttp import web
 
-from router.http_server import JsonErrorAppRunner
 from backends import __version__
-from backends.engine.outputs import EngineConfig
-from backends.kv_transfer import DEFAULT_PULL_TIMEOUT_S, parse_allow_entry
-from backends.server import create_app, create_side_channel_app
+from backends.app import create_app, create_side_channel_app
+from backends.engine.config import EngineConfig
+from backends.kv_transfer.allow_list import parse_allow_entry
+from backends.kv_transfer.pull_client import DEFAULT_PULL_TIMEOUT_S
+from contract.aiohttp_json_errors import JsonErrorAppRunner
 
 log = logging.getLogger("backends")
 

@@ -14,11 +14,14 @@ from typing import cast
 import msgspec
 from aiohttp import web
 
+from backends.engine.errors import EngineError
 from backends.engine.outputs import RequestOutput
 from backends.engine.request import EngineCoreRequest
-from backends.serving import Choice, Frontend, GenerationRun
+from backends.frontend import Frontend
+from backends.generation_run import Choice, GenerationRun
+from backends.http_errors import ClientDisconnected, http_error
 from backends.sse import DONE, data_frame
-from router.errors import SessionRouterError, error_body
+from contract.errors import SessionRouterError, error_body
 
 log = logging.getLogger(__name__)
 
@@ -26,10 +29,6 @@ log = logging.getLogger(__name__)
 def _start(fe: Frontend, ecr: EngineCoreRequest) -> AsyncGenerator[RequestOutput, None]:
     # AsyncEngine.generate is an async generator (it has aclose), though annotated AsyncIterator
     return cast(AsyncGenerator[RequestOutput, None], fe.engine.generate(ecr))
-
-
-class ClientDisconnected(Exception):
-    """The client went away while its request was running; nothing more is sent."""
 
 
 async def run_to_end(request: web.Request, fe: Frontend, ecr: EngineCoreRequest, run: GenerationRun) -> None:
@@ -92,7 +91,9 @@ async def stream_run(
         pass  # the client went away; ``finally`` aborts the engine request
     except Exception as exc:
         # the headers are out: the error goes in the stream, in vLLM's shape (``data: {error}``)
-        if isinstance(exc, SessionRouterError):
+        if isinstance(exc, EngineError):
+            err = http_error(exc).body()
+        elif isinstance(exc, SessionRouterError):
             err = exc.body()
         else:
             log.exception("stream of %s failed", ecr.request_id)

@@ -16,7 +16,10 @@ from aiohttp import web
 
 from backends.engine.outputs import RequestOutput
 from backends.engine.request import EngineCoreRequest
+from backends.frontend import FRONTEND, REQUEST_ID_HEADER, Frontend
 from backends.generation import json_response, run_to_end, stream_run
+from backends.generation_run import Choice, GenerationRun
+from backends.json_body import read_json_body
 from backends.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -35,23 +38,11 @@ from backends.protocol import (
     GenerateResponse,
     GenerateStreamResponse,
 )
-from backends.serving import (
-    REQUEST_ID_HEADER,
-    Choice,
-    Frontend,
-    GenerationRun,
-    check_prompt_ids,
-    read_json_body,
-    engine_request,
-    resolve_max_tokens,
-    sampling_params,
-    stop_list,
-)
 from backends.sse import data_frame, open_stream
-from backends.state import FRONTEND
 from backends.tokenizer import Tokenizer
-from router.errors import BadRequestError
-from router.session import SESSION_HEADER, resolve_session_id, session_from_headers
+from backends.validation import check_prompt_ids, engine_request, resolve_max_tokens, sampling_params, stop_list
+from contract.errors import BadRequestError
+from contract.session import SESSION_HEADER, resolve_session_id, session_from_headers
 
 _completion_decoder = msgspec.json.Decoder(CompletionRequest)
 _chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)

@@ -2,7 +2,7 @@
 
 Request structs ignore unknown fields (as vLLM does); a wrong type is a msgspec
 ``ValidationError`` that the server turns into a 400 naming the field. ``session_id`` is typed
-``Any`` on purpose: the session contract (``router.session``) decides what a non-string value
+``Any`` on purpose: the session contract (``contract.session``) decides what a non-string value
 means (a 400 with its own message). Response structs mirror vLLM's JSON; fields typed with
 ``UnsetType`` appear only when set (e.g. ``token_ids`` with ``return_token_ids``).
 """

@@ -20,7 +20,10 @@ import msgspec
 from aiohttp import web
 
 from backends.engine.outputs import RequestOutput
+from backends.frontend import FRONTEND
 from backends.generation import json_response, run_to_end, stream_run
+from backends.generation_run import Choice, GenerationRun
+from backends.json_body import read_json_body
 from backends.openai_routes import message_text, reply_headers
 from backends.protocol import (
     ChatMessage,
@@ -33,18 +36,10 @@ from backends.protocol import (
     ResponseUsage,
 )
 from backends.responses_store import StoredResponse
-from backends.serving import (
-    Choice,
-    GenerationRun,
-    read_json_body,
-    engine_request,
-    resolve_max_tokens,
-    sampling_params,
-)
 from backends.sse import event_frame, open_stream
-from backends.state import FRONTEND
-from router.errors import BadRequestError, NotFoundError
-from router.session import SESSION_HEADER, resolve_session_id
+from backends.validation import engine_request, resolve_max_tokens, sampling_params
+from contract.errors import BadRequestError, NotFoundError
+from contract.session import SESSION_HEADER, resolve_session_id
 
 _decoder = msgspec.json.Decoder(ResponsesRequest)
 _enc = msgspec.json.Encoder()

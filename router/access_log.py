@@ -33,7 +33,7 @@ from typing import TextIO
 
 import msgspec
 
-from router.errors import ConfigError
+from contract.errors import ConfigError
 from router.inspect import Usage
 
 ACCESS_LOGGER = "session_router.access"

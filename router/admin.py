@@ -10,7 +10,7 @@ Where it is served (``router.app``):
 
 ``GET /v1/sessions`` (every session, with its id) is an admin action and lives with the admin API;
 ``GET``/``DELETE /v1/sessions/{id}`` stay on the data port for anyone holding the id.
-Errors are raised (``router.errors``); the app's ``error_middleware`` answers them.
+Errors are raised (``contract.errors``); the app's ``error_middleware`` answers them.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ from urllib.parse import urlsplit
 import msgspec
 from aiohttp import web
 
+from contract.errors import AuthenticationError, BadRequestError, ConfigError, NotFoundError, PermissionDeniedError
 from router import api
 from router.api import json_response
 from router.backend_allow import BackendAllowList, BackendNotAllowed
 from router.config import RouterConfig
-from router.errors import AuthenticationError, BadRequestError, ConfigError, NotFoundError, PermissionDeniedError
 from router.pool import POOL_DEFAULT, Backend
 from router.state import ROUTER_STATE, RouterState
 

@@ -1,6 +1,6 @@
 """The router's own endpoints: /health, /v1/models, /metrics, /v1/sessions (the listing through router.admin).
 
-Errors are raised (``router.errors``); the app's ``error_middleware`` answers them."""
+Errors are raised (``contract.errors``); the app's ``error_middleware`` answers them."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from router.errors import BadRequestError, NotFoundError
+from contract.errors import BadRequestError, NotFoundError
 from router.state import ROUTER_STATE
 
 log = logging.getLogger(__name__)

@@ -16,10 +16,10 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from contract.errors import MethodNotAllowedError, NotFoundError, SessionRouterError
 from router import admin, api
 from router.access_log import AccessLog
 from router.config import RouterConfig
-from router.errors import MethodNotAllowedError, NotFoundError, SessionRouterError
 from router.exchange import REQUEST_ID_HEADER
 from router.front.aiohttp_adapter import proxy_handler
 from router.health import HealthChecker

@@ -51,11 +51,11 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from contract.errors import ConfigError
 from router.app import PROXY
 from router.config import MiB, RouterConfig, build_config
-from router.errors import ConfigError
 from router.front.server import RawFront
-from router.http_server import JsonErrorAppRunner, limit_accept_error_logs
+from router.http_server import CappedAppRunner, limit_accept_error_logs
 
 logger = logging.getLogger("router.cli")
 
@@ -230,8 +230,8 @@ async def serve(
         for served, served_host, served_port in [(app, host, port)] + ([admin] if admin is not None else []):
             # handler_cancellation: a client that disconnects cancels its handler at once, which closes
             # the upstream connection so the backend aborts the request (streams and non-streams).
-            runner = JsonErrorAppRunner(served, access_log=None, handle_signals=False, shutdown_timeout=shutdown_timeout,
-                                   handler_cancellation=True, max_connections=max_connections)
+            runner = CappedAppRunner(served, access_log=None, handle_signals=False, shutdown_timeout=shutdown_timeout,
+                                  handler_cancellation=True, max_connections=max_connections)
             await runner.setup()
             runners.append(runner)
             if served is app and front == "raw":

@@ -18,9 +18,9 @@ from typing import Any, NoReturn
 
 import msgspec
 
+from contract.errors import ConfigError
 from router import __version__
 from router.backend_allow import literal_address, normalize_host, parse_entry
-from router.errors import ConfigError
 from router.pool import normalize_url
 from router.upstream import HOP_BY_HOP
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from router.session import SESSION_HEADER
+from contract.session import SESSION_HEADER
 from router.upstream import HOP_BY_HOP
 from router.upstream.head import drop_connection_options
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from router.errors import BadRequestError, InvalidJSONError
+from contract.errors import BadRequestError, InvalidJSONError
 
 
 class OpenFields(msgspec.Struct):

@@ -5,7 +5,7 @@ Closed label sets: ``route`` (the proxied routes), ``backend`` (configured backe
 
 Per-session series carry a ``session`` label only for the ``top_k`` most recently active
 sessions of the session table. Its value follows ``session_label``: ``"hash"`` (the default)
-``router.ids.session_hash`` of the id (16 hex digits; the id is a capability for
+``contract.ids.session_hash`` of the id (16 hex digits; the id is a capability for
 ``GET``/``DELETE /v1/sessions/{id}``, so it is not shown to whoever reads /metrics), ``"id"``
 the id itself, ``"none"`` no per-session series at all. They are not updated on the request
 path at all: a collector reads them from the table's entries (cumulative requests, tokens,
@@ -28,7 +28,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.utils import floatToGoString
 from prometheus_client.registry import Collector
 
-from router.ids import session_hash
+from contract.ids import session_hash
 
 if TYPE_CHECKING:
     from router.pool import BackendPool

@@ -28,7 +28,7 @@ from typing import Any
 import msgspec
 
 from router.attempt import Attempt
-from router.errors import NoHealthyBackendError, UpstreamConnectError, UpstreamError, UpstreamStatusError
+from contract.errors import NoHealthyBackendError, UpstreamConnectError, UpstreamError, UpstreamStatusError
 from router.health import HealthChecker
 from router.metrics import RouterMetrics
 from router.placement.base import Policy
@@ -51,7 +51,7 @@ PREFILL_REQUEST_PARAMS: dict[str, Any] = {
     "remote_port": None,
 }
 
-#: the prefill instance's "the decode leg will not come" endpoint (backends/kv_transfer.py)
+#: the prefill instance's "the decode leg will not come" endpoint (backends/kv_transfer/side_channel.py)
 RELEASE_PATH = "/internal/kv/release"
 #: a release is small and off the request's path: it gets this long at most
 RELEASE_TIMEOUT_S = 10.0

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from router.errors import ConfigError
+from contract.errors import ConfigError
 
 POOL_DEFAULT = "default"
 POOL_PREFILL = "prefill"

@@ -37,7 +37,7 @@ from router import inspect
 from router.access_log import AccessLog
 from router.attempt import Attempt
 from router.config import RouterConfig
-from router.errors import (
+from contract.errors import (
     BadRequestError,
     NotFoundError,
     PayloadTooLargeError,
@@ -49,14 +49,14 @@ from router.errors import (
 )
 from router.exchange import REQUEST_ID_HEADER, Headers, RequestView, ResponseWriter
 from router.health import HealthChecker
-from router.ids import IdGenerator
+from contract.ids import IdGenerator
 from router.metrics import RouterMetrics
 from router.placement.base import Outcome, Placement, Policy
 from router.pd import PD_ROUTE_KINDS, Handoff, PDHandoff
 from router.pool import Backend, BackendPool, BackendSet
 from router.responses import ResponseIndex
 from router.routes import AMBIGUOUS, NAMED_PATHS, OPEN_KINDS, ROUTER_PATHS, ROUTER_PREFIXES, Route, canonical_path, path_rules
-from router.session import SESSION_HEADER, resolve_session_id, session_from_headers
+from contract.session import SESSION_HEADER, resolve_session_id, session_from_headers
 from router.sessions import SessionTable
 from router.upstream import UpstreamPool, UpstreamResponse, UpstreamTimeouts, render_headers, request_head
 

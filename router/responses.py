@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from router.errors import ConfigError
+from contract.errors import ConfigError
 
 
 class ResponseIndex:

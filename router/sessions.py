@@ -22,8 +22,8 @@ from typing import Literal
 
 import msgspec
 
-from router.errors import BadRequestError, ConfigError
-from router.ids import session_hash
+from contract.errors import BadRequestError, ConfigError
+from contract.ids import session_hash
 
 EvictReason = Literal["ttl", "capacity", "deleted"]
 EvictHook = Callable[["SessionEntry", EvictReason], None]
@@ -45,7 +45,7 @@ class SessionView(msgspec.Struct, kw_only=True):
     errors: int
     #: the backend (name, which defaults to its URL) that served the last request; "" before the first
     last_backend: str
-    #: ``router.ids.session_hash`` of the id: its ``session`` label on /metrics (session_label = "hash")
+    #: ``contract.ids.session_hash`` of the id: its ``session`` label on /metrics (session_label = "hash")
     session_hash: str
 
 

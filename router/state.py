@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 import aiohttp
 from aiohttp import web
 
+from contract.ids import IdGenerator
 from router.access_log import AccessLog
 from router.config import RouterConfig
 from router.health import HealthChecker
-from router.ids import IdGenerator
 from router.metrics import RouterMetrics
 from router.placement.base import Policy
 from router.pool import POOL_DECODE, POOL_DEFAULT, Backend, BackendPool

@@ -18,7 +18,7 @@ from aiohttp import web
 from router.app import PROXY, create_app
 from router.config import BackendConfig, RouterConfig
 from router.front.server import RawFront
-from router.http_server import JsonErrorAppRunner
+from router.http_server import CappedAppRunner
 from router.state import ROUTER_STATE, RouterState
 from tests.support import eventually
 
@@ -161,7 +161,7 @@ async def serve(aiohttp_server: Any) -> AsyncIterator[Serve]:
         config = RouterConfig(backends=configs(backends) + [BackendConfig(u) for u in extra_urls or ()],
                               prefill=configs(prefill), decode=configs(decode), **settings)
         app = create_app(config)
-        runner = JsonErrorAppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
+        runner = CappedAppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
         await runner.setup()
         cleanups.append(runner.cleanup)
         site = web.TCPSite(runner, "127.0.0.1", 0)

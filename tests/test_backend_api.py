@@ -10,9 +10,10 @@ import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from backends.engine.outputs import EngineConfig
+from backends.app import create_app
+from backends.engine.config import EngineConfig
 from backends.engine.request import SESSION_ID_POSITION
-from backends.server import ENGINE, create_app
+from backends.frontend import ENGINE
 
 MODEL = "sim-model"
 

@@ -13,8 +13,9 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from backends.engine.outputs import EngineConfig
-from backends.server import ENGINE, create_app
+from backends.app import create_app
+from backends.engine.config import EngineConfig
+from backends.frontend import ENGINE
 from tests.support import eventually
 
 MODEL = "disc-model"

@@ -3,12 +3,16 @@ traceback, and the server still answering the next good request."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 from typing import Any
 
 import pytest
 
-from backends.engine.outputs import EngineConfig
-from backends.server import ENGINE, FRONTEND, create_app
+from backends.app import create_app
+from backends.engine.config import EngineConfig
+from backends.frontend import ENGINE, FRONTEND
+from tests.support import eventually
 
 MODEL = "err-model"
 GOOD = ("/v1/completions", {"prompt": "fine", "max_tokens": 1})
@@ -306,3 +310,36 @@ async def test_json_content_types_and_no_content_type_are_accepted(client: Any, 
     headers = {} if content_type is None else {"Content-Type": content_type}
     resp = await client.post("/v1/completions", data=body, headers=headers, skip_auto_headers=["Content-Type"])
     assert resp.status == 200, await resp.text()
+
+
+# ---- engine exceptions, as the HTTP layer answers them (issue 12: the engine raises plain ones) ----
+
+
+async def _kill_engine_after_first_step(app: Any) -> None:
+    engine = app[ENGINE]
+    await eventually(lambda: engine.num_running > 0, timeout=10, what="the request running")
+
+    def boom() -> Any:
+        raise RuntimeError("simulated engine bug")
+
+    engine.core.schedule = boom
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_an_engine_that_dies_mid_request_is_a_503_in_openai_shape(aiohttp_client: Any, stream: bool) -> None:
+    config = EngineConfig(speed=1.0, model="sim-model", max_model_len=4096)
+    client = await aiohttp_client(create_app(config))
+    body = {"prompt": "x", "max_tokens": 3000, "ignore_eos": True, "stream": stream}
+    ask = asyncio.ensure_future(client.post("/v1/completions", json=body))
+    await _kill_engine_after_first_step(client.server.app)
+    resp = await ask
+    if stream:  # the headers were out: the error is the last data frame before [DONE]
+        assert resp.status == 200
+        frames = [f for f in (await resp.text()).split("\n\n") if f]
+        assert frames[-1] == "data: [DONE]"
+        error = json.loads(frames[-2].removeprefix("data: "))["error"]
+    else:
+        assert resp.status == 503
+        error = (await resp.json())["error"]
+    assert error["code"] == 503 and error["type"] == "ServiceUnavailableError"
+    assert "simulated engine bug" in error["message"]

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from backends.engine.outputs import EngineConfig
-from backends.server import create_app
+from backends.app import create_app
+from backends.engine.config import EngineConfig
 
 BLOCK = 16
 

@@ -26,8 +26,8 @@ import aiohttp
 import pytest
 
 from backends.__main__ import parse_args as backend_args
-from backends.engine.outputs import EngineConfig
-from backends.server import create_app as create_backend_app
+from backends.app import create_app as create_backend_app
+from backends.engine.config import EngineConfig
 from bench.traffic import Stats, TrafficConfig
 from bench.traffic import parse_args as traffic_args
 from bench.traffic import run as traffic_run

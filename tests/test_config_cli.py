@@ -26,9 +26,9 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from contract.errors import ConfigError
 from router.cli import listening_line, main, run_worker
 from router.config import RouterConfig, build_config
-from router.errors import ConfigError
 
 REPO = Path(__file__).resolve().parent.parent
 RELEASE_ENV = "SESSION_ROUTER_TEST_RELEASE"

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from contract.errors import ConfigError
 from router.config import (
     BackendConfig,
     RouterConfig,
@@ -20,7 +21,6 @@ from router.config import (
     config_from_mapping,
     load_config,
 )
-from router.errors import ConfigError
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "config" / "router.toml"

@@ -20,8 +20,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from backends.engine.outputs import EngineConfig
-from backends.server import create_app as create_backend_app
+from backends.app import create_app as create_backend_app
+from backends.engine.config import EngineConfig
 from bench.demo import RED, DemoTraffic, error_banner, port_or_free, ratio_line, render, router_lists_flag
 from bench.traffic import NEXT_MESSAGE_TOKENS, Conversation, Stats, TrafficConfig, Usage, run
 from tests.support import LOOPBACK, REPO, wait_until

@@ -11,10 +11,13 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
-from backends.engine.client import AsyncEngine, DuplicateRequestIdError, EngineDeadError
-from backends.engine.outputs import EngineConfig, RequestOutput
+from backends.engine.client import AsyncEngine
+from backends.engine.config import EngineConfig
+from backends.engine.errors import DuplicateRequestIdError, EngineDeadError
+from backends.engine.outputs import RequestOutput
 from backends.engine.request import EngineCoreRequest, SamplingParams
-from router.errors import BadRequestError
+from backends.http_errors import http_error
+from contract.errors import BadRequestError
 from tests.support import eventually
 
 
@@ -111,7 +114,8 @@ async def test_duplicate_in_flight_id_is_a_400(engine: AsyncEngine) -> None:
     await gen.__anext__()
     with pytest.raises(DuplicateRequestIdError) as info:
         await engine.generate(request("dup", [4, 5, 6])).__anext__()
-    assert isinstance(info.value, BadRequestError) and info.value.status == 400
+    answer = http_error(info.value)  # the engine's plain exception, as the backend's HTTP layer answers it
+    assert isinstance(answer, BadRequestError) and answer.status == 400
     # the refused duplicate did not disturb the running request
     assert "dup" in engine.core.requests
     await gen.aclose()

@@ -8,9 +8,10 @@ import msgspec
 import pytest
 from prometheus_client import CollectorRegistry
 
+from backends.engine.config import EngineConfig
 from backends.engine.core import DuplicateRequestError, EngineCore, InvalidRequestError
 from backends.engine.metrics import EngineMetrics
-from backends.engine.outputs import EngineConfig, RequestOutput
+from backends.engine.outputs import RequestOutput
 from backends.engine.request import EngineCoreRequest, SamplingParams, encode_request
 from tests.engine_support import wire, run_to_completion
 

@@ -10,9 +10,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from backends.engine.client import AsyncEngine
+from backends.engine.config import EngineConfig
 from backends.engine.core import EngineCore
 from backends.engine.metrics import EngineMetrics, FastHistogram, buckets_1_2_5
-from backends.engine.outputs import EngineConfig
 from backends.engine.request import EngineCoreRequest, SamplingParams
 from tests.engine_support import wire
 

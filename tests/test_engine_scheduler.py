@@ -6,9 +6,10 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from backends.engine.config import EngineConfig
 from backends.engine.core import EngineCore
 from backends.engine.metrics import EngineMetrics
-from backends.engine.outputs import EngineConfig, RequestOutput
+from backends.engine.outputs import RequestOutput
 from tests.engine_support import wire, run_to_completion
 
 

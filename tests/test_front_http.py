@@ -1,7 +1,7 @@
 """HTTP/1.x correctness (RFC 9110/9112) on both fronts, and the fronts' resource bounds.
 
 Each test writes raw bytes to a real router (the raw front, and the aiohttp front as
-``router.cli.serve`` builds it: ``JsonErrorAppRunner`` over the app), on 127.0.0.1 ephemeral
+``router.cli.serve`` builds it: ``CappedAppRunner`` over the app), on 127.0.0.1 ephemeral
 ports in front of in-process fake backends, and reads what comes back byte for byte.
 """
 
@@ -284,7 +284,7 @@ async def test_answers_during_the_drain_say_connection_close(served: Factory, ai
 
     from router.app import create_app
     from router.config import BackendConfig, RouterConfig
-    from router.http_server import JsonErrorAppRunner
+    from router.http_server import CappedAppRunner
 
     gated = Gated()
     backend = await aiohttp_server(gated.app(), host="127.0.0.1")
@@ -295,8 +295,8 @@ async def test_answers_during_the_drain_say_connection_close(served: Factory, ai
         drain = lambda: router.front.shutdown(30)  # noqa: E731
     else:  # the aiohttp front as router.cli.serve runs it: its drain is the runner's cleanup
         config = RouterConfig(backends=[BackendConfig(url)], health_interval_s=3600.0)
-        runner = JsonErrorAppRunner(create_app(config), access_log=None, handle_signals=False,
-                                    handler_cancellation=True, shutdown_timeout=30)
+        runner = CappedAppRunner(create_app(config), access_log=None, handle_signals=False,
+                                  handler_cancellation=True, shutdown_timeout=30)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
@@ -402,7 +402,7 @@ async def test_connections_over_max_connections_are_closed_at_once_and_logged_ra
     from router.app import PROXY, create_app
     from router.config import BackendConfig, RouterConfig
     from router.front.server import RawFront
-    from router.http_server import JsonErrorAppRunner
+    from router.http_server import CappedAppRunner
     from tests.fakes import EchoBackend
 
     fake = EchoBackend("b0")
@@ -410,8 +410,8 @@ async def test_connections_over_max_connections_are_closed_at_once_and_logged_ra
     config = RouterConfig(backends=[BackendConfig(f"http://127.0.0.1:{backend.port}")], health_interval_s=3600.0,
                           max_connections=2)
     app = create_app(config)
-    runner = JsonErrorAppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True,
-                                max_connections=config.max_connections if front == "aiohttp" else None)
+    runner = CappedAppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True,
+                             max_connections=config.max_connections if front == "aiohttp" else None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()

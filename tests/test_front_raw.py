@@ -24,11 +24,11 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from contract.errors import ConfigError
 from router.app import PROXY, create_app
 from router.config import BackendConfig, RouterConfig, build_config
-from router.errors import ConfigError
 from router.front.server import RawFront
-from router.http_server import JsonErrorAppRunner
+from router.http_server import CappedAppRunner
 from router.state import ROUTER_STATE, RouterState
 from tests.fakes import EchoBackend
 from tests.support import eventually, metric_sum, start_backend, start_router, wait_until
@@ -172,7 +172,7 @@ async def served(aiohttp_server: Any) -> AsyncIterator[Factory]:
         settings.update(overrides)
         config = RouterConfig(backends=[BackendConfig(u) for u in urls], **settings)
         app = create_app(config)
-        runner = JsonErrorAppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
+        runner = CappedAppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()

@@ -2,7 +2,8 @@
 ``TYPE_CHECKING`` and inside functions included) has no cycle, in particular no pair of modules that
 import each other; the data path points down (front -> proxy -> upstream); the proxy and the P/D
 hand-off do not take the app's ``RouterState``; no module reaches into another's private names;
-``backends/`` stands on no ``router/`` module."""
+``contract/`` stands on nothing of ours, ``backends/`` on ``contract/`` and never on ``router/``, and the
+engine core knows no HTTP."""
 
 from __future__ import annotations
 
@@ -152,9 +153,28 @@ def test_no_router_module_reaches_into_another_ones_privates() -> None:
     assert [r for path in _modules("router").values() for r in _private_reaches(path)] == []
 
 
-@pytest.mark.xfail(strict=False, reason="backends/ still imports the shared contract from router/ until the "
-                   "neutral contract/ package lands (another branch of issue 12); the lead flips this")
+def _offenders(package: str, *forbidden: str) -> list[str]:
+    """``module -> name`` for every import under ``package/`` of a module in ``forbidden`` (or below it)."""
+    return sorted(f"{module} -> {name}" for module, path in _modules(package).items()
+                  for name in set(_imported(path)) if any(name == f or name.startswith(f + ".") for f in forbidden))
+
+
+def test_the_package_lists_are_not_empty() -> None:
+    assert len(_modules("backends")) > 10 and len(_modules("contract")) >= 4 and len(_modules("router")) > 20
+
+
 def test_backends_import_nothing_from_router() -> None:
-    offending = sorted(f"{module} -> {name}" for module, path in _modules("backends").items()
-                       for name in set(_imported(path)) if name == "router" or name.startswith("router."))
-    assert offending == []
+    assert _offenders("backends", "router") == []
+
+
+def test_the_contract_stands_on_nothing_of_ours() -> None:
+    assert _offenders("contract", "router", "backends", "bench", "tests") == []
+
+
+def test_the_engine_knows_no_http() -> None:
+    assert _offenders("backends/engine", "contract", "aiohttp", "backends.app", "backends.http_errors") == []
+
+
+@pytest.mark.parametrize("package", ["contract", "backends"])
+def test_the_other_packages_import_no_cycle_either(package: str) -> None:
+    assert _cycles(_graph(package)) == []

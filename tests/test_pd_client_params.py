@@ -10,13 +10,13 @@ from typing import Any
 import msgspec
 import pytest
 
-from backends.engine.outputs import EngineConfig
-from backends.server import ENGINE
-from backends.server import create_app as create_backend_app
+from backends.app import create_app as create_backend_app
+from backends.engine.config import EngineConfig
+from backends.frontend import ENGINE
+from contract.errors import BadRequestError, InvalidJSONError
 from router import inspect
 from router.app import create_app as create_router_app
 from router.config import config_from_mapping
-from router.errors import BadRequestError, InvalidJSONError
 from router.state import ROUTER_STATE
 from tests.fakes import EchoBackend
 from tests.support import free_port

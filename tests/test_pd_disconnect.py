@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from backends.engine.outputs import EngineConfig
-from backends.server import ENGINE, FRONTEND
-from backends.server import create_app as create_backend_app
+from backends.app import create_app as create_backend_app
+from backends.engine.config import EngineConfig
+from backends.frontend import ENGINE, FRONTEND
 from router.app import create_app as create_router_app
 from router.config import config_from_mapping
 from router.state import ROUTER_STATE

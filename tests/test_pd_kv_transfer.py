@@ -18,19 +18,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from backends.__main__ import config_from_args, parse_args
-from backends.engine.outputs import EngineConfig
-from backends.kv_transfer import (
-    FAILURE_REASONS,
-    PULL_PATH,
-    RELEASE_PATH,
-    AllowList,
-    KVPullRequest,
-    is_loopback_host,
-    parse_allow_entry,
-    parse_remote_params,
-    prompt_digest,
-)
-from backends.server import ENGINE, FRONTEND, create_app, create_side_channel_app
+from backends.app import create_app, create_side_channel_app
+from backends.engine.config import EngineConfig
+from backends.frontend import ENGINE, FRONTEND
+from backends.kv_transfer.allow_list import AllowList, is_loopback_host, parse_allow_entry
+from backends.kv_transfer.metrics import FAILURE_REASONS
+from backends.kv_transfer.wire import PULL_PATH, RELEASE_PATH, KVPullRequest, parse_remote_params, prompt_digest
 from tests.support import eventually
 
 BS = 16

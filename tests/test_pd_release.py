@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from backends.engine.outputs import EngineConfig
-from backends.server import ENGINE
-from backends.server import create_app as create_backend_app
+from backends.app import create_app as create_backend_app
+from backends.engine.config import EngineConfig
+from backends.frontend import ENGINE
 from router.app import PROXY
 from router.app import create_app as create_router_app
 from router.config import config_from_mapping

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.errors import ConfigError, NoHealthyBackendError
+from contract.errors import ConfigError, NoHealthyBackendError
 from router.placement import (
     POLICY_NAMES,
     LeastLoadedPolicy,

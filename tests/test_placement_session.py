@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.errors import ConfigError, NoHealthyBackendError
+from contract.errors import ConfigError, NoHealthyBackendError
 from router.placement import Outcome, SessionPolicy, load_bound, make_policy, session_score, sticky_bound
 from router.placement.session import DEFAULT_STICKY_HEADROOM
 from router.pool import Backend, BackendPool

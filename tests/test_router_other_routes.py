@@ -14,8 +14,9 @@ import os
 
 import pytest
 
+from contract.errors import ConfigError
 from router.config import RouterConfig, validate_config
-from router.errors import ConfigError
+from contract.errors import ConfigError
 from router.routes import canonical_path
 from tests.routing_support import FRONTS, ModelBackend, Serve, ask, raw_ask, serve  # noqa: F401  (fixture)
 

@@ -32,13 +32,13 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from contract.errors import ConfigError
+from contract.ids import session_hash
 from router.app import PROXY, create_admin_app, create_app
 from router.backend_allow import BackendAllowList, BackendNotAllowed, parse_entry
 from router.config import BackendConfig, RouterConfig, build_config, config_from_mapping
-from router.errors import ConfigError
 from router.front.server import RawFront
-from router.http_server import JsonErrorAppRunner
-from router.ids import session_hash
+from router.http_server import CappedAppRunner
 from router.state import ROUTER_STATE, RouterState
 from tests.fakes import EchoBackend
 from bench.procs import free_ports
@@ -72,7 +72,7 @@ async def serve(aiohttp_server: Any) -> AsyncIterator[Factory]:
     stack = contextlib.AsyncExitStack()
 
     async def site(app: web.Application) -> int:
-        runner = JsonErrorAppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
+        runner = CappedAppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
         await runner.setup()
         stack.push_async_callback(runner.cleanup)
         tcp = web.TCPSite(runner, "127.0.0.1", 0)

@@ -1,4 +1,4 @@
-"""The session contract (DESIGN.md §3, issue 2 §2): ``router.session`` directly, then through the
+"""The session contract (DESIGN.md §3, issue 2 §2): ``contract.session`` directly, then through the
 backend's HTTP routes (3 request kinds x 3 channels, precedence, ignored and invalid values), and
 the tokens-in route where only the header counts. What reached the engine is read back from the
 engine's per-session accounting (``GET /v1/sessions/{id}``) and, on the tokens path, from the very
@@ -12,11 +12,12 @@ import msgspec
 import pytest
 from multidict import CIMultiDict
 
-from backends.engine.outputs import EngineConfig
+from backends.app import create_app
+from backends.engine.config import EngineConfig
 from backends.engine.request import SESSION_ID_POSITION, WIRE_FIELD_COUNT
-from backends.server import ENGINE, create_app
-from router.errors import InvalidSessionIdError
-from router.session import resolve_session_id, session_from_headers, validate_session_id
+from backends.frontend import ENGINE
+from contract.errors import InvalidSessionIdError
+from contract.session import resolve_session_id, session_from_headers, validate_session_id
 
 # ---------------------------------------------------------------------------------------------
 # the module itself

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.errors import ConfigError
+from contract.errors import ConfigError
 from router.responses import ResponseIndex
 
 

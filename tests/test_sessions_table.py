@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.errors import BadRequestError, ConfigError
+from contract.errors import BadRequestError, ConfigError
 from router.sessions import SessionEntry, SessionTable, SessionView
 
 

@@ -23,12 +23,12 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from contract.errors import ConfigError
 from router.access_log import ACCESS_LOGGER, BatchingHandler, session_hash
 from router.app import PROXY, create_app
 from router.config import BackendConfig, RouterConfig, build_config, config_from_mapping
-from router.errors import ConfigError
 from router.front.server import RawFront
-from router.http_server import JsonErrorAppRunner
+from router.http_server import CappedAppRunner
 from router.proxy import event_boundary
 from router.state import ROUTER_STATE, RouterState
 from tests.fakes import EchoBackend
@@ -214,7 +214,7 @@ async def router(aiohttp_server: Any) -> AsyncIterator[Factory]:
         settings.update(overrides)
         config = RouterConfig(backends=[BackendConfig(u) for u in urls], **settings)
         app = create_app(config)
-        runner = JsonErrorAppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
+        runner = CappedAppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
@@ -601,7 +601,7 @@ async def test_the_access_log_is_off_by_default(router: Factory) -> None:
 async def test_the_access_log_handler_goes_with_the_app(aiohttp_server: Any, tmp_path: Path) -> None:
     config = RouterConfig(backends=[BackendConfig("http://127.0.0.9:9")], access_log="text",
                           access_log_file=str(tmp_path / "a.log"), health_interval_s=3600.0)
-    runner = JsonErrorAppRunner(create_app(config), access_log=None, handle_signals=False)
+    runner = CappedAppRunner(create_app(config), access_log=None, handle_signals=False)
     await runner.setup()
     assert len(own_handlers()) == 1
     await runner.cleanup()

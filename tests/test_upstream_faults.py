@@ -13,7 +13,7 @@ from contextlib import asynccontextmanager
 
 import pytest
 
-from router.errors import UpstreamConnectError, UpstreamError, UpstreamProtocolError, UpstreamTimeoutError
+from contract.errors import UpstreamConnectError, UpstreamError, UpstreamProtocolError, UpstreamTimeoutError
 from router.upstream import UpstreamLimits, UpstreamPool, UpstreamTimeouts, build_request_head
 from tests.support import eventually
 

@@ -19,9 +19,9 @@ import msgspec
 import pytest
 from prometheus_client import CollectorRegistry
 
+from backends.engine.config import EngineConfig
 from backends.engine.core import EngineCore
 from backends.engine.metrics import EngineMetrics
-from backends.engine.outputs import EngineConfig
 from backends.engine.request import (
     SESSION_ID_POSITION,
     WIRE_FIELD_COUNT,

@@ -21,24 +21,14 @@ from collections.abc import AsyncIterator
 from prometheus_client import CollectorRegistry
 
 from backends.engine.accounting import SessionAccounting
+from backends.engine.config import EngineConfig
 from backends.engine.core import EngineCore, HeldBlocks
+from backends.engine.errors import DuplicateRequestIdError, EngineDeadError
 from backends.engine.metrics import EngineMetrics
-from backends.engine.outputs import EngineConfig, RequestOutput
+from backends.engine.outputs import RequestOutput
 from backends.engine.request import EngineCoreRequest, encode_request
-from router.errors import BadRequestError, SessionRouterError
 
 log = logging.getLogger(__name__)
-
-
-class EngineDeadError(SessionRouterError):
-    """The engine loop is not running (stopped, or it failed): nothing can be generated."""
-
-    status = 503
-    error_type = "ServiceUnavailableError"
-
-
-class DuplicateRequestIdError(BadRequestError):
-    """A request id already in flight in this engine."""
 
 
 def merge_outputs(into: RequestOutput, new: RequestOutput) -> None:

@@ -39,11 +39,12 @@ import time
 from typing import Any
 
 from backends.engine.accounting import SessionAccounting
+from backends.engine.config import EngineConfig
 from backends.engine.holds import HeldBlocks, HoldTable
 from backends.engine.kv_cache import KVCacheManager, hash_full_blocks
 from backends.engine.latency import LatencyModel
 from backends.engine.metrics import EngineMetrics
-from backends.engine.outputs import CompletionDelta, EngineConfig, RequestOutput
+from backends.engine.outputs import CompletionDelta, RequestOutput
 from backends.engine.request import EngineCoreRequest, SamplingParams, decode_request
 from backends.engine.scheduler import Scheduler, SchedulerOutput
 from backends.engine.sequence import OUTPUT_KIND_FINAL_ONLY, Request, Sequence, SeqStatus

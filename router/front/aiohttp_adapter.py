@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from router.errors import PayloadTooLargeError, RequestTimeoutError
+from contract.errors import PayloadTooLargeError, RequestTimeoutError
 from router.exchange import DROP_REQUEST, REQUEST_ID_HEADER, Headers, drop_connection_options
 from router.upstream import render_headers
 

@@ -23,7 +23,7 @@ a connection closed before
 its request body was read is closed "lingering" (write side first, input discarded for a
 bounded time) so the client reads the answer instead of a reset.
 
-HTTP/1.x rules kept here (aiohttp's front keeps the same, see ``router.http_server``): trailer
+HTTP/1.x rules kept here (aiohttp's front keeps the same, see ``contract.aiohttp_json_errors``): trailer
 fields after a chunked body are discarded (never headers, never forwarded, never a session id);
 the headers a ``Connection`` header names are not forwarded (``drop_connection_options``); an
 HTTP/1.1 request needs exactly one valid ``Host`` (else 400); an HTTP/1.0 request with
@@ -43,13 +43,13 @@ from typing import TYPE_CHECKING
 
 import httptools
 
-from router.errors import error_body
+from contract.errors import error_body
 from router.exchange import REQUEST_ID_HEADER, RequestView, ResponseWriter
 from router.front.raw_exchange import Exchange
 from router.front.settings import ConnectionSettings
 from router.front.wire import DateServer, error_headers
-from router.http_server import HOST_MESSAGE, MALFORMED_MESSAGE, MAX_LINE_BYTES, valid_host
-from router.ids import IdGenerator
+from contract.aiohttp_json_errors import HOST_MESSAGE, MALFORMED_MESSAGE, MAX_LINE_BYTES, valid_host
+from contract.ids import IdGenerator
 
 if TYPE_CHECKING:
     from router.routes import Route

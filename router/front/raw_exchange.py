@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Protocol
 
-from router.errors import BadRequestError, PayloadTooLargeError, RequestTimeoutError
+from contract.errors import BadRequestError, PayloadTooLargeError, RequestTimeoutError
 from router.exchange import Headers, drop_connection_options
 from router.front.settings import ConnectionSettings
 from router.front.wire import CONTINUE, LAST_CHUNK, DateServer, chunk, header_lines, status_line

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from router.errors import SessionRouterError, UpstreamError
+from contract.errors import SessionRouterError, UpstreamError
+from contract.ids import IdGenerator
+from contract.session import SESSION_HEADER
 from router.exchange import REQUEST_ID_HEADER
 from router.front.wire import error_headers
-from router.ids import IdGenerator
-from router.session import SESSION_HEADER
 from router.upstream import UpstreamLimits, UpstreamPool, UpstreamTimeouts, render_headers, request_head
 
 if TYPE_CHECKING:

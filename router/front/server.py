@@ -26,9 +26,9 @@ from router.front.relay import Relay
 from router.front.settings import ConnectionSettings
 from router.front.wire import DateServer
 from router.http_server import RateLimitedLog, refuse_message
-from router.ids import IdGenerator
+from contract.ids import IdGenerator
 from router.routes import OTHER, ROUTES, Route
-from router.session import SESSION_HEADER
+from contract.session import SESSION_HEADER
 
 if TYPE_CHECKING:
     from router.proxy import Proxy

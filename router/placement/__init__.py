@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from router.errors import ConfigError
+from contract.errors import ConfigError
 from router.placement.base import Outcome, Placement, Policy, SessionPins
 from router.placement.least_loaded import LeastLoadedPolicy
 from router.placement.round_robin import RoundRobinPolicy

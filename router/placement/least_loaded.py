@@ -9,7 +9,7 @@ set in it), and the first backend with the smallest load wins. The session polic
 
 from __future__ import annotations
 
-from router.errors import NoHealthyBackendError
+from contract.errors import NoHealthyBackendError
 from router.placement.base import Outcome, Placement, SessionPins
 from router.pool import Backend, BackendSet
 

@@ -48,7 +48,7 @@ import hashlib
 import math
 from typing import TYPE_CHECKING
 
-from router.errors import ConfigError
+from contract.errors import ConfigError
 from router.placement.base import Outcome, Placement, SessionPins
 from router.placement.least_loaded import NOTHING_EXCLUDED, LeastLoaded, no_available_backend
 from router.pool import Backend, BackendSet

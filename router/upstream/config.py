@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from router.errors import ConfigError
+from contract.errors import ConfigError
 
 KiB = 1024
 MiB = 1024 * KiB

@@ -21,7 +21,7 @@ from types import TracebackType
 
 import httptools
 
-from router.errors import UpstreamProtocolError, UpstreamTimeoutError
+from contract.errors import UpstreamProtocolError, UpstreamTimeoutError
 from router.upstream.config import UpstreamLimits
 from router.upstream.head import HOP_BY_HOP
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
-from router.errors import BadRequestError
+from contract.errors import BadRequestError
 
 #: hop-by-hop headers (RFC 9110 §7.6.1, plus the non-standard Proxy-Connection); never forwarded
 HOP_BY_HOP = frozenset(

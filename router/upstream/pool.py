@@ -8,7 +8,7 @@ import errno
 import logging
 import os
 
-from router.errors import UpstreamConnectError
+from contract.errors import UpstreamConnectError
 from router.upstream.config import UpstreamLimits, UpstreamTimeouts
 from router.upstream.connection import StaleConnectionError, UpstreamConnection, UpstreamResponse
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from router.errors import InvalidSessionIdError
+from contract.errors import InvalidSessionIdError
 
 SESSION_HEADER = "X-Session-ID"
 SESSION_BODY_FIELD = "session_id"
