@@ -1,5 +1,5 @@
 """In-process harness for the model-routing and catch-all tests: fake backends that serve chosen
-models and vLLM's other routes, and a router served on either front exactly as ``router.cli``
+models and vLLM's other routes, and a router served on either front exactly as ``router.serve``
 assembles it (the aiohttp app on a loopback port, and for ``raw`` the ``RawFront`` before it)."""
 
 from __future__ import annotations

@@ -26,7 +26,8 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from router.cli import listening_line, main, run_worker
+from router.cli import main
+from router.serve import listening_line, run_worker
 from router.config import RouterConfig, build_config
 from router.errors import ConfigError
 
@@ -93,7 +94,8 @@ def broken_app(config: RouterConfig) -> web.Application:
 
 RUN_SNIPPET = """\
 import sys
-from router.cli import configure_logging, run
+from router.cli import run
+from router.serve import configure_logging
 from router.config import build_config
 config = build_config(sys.argv[2:])
 configure_logging(config.log_level)

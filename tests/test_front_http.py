@@ -1,7 +1,7 @@
 """HTTP/1.x correctness (RFC 9110/9112) on both fronts, and the fronts' resource bounds.
 
 Each test writes raw bytes to a real router (the raw front, and the aiohttp front as
-``router.cli.serve`` builds it: ``JsonErrorAppRunner`` over the app), on 127.0.0.1 ephemeral
+``router.serve.serve`` builds it: ``JsonErrorAppRunner`` over the app), on 127.0.0.1 ephemeral
 ports in front of in-process fake backends, and reads what comes back byte for byte.
 """
 
@@ -293,7 +293,7 @@ async def test_answers_during_the_drain_say_connection_close(served: Factory, ai
         router = await served(backends=[url])
         conn = await open_front(router, front)
         drain = lambda: router.front.shutdown(30)  # noqa: E731
-    else:  # the aiohttp front as router.cli.serve runs it: its drain is the runner's cleanup
+    else:  # the aiohttp front as router.serve.serve runs it: its drain is the runner's cleanup
         config = RouterConfig(backends=[BackendConfig(url)], health_interval_s=3600.0)
         runner = JsonErrorAppRunner(create_app(config), access_log=None, handle_signals=False,
                                     handler_cancellation=True, shutdown_timeout=30)

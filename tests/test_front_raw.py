@@ -1,6 +1,6 @@
 """The raw front (``router.front``): HTTP/1.x contracts on the router's port.
 
-Most tests run the front in-process exactly as ``router.cli.serve`` assembles it: the app from
+Most tests run the front in-process exactly as ``router.serve.serve`` assembles it: the app from
 ``router.app.create_app`` on an internal aiohttp listener and ``RawFront`` on its own port, both
 on 127.0.0.1 ephemeral ports, in front of ``tests.fakes.EchoBackend`` servers (or a small
 streaming backend defined here). Requests are written raw over sockets, so framing, pipelining
@@ -133,7 +133,7 @@ class Conn:
 
 @dataclass
 class Served:
-    """A router served as ``router.cli.serve`` does with ``front = "raw"``."""
+    """A router served as ``router.serve.serve`` does with ``front = "raw"``."""
 
     front: RawFront
     port: int

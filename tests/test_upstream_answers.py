@@ -1,6 +1,6 @@
 """What the router does with what backends answer, on both fronts (issue 11, items 11, 13, 15, 18, 22).
 
-Every test runs the router in-process as ``router.cli.serve`` assembles it: the app from
+Every test runs the router in-process as ``router.serve.serve`` assembles it: the app from
 ``router.app.create_app`` on an aiohttp listener (the aiohttp front) and ``RawFront`` on its own
 port (the raw front), both on 127.0.0.1 ephemeral ports. Requests are written raw over sockets,
 so the bytes a client gets are exactly what a test reads. Backends are either
