@@ -25,6 +25,7 @@ from router import admin as admin_module
 from router.app import create_admin_app, create_app
 from router.config import BackendConfig, RouterConfig
 from router.state import ROUTER_STATE
+from tests.conftest import MakeRouter
 from tests.fakes import EchoBackend
 from tests.support import start_backend, start_router
 
@@ -34,15 +35,11 @@ Factory = Callable[..., Awaitable[tuple[TestClient, list[EchoBackend]]]]
 
 
 @pytest.fixture
-def router(aiohttp_server: Any, aiohttp_client: Any) -> Factory:
+def router(make_router: MakeRouter) -> Factory:
     async def make(n: int = 2, **overrides: Any) -> tuple[TestClient, list[EchoBackend]]:
-        fakes = [EchoBackend(f"b{i}") for i in range(n)]
-        servers = [await aiohttp_server(f.app(), host="127.0.0.1") for f in fakes]
-        settings: dict[str, Any] = {"health_interval_s": 3600.0, "retry_backoff_s": 0.001}
-        settings.update(overrides)
-        config = RouterConfig(backends=[BackendConfig(f"http://127.0.0.1:{s.port}") for s in servers], **settings)
-        client = await aiohttp_client(create_app(config), server_kwargs={"handler_cancellation": True})
-        return client, fakes
+        served = await make_router("client", n=n, **overrides)
+        assert served.client is not None
+        return served.client, served.fakes
 
     return make
 
