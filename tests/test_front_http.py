@@ -17,7 +17,7 @@ from aiohttp import web
 
 from tests.conftest import MakeRouter
 from tests.raw_http import GOOD, Conn, get, post, read_answer
-from tests.support import eventually, wait_until
+from tests.support import eventually, kill_alive, wait_until
 from tests.test_front_raw import Factory, served  # noqa: F401
 
 FRONTS = ["raw", "aiohttp"]
@@ -540,9 +540,7 @@ def test_process_out_of_file_descriptors_keeps_a_small_log_and_recovers(tmp_path
     finally:
         for sock in held:
             sock.close()
-        for proc in (router, backend):
-            if proc.alive():
-                proc.kill()
+        kill_alive(router, backend)
     log = router.log()
     assert len(log) < 4000, log[:4000]
     assert "Traceback" not in log

@@ -31,7 +31,7 @@ from router.state import RouterState
 from tests.conftest import MakeRouter
 from tests.fakes import EchoBackend
 from tests.raw_http import GOOD, Answer, Conn, get, post, read_answer
-from tests.support import eventually, metric_sum, start_backend, start_router, wait_until
+from tests.support import eventually, kill_alive, metric_sum, start_backend, start_router, wait_until
 
 TOKEN = "raw-front-admin-token"
 LIMIT = 4096  # max_body_bytes of the in-process routers
@@ -585,9 +585,7 @@ def test_process_disconnect_mid_stream_aborts_on_the_backend(tmp_path: Path) -> 
                    what="the router's in-flight count back to 0")
         assert router.stop() == 0
     finally:
-        for proc in (router, backend):
-            if proc.alive():
-                proc.kill()
+        kill_alive(router, backend)
     assert "Traceback" not in router.log()
 
 
@@ -607,9 +605,7 @@ def test_process_sigterm_lets_a_stream_finish_and_exits_0(tmp_path: Path) -> Non
         router.popen.wait(20)
         assert router.popen.returncode == 0
     finally:
-        for proc in (router, backend):
-            if proc.alive():
-                proc.kill()
+        kill_alive(router, backend)
     assert "Traceback" not in router.log()
 
 
@@ -629,6 +625,4 @@ def test_process_workers_and_the_aiohttp_front_serve_the_same_routes(tmp_path: P
         for router in routers:
             assert router.stop() == 0
     finally:
-        for proc in (*routers, backend):
-            if proc.alive():
-                proc.kill()
+        kill_alive(*routers, backend)

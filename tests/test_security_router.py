@@ -27,7 +27,7 @@ from router.config import BackendConfig, RouterConfig
 from router.state import ROUTER_STATE
 from tests.conftest import MakeRouter
 from tests.fakes import EchoBackend
-from tests.support import start_backend, start_router
+from tests.support import kill_alive, start_backend, start_router
 
 TOKEN = "adm-5ecret-Token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -221,9 +221,7 @@ async def test_session_ids_and_bodies_never_reach_the_log(tmp_path: Path) -> Non
                 assert resp.status == 200
         assert router.stop() == 0
     finally:
-        for proc in [router, *backends]:
-            if proc.alive():
-                proc.kill()
+        kill_alive(router, *backends)
     log = router.log()
     entries = records(log)
     assert any(level == "WARNING" and "unhealthy" in text for level, text in entries), log[-2000:]
