@@ -45,7 +45,9 @@ class RouterUnderTest:
     port: int
     #: the aiohttp app's own listener (behind the raw front for ``front = "raw"``)
     aiohttp_port: int
+    #: ``front = "client"``: the app's test client (and the admin app's, when served)
     client: TestClient | None = None
+    admin_client: TestClient | None = None
     runner: web.AppRunner | None = None
     raw: RawFront | None = None
     #: the admin app's listener, when served (``admin=True`` and ``admin_port`` set)
@@ -121,8 +123,12 @@ async def make_router(aiohttp_server: Any, aiohttp_client: Any) -> AsyncIterator
         result_fakes = [*main, *prefill, *decode]
         if front == "client":
             client = await aiohttp_client(app, server_kwargs={"handler_cancellation": True})
+            admin_client = None
+            if admin and config.admin_port:
+                admin_client = await aiohttp_client(create_admin_app(app))
             return RouterUnderTest(app, config, app[ROUTER_STATE], result_fakes, servers, client.port, client.port,
-                                   client=client)
+                                   client=client, admin_client=admin_client,
+                                   admin_port=None if admin_client is None else admin_client.port)
         runner, app_port = await listen(app, shutdown_timeout=shutdown_timeout,
                                         max_connections=config.max_connections if front == "aiohttp" else None)
         port, raw = app_port, None

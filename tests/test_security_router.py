@@ -22,8 +22,6 @@ import pytest
 from aiohttp.test_utils import TestClient
 
 from router import admin as admin_module
-from router.app import create_admin_app, create_app
-from router.config import BackendConfig, RouterConfig
 from router.state import ROUTER_STATE
 from tests.conftest import MakeRouter
 from tests.fakes import EchoBackend
@@ -128,13 +126,11 @@ async def test_admin_path_tricks_never_bypass_the_token(router: Factory) -> None
     assert not any(b.draining for b in members)
 
 
-async def test_admin_on_its_own_port_only(aiohttp_server: Any, aiohttp_client: Any) -> None:
-    backend = await aiohttp_server(EchoBackend("b").app(), host="127.0.0.1")
-    config = RouterConfig(backends=[BackendConfig(f"http://127.0.0.1:{backend.port}")], admin_token=TOKEN,
-                          admin_port=1, health_interval_s=3600.0)  # admin_port != 0: off the data app
-    main = create_app(config)
-    data = await aiohttp_client(main)
-    admin = await aiohttp_client(create_admin_app(main))
+async def test_admin_on_its_own_port_only(make_router: MakeRouter) -> None:
+    router = await make_router("client", admin=True, admin_token=TOKEN,
+                               admin_port=1)  # admin_port != 0: off the data app
+    backend, data, admin = router.servers[0], router.client, router.admin_client
+    assert data is not None and admin is not None
     # the data port has no admin API, not even with the token
     for method in ("GET", "POST", "DELETE"):
         path = "/admin/backends" + ("/x" if method == "DELETE" else "")
