@@ -530,3 +530,18 @@ def test_router_log_level_is_case_insensitive(level: str, tmp_path: Path) -> Non
     path = tmp_path / "r.toml"
     path.write_text(f'log_level = "{level}"\n[[backends]]\nurl = "http://127.0.0.1:1"\n')
     assert build_config(["--config", str(path)]).log_level == level.lower()
+
+
+def test_the_command_line_modules_import_downward_only() -> None:
+    """``router.cli`` -> ``router.supervisor`` -> ``router.serve``: never back up."""
+    import ast
+
+    def imported(module: str) -> set[str]:
+        tree = ast.parse((REPO / "router" / f"{module}.py").read_text())
+        names = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        names |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        return {name for name in names if name in ("router.cli", "router.supervisor", "router.serve")}
+
+    assert imported("serve") == set()
+    assert imported("supervisor") == {"router.serve"}
+    assert imported("cli") == {"router.serve", "router.supervisor"}
