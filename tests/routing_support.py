@@ -1,5 +1,5 @@
 """In-process harness for the model-routing and catch-all tests: fake backends that serve chosen
-models and vLLM's other routes, and a router served on either front exactly as ``router.cli``
+models and vLLM's other routes, and a router served on either front exactly as ``router.serve``
 assembles it (the aiohttp app on a loopback port, and for ``raw`` the ``RawFront`` before it)."""
 
 from __future__ import annotations
@@ -15,11 +15,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from router.app import PROXY, create_app
-from router.config import BackendConfig, RouterConfig
-from router.front.server import RawFront
-from router.http_server import CappedAppRunner
-from router.state import ROUTER_STATE, RouterState
+from router.state import RouterState
+from tests.conftest import MakeRouter
 from tests.support import eventually
 
 FRONTS = ("raw", "aiohttp")
@@ -138,51 +135,27 @@ Serve = Callable[..., Awaitable[Routed]]
 
 
 @pytest.fixture
-async def serve(aiohttp_server: Any) -> AsyncIterator[Serve]:
+async def serve(make_router: MakeRouter) -> AsyncIterator[Serve]:
     """``await serve(front, backends=[...], prefill=[...], decode=[...], extra_urls=[...], **config)``:
     the fakes served, a router before them (and ``extra_urls``) on ``front``, after its first
     health round (models learned)."""
-    cleanups: list[Callable[[], Awaitable[None]]] = []
+    sessions: list[aiohttp.ClientSession] = []
 
     async def start(front: str, *, backends: list[ModelBackend] | None = None,
                     prefill: list[ModelBackend] | None = None, decode: list[ModelBackend] | None = None,
                     extra_urls: list[str] | None = None, **overrides: Any) -> Routed:
-        backends, prefill, decode = backends or [], prefill or [], decode or []
-        urls: dict[int, str] = {}
-        for fake in [*backends, *prefill, *decode]:
-            server = await aiohttp_server(fake.app(), host="127.0.0.1")
-            urls[id(fake)] = f"http://127.0.0.1:{server.port}"
-
-        def configs(fakes: list[ModelBackend]) -> list[BackendConfig]:
-            return [BackendConfig(urls[id(f)], name=f.name) for f in fakes]
-
-        settings: dict[str, Any] = {"health_interval_s": 3600.0, "retry_backoff_s": 0.001}
-        settings.update(overrides)
-        config = RouterConfig(backends=configs(backends) + [BackendConfig(u) for u in extra_urls or ()],
-                              prefill=configs(prefill), decode=configs(decode), **settings)
-        app = create_app(config)
-        runner = CappedAppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
-        await runner.setup()
-        cleanups.append(runner.cleanup)
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site.port
-        if front == "raw":
-            raw = RawFront(app[PROXY], "127.0.0.1", site.port, max_body_bytes=config.max_body_bytes,
-                           body_timeout_s=config.body_timeout_s)
-            port = await raw.start("127.0.0.1", 0)
-            cleanups.append(lambda: raw.shutdown(0))
-        state = app[ROUTER_STATE]
+        router = await make_router(front, fakes=backends or [], prefill=prefill or [], decode=decode or [],
+                                   urls=extra_urls or [], named=True, **overrides)
+        state = router.state
         await eventually(lambda: state.health is not None and state.health.rounds >= 1, timeout=10.0,
                          what="the router's first health round")
         http = aiohttp.ClientSession(auto_decompress=False)
-        cleanups.append(http.close)
-        fakes = {f.name: f for f in [*backends, *prefill, *decode]}
-        return Routed(f"http://127.0.0.1:{port}", state, http, fakes)
+        sessions.append(http)
+        return Routed(router.url, state, http, {f.name: f for f in router.fakes})
 
     yield start
-    for cleanup in reversed(cleanups):
-        await cleanup()
+    for http in reversed(sessions):
+        await http.close()
 
 
 async def ask(routed: Routed, method: str, path: str, *, json_body: Any = None, data: bytes | None = None,

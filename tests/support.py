@@ -43,3 +43,10 @@ async def eventually(check: Callable[[], bool | Awaitable[bool]], *, timeout: fl
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         await asyncio.sleep(interval)
+
+
+def kill_alive(*procs: Proc) -> None:
+    """Kill (by PID) those of ``procs`` still running: the clean-up after a test's processes."""
+    for proc in procs:
+        if proc.alive():
+            proc.kill()

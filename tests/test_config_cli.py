@@ -26,8 +26,8 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from contract.errors import ConfigError
-from router.cli import listening_line, main, run_worker
+from router.cli import main
+from router.serve import listening_line, run_worker
 from router.config import RouterConfig, build_config
 
 REPO = Path(__file__).resolve().parent.parent
@@ -93,7 +93,8 @@ def broken_app(config: RouterConfig) -> web.Application:
 
 RUN_SNIPPET = """\
 import sys
-from router.cli import configure_logging, run
+from router.cli import run
+from router.serve import configure_logging
 from router.config import build_config
 config = build_config(sys.argv[2:])
 configure_logging(config.log_level)
@@ -528,3 +529,18 @@ def test_router_log_level_is_case_insensitive(level: str, tmp_path: Path) -> Non
     path = tmp_path / "r.toml"
     path.write_text(f'log_level = "{level}"\n[[backends]]\nurl = "http://127.0.0.1:1"\n')
     assert build_config(["--config", str(path)]).log_level == level.lower()
+
+
+def test_the_command_line_modules_import_downward_only() -> None:
+    """``router.cli`` -> ``router.supervisor`` -> ``router.serve``: never back up."""
+    import ast
+
+    def imported(module: str) -> set[str]:
+        tree = ast.parse((REPO / "router" / f"{module}.py").read_text())
+        names = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        names |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        return {name for name in names if name in ("router.cli", "router.supervisor", "router.serve")}
+
+    assert imported("serve") == set()
+    assert imported("supervisor") == {"router.serve"}
+    assert imported("cli") == {"router.serve", "router.supervisor"}

@@ -22,7 +22,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.support import Proc, start_backend, start_router, wait_until
+from tests.support import Proc, kill_alive, start_backend, start_router, wait_until
 from tests.support import metric_sum as metric
 from tests.support import eventually
 
@@ -41,9 +41,7 @@ ADMIN_AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 def procs() -> Iterator[list[Proc]]:
     started: list[Proc] = []
     yield started
-    for proc in started:
-        if proc.alive():
-            proc.kill()
+    kill_alive(*started)
 
 
 def router_config(tmp_path: Path, backends: list[str], **settings: Any) -> str:

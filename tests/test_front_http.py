@@ -1,7 +1,7 @@
 """HTTP/1.x correctness (RFC 9110/9112) on both fronts, and the fronts' resource bounds.
 
 Each test writes raw bytes to a real router (the raw front, and the aiohttp front as
-``router.cli.serve`` builds it: ``CappedAppRunner`` over the app), on 127.0.0.1 ephemeral
+``router.serve.serve`` builds it: ``CappedAppRunner`` over the app), on 127.0.0.1 ephemeral
 ports in front of in-process fake backends, and reads what comes back byte for byte.
 """
 
@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
+from aiohttp import web
 
-from tests.support import eventually, wait_until
-from tests.test_front_raw import GOOD, Conn, Factory, get, post, read_answer, served  # noqa: F401
+from tests.conftest import MakeRouter
+from tests.raw_http import GOOD, Conn, get, post, read_answer
+from tests.support import eventually, kill_alive, wait_until
+from tests.test_front_raw import Factory, served  # noqa: F401
 
 FRONTS = ["raw", "aiohttp"]
 
@@ -35,6 +39,18 @@ def chunked(path: str, body: bytes, *, version: str = "1.1", extra: str = "", tr
     head = f"POST {path} HTTP/{version}\r\nHost: router\r\nContent-Type: application/json\r\n" \
            f"Transfer-Encoding: chunked\r\n{extra}\r\n"
     return head.encode() + b"%x\r\n%b\r\n0\r\n" % (len(body), body) + trailer.encode() + b"\r\n"
+
+
+def completions_app(infer: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.Application:
+    """A fake backend: ``infer`` answers POST /v1/completions, GET /health answers 200 ``ok``."""
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", infer)
+    app.router.add_get("/health", health)
+    return app
 
 
 # ------------------------------------------------------------------- 4. trailer fields
@@ -260,32 +276,19 @@ class Gated:
         self.gate = asyncio.Event()
         self.arrived = asyncio.Event()
 
-    def app(self) -> Any:
-        from aiohttp import web
-
+    def app(self) -> web.Application:
         async def infer(request: web.Request) -> web.Response:
             await request.read()
             self.arrived.set()
             await self.gate.wait()
             return web.json_response({"ok": True})
 
-        async def health(request: web.Request) -> web.Response:
-            return web.Response(text="ok")
-
-        app = web.Application()
-        app.router.add_post("/v1/completions", infer)
-        app.router.add_get("/health", health)
-        return app
+        return completions_app(infer)
 
 
 @pytest.mark.parametrize("front", FRONTS)
-async def test_answers_during_the_drain_say_connection_close(served: Factory, aiohttp_server: Any, front: str) -> None:
-    from aiohttp import web
-
-    from router.app import create_app
-    from router.config import BackendConfig, RouterConfig
-    from router.http_server import CappedAppRunner
-
+async def test_answers_during_the_drain_say_connection_close(served: Factory, make_router: MakeRouter,
+                                                             aiohttp_server: Any, front: str) -> None:
     gated = Gated()
     backend = await aiohttp_server(gated.app(), host="127.0.0.1")
     url = f"http://127.0.0.1:{backend.port}"
@@ -293,15 +296,11 @@ async def test_answers_during_the_drain_say_connection_close(served: Factory, ai
         router = await served(backends=[url])
         conn = await open_front(router, front)
         drain = lambda: router.front.shutdown(30)  # noqa: E731
-    else:  # the aiohttp front as router.cli.serve runs it: its drain is the runner's cleanup
-        config = RouterConfig(backends=[BackendConfig(url)], health_interval_s=3600.0)
-        runner = CappedAppRunner(create_app(config), access_log=None, handle_signals=False,
-                                  handler_cancellation=True, shutdown_timeout=30)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        conn = await Conn.open(site.port)
-        drain = runner.cleanup
+    else:  # the aiohttp front as router.serve.serve runs it: its drain is the runner's cleanup
+        routed = await make_router("aiohttp", n=0, urls=[url], shutdown_timeout=30)
+        assert routed.runner is not None
+        conn = await Conn.open(routed.port)
+        drain = routed.runner.cleanup
     try:
         await conn.send(post("/v1/completions"))
         await asyncio.wait_for(gated.arrived.wait(), 10)
@@ -326,21 +325,13 @@ class Bulky:
         self.body = json.dumps({"data": "x" * size}).encode()
         self.count = 0
 
-    def app(self) -> Any:
-        from aiohttp import web
-
+    def app(self) -> web.Application:
         async def infer(request: web.Request) -> web.Response:
             await request.read()
             self.count += 1
             return web.Response(body=self.body, content_type="application/json")
 
-        async def health(request: web.Request) -> web.Response:
-            return web.Response(text="ok")
-
-        app = web.Application()
-        app.router.add_post("/v1/completions", infer)
-        app.router.add_get("/health", health)
-        return app
+        return completions_app(infer)
 
 
 @pytest.mark.parametrize("front", FRONTS)
@@ -396,31 +387,9 @@ async def test_pipelined_requests_wait_while_the_client_does_not_read(served: Fa
 
 @pytest.mark.parametrize("front", FRONTS)
 async def test_connections_over_max_connections_are_closed_at_once_and_logged_rarely(
-        aiohttp_server: Any, front: str, caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
-    from aiohttp import web
-
-    from router.app import PROXY, create_app
-    from router.config import BackendConfig, RouterConfig
-    from router.front.server import RawFront
-    from router.http_server import CappedAppRunner
-    from tests.fakes import EchoBackend
-
-    fake = EchoBackend("b0")
-    backend = await aiohttp_server(fake.app(), host="127.0.0.1")
-    config = RouterConfig(backends=[BackendConfig(f"http://127.0.0.1:{backend.port}")], health_interval_s=3600.0,
-                          max_connections=2)
-    app = create_app(config)
-    runner = CappedAppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True,
-                             max_connections=config.max_connections if front == "aiohttp" else None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    raw = None
-    port = site.port
-    if front == "raw":
-        raw = RawFront(app[PROXY], "127.0.0.1", site.port, max_body_bytes=config.max_body_bytes,
-                       max_connections=config.max_connections)
-        port = await raw.start("127.0.0.1", 0)
+        make_router: MakeRouter, front: str, caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+    router = await make_router(front, max_connections=2)
+    fake, raw, port = router.fakes[0], router.raw, router.port
     opened: list[Conn] = []
     try:
         caplog.set_level("WARNING")
@@ -454,9 +423,6 @@ async def test_connections_over_max_connections_are_closed_at_once_and_logged_ra
     finally:
         for conn in opened:
             conn.close()
-        if raw is not None:
-            await raw.shutdown(0)
-        await runner.cleanup()
 
 
 EMFILE_SCRIPT = r"""
@@ -574,9 +540,7 @@ def test_process_out_of_file_descriptors_keeps_a_small_log_and_recovers(tmp_path
     finally:
         for sock in held:
             sock.close()
-        for proc in (router, backend):
-            if proc.alive():
-                proc.kill()
+        kill_alive(router, backend)
     log = router.log()
     assert len(log) < 4000, log[:4000]
     assert "Traceback" not in log

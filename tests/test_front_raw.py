@@ -1,6 +1,6 @@
 """The raw front (``router.front``): HTTP/1.x contracts on the router's port.
 
-Most tests run the front in-process exactly as ``router.cli.serve`` assembles it: the app from
+Most tests run the front in-process exactly as ``router.serve.serve`` assembles it: the app from
 ``router.app.create_app`` on an internal aiohttp listener and ``RawFront`` on its own port, both
 on 127.0.0.1 ephemeral ports, in front of ``tests.fakes.EchoBackend`` servers (or a small
 streaming backend defined here). Requests are written raw over sockets, so framing, pipelining
@@ -24,116 +24,25 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from router.config import build_config
 from contract.errors import ConfigError
-from router.app import PROXY, create_app
-from router.config import BackendConfig, RouterConfig, build_config
 from router.front.server import RawFront
-from router.http_server import CappedAppRunner
-from router.state import ROUTER_STATE, RouterState
+from router.state import RouterState
+from tests.conftest import MakeRouter
 from tests.fakes import EchoBackend
-from tests.support import eventually, metric_sum, start_backend, start_router, wait_until
+from tests.raw_http import GOOD, Answer, Conn, get, post, read_answer
+from tests.support import eventually, kill_alive, metric_sum, start_backend, start_router, wait_until
 
 TOKEN = "raw-front-admin-token"
 LIMIT = 4096  # max_body_bytes of the in-process routers
-GOOD = b'{"model": "m", "prompt": "hello"}'
 
 
 # ----------------------------------------------------------------------------- plumbing
 
 
 @dataclass
-class Answer:
-    version: str
-    status: int
-    headers: list[tuple[str, str]]
-    body: bytes
-
-    def header(self, name: str) -> str | None:
-        for key, value in self.headers:
-            if key.lower() == name.lower():
-                return value
-        return None
-
-    def all(self, name: str) -> list[str]:
-        return [v for k, v in self.headers if k.lower() == name.lower()]
-
-    def error(self) -> dict[str, Any]:
-        """The OpenAI-shaped error of a 4xx/5xx answer."""
-        assert (self.header("content-type") or "").startswith("application/json"), self.headers
-        payload = json.loads(self.body)
-        assert set(payload) == {"error"} and set(payload["error"]) == {"message", "type", "param", "code"}
-        assert payload["error"]["code"] == self.status
-        return payload["error"]
-
-
-async def read_answer(reader: asyncio.StreamReader, *, head_only: bool = False) -> Answer:
-    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
-    lines = head.decode("latin-1").split("\r\n")
-    version, status, _ = lines[0].split(" ", 2)
-    headers = [(k.strip(), v.strip()) for k, _, v in (line.partition(":") for line in lines[1:] if line)]
-    answer = Answer(version, int(status), headers, b"")
-    length = answer.header("content-length")
-    if head_only or answer.status in (204, 304) or answer.status < 200:
-        return answer
-    if length is not None:
-        answer.body = await asyncio.wait_for(reader.readexactly(int(length)), 10)
-    elif answer.header("transfer-encoding") == "chunked":
-        body = b""
-        while True:
-            size = int((await asyncio.wait_for(reader.readline(), 10)).strip(), 16)
-            data = await asyncio.wait_for(reader.readexactly(size + 2), 10)
-            if size == 0:
-                break
-            body += data[:-2]
-        answer.body = body
-    else:  # close-delimited
-        answer.body = await asyncio.wait_for(reader.read(), 10)
-    return answer
-
-
-def post(path: str, body: bytes = GOOD, *, version: str = "1.1", extra: str = "") -> bytes:
-    return (f"POST {path} HTTP/{version}\r\nHost: router\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n{extra}\r\n").encode("latin-1") + body
-
-
-def get(path: str, *, method: str = "GET", extra: str = "") -> bytes:
-    return f"{method} {path} HTTP/1.1\r\nHost: router\r\n{extra}\r\n".encode("latin-1")
-
-
-class Conn:
-    """One raw client connection."""
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader = reader
-        self.writer = writer
-
-    @classmethod
-    async def open(cls, port: int) -> "Conn":
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        return cls(reader, writer)
-
-    async def send(self, data: bytes) -> None:
-        self.writer.write(data)
-        await self.writer.drain()
-
-    async def ask(self, data: bytes, *, head_only: bool = False) -> Answer:
-        await self.send(data)
-        return await read_answer(self.reader, head_only=head_only)
-
-    async def closed_by_peer(self) -> bool:
-        """True when the server closed the connection (EOF, or a reset after it closed)."""
-        try:
-            return await asyncio.wait_for(self.reader.read(1), 10) == b""
-        except ConnectionResetError:
-            return True
-
-    def close(self) -> None:
-        self.writer.close()
-
-
-@dataclass
 class Served:
-    """A router served as ``router.cli.serve`` does with ``front = "raw"``."""
+    """A router served as ``router.serve.serve`` does with ``front = "raw"``."""
 
     front: RawFront
     port: int
@@ -159,36 +68,22 @@ Factory = Callable[..., Awaitable[Served]]
 
 
 @pytest.fixture
-async def served(aiohttp_server: Any) -> AsyncIterator[Factory]:
-    cleanups: list[tuple[Served, web.AppRunner]] = []
+async def served(make_router: MakeRouter) -> AsyncIterator[Factory]:
+    made: list[Served] = []
 
     async def make(*, backends: list[str] | None = None, n: int = 1, **overrides: Any) -> Served:
-        fakes = [EchoBackend(f"b{i}") for i in range(n)]
-        urls = list(backends or [])
-        for fake in fakes if backends is None else []:
-            server = await aiohttp_server(fake.app(), host="127.0.0.1")
-            urls.append(f"http://127.0.0.1:{server.port}")
-        settings: dict[str, Any] = {"health_interval_s": 3600.0, "retry_backoff_s": 0.001, "max_body_bytes": LIMIT}
+        settings: dict[str, Any] = {"max_body_bytes": LIMIT}
         settings.update(overrides)
-        config = RouterConfig(backends=[BackendConfig(u) for u in urls], **settings)
-        app = create_app(config)
-        runner = CappedAppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        front = RawFront(app[PROXY], "127.0.0.1", site.port, max_body_bytes=config.max_body_bytes,
-                         body_timeout_s=config.body_timeout_s)
-        port = await front.start("127.0.0.1", 0)
-        result = Served(front, port, site.port, app[ROUTER_STATE], fakes)
-        cleanups.append((result, runner))
+        router = await make_router("raw", n=0 if backends is not None else n, urls=backends or [], **settings)
+        assert router.raw is not None
+        result = Served(router.raw, router.port, router.aiohttp_port, router.state, router.fakes)
+        made.append(result)
         return result
 
     yield make
-    for result, runner in cleanups:
+    for result in made:
         for conn in result.opened:
             conn.close()
-        await result.front.shutdown(0)
-        await runner.cleanup()
 
 
 def in_flight(state: RouterState) -> int:
@@ -690,9 +585,7 @@ def test_process_disconnect_mid_stream_aborts_on_the_backend(tmp_path: Path) -> 
                    what="the router's in-flight count back to 0")
         assert router.stop() == 0
     finally:
-        for proc in (router, backend):
-            if proc.alive():
-                proc.kill()
+        kill_alive(router, backend)
     assert "Traceback" not in router.log()
 
 
@@ -712,9 +605,7 @@ def test_process_sigterm_lets_a_stream_finish_and_exits_0(tmp_path: Path) -> Non
         router.popen.wait(20)
         assert router.popen.returncode == 0
     finally:
-        for proc in (router, backend):
-            if proc.alive():
-                proc.kill()
+        kill_alive(router, backend)
     assert "Traceback" not in router.log()
 
 
@@ -734,6 +625,4 @@ def test_process_workers_and_the_aiohttp_front_serve_the_same_routes(tmp_path: P
         for router in routers:
             assert router.stop() == 0
     finally:
-        for proc in (*routers, backend):
-            if proc.alive():
-                proc.kill()
+        kill_alive(*routers, backend)

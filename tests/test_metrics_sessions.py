@@ -21,14 +21,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.app import create_app
-from router.config import BackendConfig, RouterConfig
 from router.state import ROUTER_STATE
+from tests.conftest import MakeRouter
 from tests.fakes import EchoBackend
-from tests.support import free_port
 from tests.support import eventually as shared_eventually
 
 K = 5
@@ -107,18 +105,13 @@ Factory = Callable[..., Awaitable[tuple[TestClient, list[EchoBackend]]]]
 
 
 @pytest.fixture
-def router(aiohttp_server: Any, aiohttp_client: Any) -> Factory:
+def router(make_router: MakeRouter) -> Factory:
     async def make(n: int = 2, dead: int = 0, **overrides: Any) -> tuple[TestClient, list[EchoBackend]]:
-        fakes = [EchoBackend(f"b{i}") for i in range(n)]
-        servers: list[TestServer] = [await aiohttp_server(f.app(), host="127.0.0.1") for f in fakes]
-        backends = [BackendConfig(f"http://127.0.0.1:{s.port}", name=f.name) for f, s in zip(fakes, servers)]
-        backends += [BackendConfig(f"http://127.0.0.1:{free_port()}", name=f"dead{i}") for i in range(dead)]
-        settings: dict[str, Any] = {"health_interval_s": 3600.0, "retry_backoff_s": 0.001,
-                                    "session_metrics_top_k": K, "session_label": "id", "admin_token": TOKEN}
+        settings: dict[str, Any] = {"session_metrics_top_k": K, "session_label": "id", "admin_token": TOKEN}
         settings.update(overrides)
-        client = await aiohttp_client(create_app(RouterConfig(backends=backends, **settings)),
-                                      server_kwargs={"handler_cancellation": True})
-        return client, fakes
+        served = await make_router("client", n=n, dead=dead, named=True, **settings)
+        assert served.client is not None
+        return served.client, served.fakes
 
     return make
 

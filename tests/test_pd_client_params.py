@@ -18,6 +18,7 @@ from router import inspect
 from router.app import create_app as create_router_app
 from router.config import config_from_mapping
 from router.state import ROUTER_STATE
+from tests.conftest import MakeRouter
 from tests.fakes import EchoBackend
 from tests.support import free_port
 
@@ -133,13 +134,10 @@ async def test_trusted_client_params_are_forwarded(aiohttp_server: Any, aiohttp_
 # ---- every route, and the P/D legs, seen by recording fakes -----------------------------------------
 
 
-async def test_plain_routes_are_stripped_and_clean_bodies_pass_byte_for_byte(aiohttp_server: Any,
-                                                                              aiohttp_client: Any) -> None:
-    fake = EchoBackend("b0")
-    server = await aiohttp_server(fake.app(), host="127.0.0.1")
-    config = config_from_mapping({"backends": [{"url": f"http://127.0.0.1:{server.port}"}],
-                                  "health_interval_s": 3600.0})
-    router = await aiohttp_client(create_router_app(config))
+async def test_plain_routes_are_stripped_and_clean_bodies_pass_byte_for_byte(make_router: MakeRouter) -> None:
+    served = await make_router("client")
+    fake, router = served.fakes[0], served.client
+    assert router is not None
     clean = b'{"prompt":  "hello",   "model": "m"}'
     dirty = b'{"prompt": "hello", "kv_transfer_param\\u0073": {"do_remote_decode": true}}'
     for path in ("/tokenize", "/v1/embeddings"):  # a named plain route, and one the catch-all forwards

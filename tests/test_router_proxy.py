@@ -11,27 +11,19 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from router.app import create_app
-from router.config import BackendConfig, RouterConfig
 from router.state import ROUTER_STATE
+from tests.conftest import MakeRouter
 from tests.fakes import EchoBackend
-from tests.support import free_port
 
 Factory = Callable[..., Awaitable[tuple[TestClient, list[EchoBackend], list[TestServer]]]]
 
 
 @pytest.fixture
-def router(aiohttp_server: Any, aiohttp_client: Any) -> Factory:
+def router(make_router: MakeRouter) -> Factory:
     async def make(n: int = 3, dead: int = 0, **overrides: Any) -> tuple[TestClient, list[EchoBackend], list[TestServer]]:
-        fakes = [EchoBackend(f"b{i}") for i in range(n)]
-        servers = [await aiohttp_server(f.app(), host="127.0.0.1") for f in fakes]
-        urls = [f"http://127.0.0.1:{s.port}" for s in servers]
-        urls += [f"http://127.0.0.1:{free_port()}" for _ in range(dead)]  # nothing listens there
-        settings: dict[str, Any] = {"health_interval_s": 3600.0, "retry_backoff_s": 0.001}
-        settings.update(overrides)
-        config = RouterConfig(backends=[BackendConfig(u) for u in urls], **settings)
-        client = await aiohttp_client(create_app(config), server_kwargs={"handler_cancellation": True})
-        return client, fakes, servers
+        served = await make_router("client", n=n, dead=dead, **overrides)
+        assert served.client is not None
+        return served.client, served.fakes, served.servers
 
     return make
 

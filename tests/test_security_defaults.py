@@ -24,22 +24,17 @@ import os
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp import web
 
+from router.backend_allow import BackendAllowList, BackendNotAllowed, parse_entry
+from router.config import build_config, config_from_mapping
 from contract.errors import ConfigError
 from contract.ids import session_hash
-from router.app import PROXY, create_admin_app, create_app
-from router.backend_allow import BackendAllowList, BackendNotAllowed, parse_entry
-from router.config import BackendConfig, RouterConfig, build_config, config_from_mapping
-from router.front.server import RawFront
-from router.http_server import CappedAppRunner
-from router.state import ROUTER_STATE, RouterState
+from tests.conftest import MakeRouter, RouterUnderTest
 from tests.fakes import EchoBackend
 from bench.procs import free_ports
 from tests.support import REPO, http_status, start_router, wait_until
@@ -53,51 +48,18 @@ ELSEWHERE = "127.0.0.9"
 # ----------------------------------------------------------------------------- in-process routers
 
 
-@dataclass
-class Served:
-    url: str
-    #: the admin listener's URL when admin_port is set (its app served beside the data port)
-    admin_url: str | None
-    state: RouterState
-    fakes: list[EchoBackend]
-
-
-Factory = Callable[..., Awaitable[Served]]
+Factory = Callable[..., Awaitable[RouterUnderTest]]
 
 
 @pytest.fixture
-async def serve(aiohttp_server: Any) -> AsyncIterator[Factory]:
+def serve(make_router: MakeRouter) -> Factory:
     """``serve(front, n=1, **settings)``: the router on the given front, and its admin app on its
     own listener when ``admin_port`` is set (the number only selects the mode here)."""
-    stack = contextlib.AsyncExitStack()
 
-    async def site(app: web.Application) -> int:
-        runner = CappedAppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
-        await runner.setup()
-        stack.push_async_callback(runner.cleanup)
-        tcp = web.TCPSite(runner, "127.0.0.1", 0)
-        await tcp.start()
-        return int(tcp._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
+    async def make(front: str, *, n: int = 1, **overrides: Any) -> RouterUnderTest:
+        return await make_router(front, n=n, admin=True, **overrides)
 
-    async def make(front: str, *, n: int = 1, **overrides: Any) -> Served:
-        fakes = [EchoBackend(f"b{i}") for i in range(n)]
-        servers = [await aiohttp_server(f.app(), host="127.0.0.1") for f in fakes]
-        settings: dict[str, Any] = {"health_interval_s": 3600.0, "retry_backoff_s": 0.001}
-        settings.update(overrides)
-        config = RouterConfig(backends=[BackendConfig(f"http://127.0.0.1:{s.port}") for s in servers], **settings)
-        app = create_app(config)
-        port = await site(app)
-        if front == "raw":
-            raw = RawFront(app[PROXY], "127.0.0.1", port, max_body_bytes=config.max_body_bytes)
-            port = await raw.start("127.0.0.1", 0)
-            stack.push_async_callback(raw.shutdown, 0)
-        admin_url = None
-        if config.admin_port:
-            admin_url = f"http://127.0.0.1:{await site(create_admin_app(app))}"
-        return Served(f"http://127.0.0.1:{port}", admin_url, app[ROUTER_STATE], fakes)
-
-    async with stack:
-        yield make
+    return make
 
 
 @pytest.fixture
@@ -118,12 +80,12 @@ def assert_error(status: int, payload: Any, want: int) -> dict[str, Any]:
     return payload["error"]
 
 
-async def make_session(http: aiohttp.ClientSession, router: Served, session_id: str) -> None:
+async def make_session(http: aiohttp.ClientSession, router: RouterUnderTest, session_id: str) -> None:
     status, _ = await call(http, "POST", router.url + "/v1/completions", json_body={"prompt": "x", "session_id": session_id})
     assert status == 200
 
 
-def members(router: Served) -> list[str]:
+def members(router: RouterUnderTest) -> list[str]:
     return [b.url for pool in router.state.pools.values() for b in pool.members]
 
 
@@ -493,7 +455,7 @@ async def test_admin_rejects_duplicates_long_names_and_port_0(serve: Factory, ht
 # ------------------------------------------------------------------ item 2: /metrics session labels
 
 
-async def session_samples(http: aiohttp.ClientSession, router: Served) -> tuple[str, set[str]]:
+async def session_samples(http: aiohttp.ClientSession, router: RouterUnderTest) -> tuple[str, set[str]]:
     async with http.get(router.url + "/metrics") as resp:
         text = await resp.text()
     labels = set()

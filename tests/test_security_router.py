@@ -22,11 +22,10 @@ import pytest
 from aiohttp.test_utils import TestClient
 
 from router import admin as admin_module
-from router.app import create_admin_app, create_app
-from router.config import BackendConfig, RouterConfig
 from router.state import ROUTER_STATE
+from tests.conftest import MakeRouter
 from tests.fakes import EchoBackend
-from tests.support import start_backend, start_router
+from tests.support import kill_alive, start_backend, start_router
 
 TOKEN = "adm-5ecret-Token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -34,15 +33,11 @@ Factory = Callable[..., Awaitable[tuple[TestClient, list[EchoBackend]]]]
 
 
 @pytest.fixture
-def router(aiohttp_server: Any, aiohttp_client: Any) -> Factory:
+def router(make_router: MakeRouter) -> Factory:
     async def make(n: int = 2, **overrides: Any) -> tuple[TestClient, list[EchoBackend]]:
-        fakes = [EchoBackend(f"b{i}") for i in range(n)]
-        servers = [await aiohttp_server(f.app(), host="127.0.0.1") for f in fakes]
-        settings: dict[str, Any] = {"health_interval_s": 3600.0, "retry_backoff_s": 0.001}
-        settings.update(overrides)
-        config = RouterConfig(backends=[BackendConfig(f"http://127.0.0.1:{s.port}") for s in servers], **settings)
-        client = await aiohttp_client(create_app(config), server_kwargs={"handler_cancellation": True})
-        return client, fakes
+        served = await make_router("client", n=n, **overrides)
+        assert served.client is not None
+        return served.client, served.fakes
 
     return make
 
@@ -131,13 +126,11 @@ async def test_admin_path_tricks_never_bypass_the_token(router: Factory) -> None
     assert not any(b.draining for b in members)
 
 
-async def test_admin_on_its_own_port_only(aiohttp_server: Any, aiohttp_client: Any) -> None:
-    backend = await aiohttp_server(EchoBackend("b").app(), host="127.0.0.1")
-    config = RouterConfig(backends=[BackendConfig(f"http://127.0.0.1:{backend.port}")], admin_token=TOKEN,
-                          admin_port=1, health_interval_s=3600.0)  # admin_port != 0: off the data app
-    main = create_app(config)
-    data = await aiohttp_client(main)
-    admin = await aiohttp_client(create_admin_app(main))
+async def test_admin_on_its_own_port_only(make_router: MakeRouter) -> None:
+    router = await make_router("client", admin=True, admin_token=TOKEN,
+                               admin_port=1)  # admin_port != 0: off the data app
+    backend, data, admin = router.servers[0], router.client, router.admin_client
+    assert data is not None and admin is not None
     # the data port has no admin API, not even with the token
     for method in ("GET", "POST", "DELETE"):
         path = "/admin/backends" + ("/x" if method == "DELETE" else "")
@@ -224,9 +217,7 @@ async def test_session_ids_and_bodies_never_reach_the_log(tmp_path: Path) -> Non
                 assert resp.status == 200
         assert router.stop() == 0
     finally:
-        for proc in [router, *backends]:
-            if proc.alive():
-                proc.kill()
+        kill_alive(router, *backends)
     log = router.log()
     entries = records(log)
     assert any(level == "WARNING" and "unhealthy" in text for level, text in entries), log[-2000:]

@@ -1,6 +1,6 @@
 """What the router does with what backends answer, on both fronts (issue 11, items 11, 13, 15, 18, 22).
 
-Every test runs the router in-process as ``router.cli.serve`` assembles it: the app from
+Every test runs the router in-process as ``router.serve.serve`` assembles it: the app from
 ``router.app.create_app`` on an aiohttp listener (the aiohttp front) and ``RawFront`` on its own
 port (the raw front), both on 127.0.0.1 ephemeral ports. Requests are written raw over sockets,
 so the bytes a client gets are exactly what a test reads. Backends are either
@@ -21,17 +21,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aiohttp import web
 
 from contract.errors import ConfigError
 from router.access_log import ACCESS_LOGGER, BatchingHandler, session_hash
-from router.app import PROXY, create_app
+from router.app import create_app
 from router.config import BackendConfig, RouterConfig, build_config, config_from_mapping
-from router.front.server import RawFront
+from contract.errors import ConfigError
 from router.http_server import CappedAppRunner
 from router.proxy import event_boundary
-from router.state import ROUTER_STATE, RouterState
+from router.state import RouterState
+from tests.conftest import MakeRouter
 from tests.fakes import EchoBackend
+from tests.raw_http import Answer, RawServer, ServerConn, post, read_answer
 from tests.support import eventually
 
 FRONTS = ["raw", "aiohttp"]
@@ -42,133 +43,30 @@ STREAM = b'{"model": "m", "prompt": "hello", "stream": true, "session_id": "sess
 # ----------------------------------------------------------------------------- a scripted backend
 
 
-Script = Callable[["BackendConn"], Awaitable[None]]
+Script = Callable[[ServerConn], Awaitable[None]]
 
 
-class BackendConn:
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader = reader
-        self.writer = writer
-        self.request = b""
-
-    async def read_request(self) -> bytes:
-        head = await self.reader.readuntil(b"\r\n\r\n")
-        length = 0
-        for line in head.split(b"\r\n"):
-            if line.lower().startswith(b"content-length:"):
-                length = int(line.split(b":", 1)[1])
-        self.request = head + (await self.reader.readexactly(length) if length else b"")
-        return self.request
-
-    async def send(self, data: bytes) -> None:
-        self.writer.write(data)
-        await self.writer.drain()
-
-    async def closed_by_peer(self) -> bool:
-        """Read until the router closes the connection; True then (bounded by the caller)."""
-        try:
-            while await self.reader.read(65536):
-                pass
-        except ConnectionError:
-            pass
-        return True
-
-
-class Scripted:
+class Scripted(RawServer):
     """A backend that answers GETs (health checks) with 200 and runs ``script`` (set by the test) on a
     connection's first other request."""
 
     def __init__(self) -> None:
+        super().__init__(self._serve)
         self.script: Script | None = None
-        self.conns: list[BackendConn] = []
-        #: set when a connection's script returned after the router closed it
-        self.router_closed = asyncio.Event()
-        self.port = 0
-        self._server: asyncio.Server | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
 
-    async def start(self) -> None:
-        self._server = await asyncio.start_server(self._on_connect, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-
-    async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        conn = BackendConn(reader, writer)
-        self.conns.append(conn)
-        task = asyncio.current_task()
-        assert task is not None
-        self._tasks.add(task)
-        try:
-            assert self.script is not None
-            while (await conn.read_request()).startswith(b"GET "):  # health checks: fine
-                await conn.send(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}")
+    async def _serve(self, conn: ServerConn) -> None:
+        assert self.script is not None
+        while (request := await conn.read_request()) is not None and request.startswith(b"GET "):  # health checks: fine
+            await conn.send(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}")
+        if request is not None:
             await self.script(conn)
-        except (ConnectionError, asyncio.IncompleteReadError):
-            pass
-        finally:
-            self._tasks.discard(task)
-            writer.close()
-
-    async def stop(self) -> None:
-        assert self._server is not None
-        self._server.close()
-        for task in list(self._tasks):
-            task.cancel()
-        for conn in self.conns:
-            conn.writer.close()
 
 
-async def wait_router_close(conn: BackendConn) -> None:
+async def wait_router_close(conn: ServerConn) -> None:
     await asyncio.wait_for(conn.closed_by_peer(), 10)
 
 
 # ----------------------------------------------------------------------------- the router, both fronts
-
-
-@dataclass
-class Answer:
-    status: int
-    head: bytes
-    headers: list[tuple[str, str]]
-    body: bytes
-
-    def header(self, name: str) -> str | None:
-        return next((v for k, v in self.headers if k.lower() == name.lower()), None)
-
-    def error(self) -> dict[str, Any]:
-        assert (self.header("content-type") or "").startswith("application/json"), self.headers
-        payload = json.loads(self.body)
-        assert set(payload) == {"error"} and set(payload["error"]) == {"message", "type", "param", "code"}
-        assert payload["error"]["code"] == self.status
-        return payload["error"]
-
-
-async def read_answer(reader: asyncio.StreamReader) -> Answer:
-    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 15)
-    lines = head.split(b"\r\n")
-    status = int(lines[0].split(b" ", 2)[1])
-    headers = [(k.strip().decode("latin-1"), v.strip().decode("latin-1"))
-               for k, _, v in (line.partition(b":") for line in lines[1:] if line)]
-    answer = Answer(status, head, headers, b"")
-    length = answer.header("content-length")
-    if length is not None:
-        answer.body = await asyncio.wait_for(reader.readexactly(int(length)), 15)
-    elif answer.header("transfer-encoding") == "chunked":
-        body = b""
-        while True:
-            size = int((await asyncio.wait_for(reader.readline(), 15)).strip(), 16)
-            data = await asyncio.wait_for(reader.readexactly(size + 2), 15)
-            if size == 0:
-                break
-            body += data[:-2]
-        answer.body = body
-    else:
-        answer.body = await asyncio.wait_for(reader.read(), 15)
-    return answer
-
-
-def post(path: str, body: bytes, *, extra: str = "") -> bytes:
-    return (f"POST {path} HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n{extra}\r\n").encode("latin-1") + body
 
 
 @dataclass
@@ -186,7 +84,7 @@ class Router:
         try:
             writer.write(data)
             await writer.drain()
-            return await read_answer(reader)
+            return await read_answer(reader, timeout=15)
         finally:
             writer.close()
 
@@ -198,36 +96,14 @@ Factory = Callable[..., Awaitable[Router]]
 
 
 @pytest.fixture
-async def router(aiohttp_server: Any) -> AsyncIterator[Factory]:
-    cleanups: list[tuple[RawFront, web.AppRunner]] = []
-
+def router(make_router: MakeRouter) -> Factory:
     async def make(*, backends: list[str] | None = None, n: int = 1, **overrides: Any) -> Router:
-        fakes: list[EchoBackend] = []
-        urls = list(backends or [])
-        if backends is None:
-            for i in range(n):
-                fake = EchoBackend(f"b{i}")
-                server = await aiohttp_server(fake.app(), host="127.0.0.1")
-                fakes.append(fake)
-                urls.append(f"http://127.0.0.1:{server.port}")
-        settings: dict[str, Any] = {"health_interval_s": 3600.0, "retry_backoff_s": 0.001, "retries": 0}
+        settings: dict[str, Any] = {"retries": 0}
         settings.update(overrides)
-        config = RouterConfig(backends=[BackendConfig(u) for u in urls], **settings)
-        app = create_app(config)
-        runner = CappedAppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        front = RawFront(app[PROXY], "127.0.0.1", site.port, max_body_bytes=config.max_body_bytes,
-                         body_timeout_s=config.body_timeout_s)
-        port = await front.start("127.0.0.1", 0)
-        cleanups.append((front, runner))
-        return Router(port, site.port, app[ROUTER_STATE], fakes)
+        served = await make_router("raw", n=0 if backends is not None else n, urls=backends or [], **settings)
+        return Router(served.port, served.aiohttp_port, served.state, served.fakes)
 
-    yield make
-    for front, runner in cleanups:
-        await front.shutdown(0)
-        await runner.cleanup()
+    return make
 
 
 @pytest.fixture
@@ -283,7 +159,7 @@ def test_event_boundary(tail: bytes, expected: bytes) -> None:
 @pytest.mark.parametrize("cut", [b'data: {"i": 1, "te', b'data: {"i": 1}\n', b'data: {"i": 1}\r\n', b"data: {\"i\": 1}"])
 async def test_the_error_event_starts_on_an_event_boundary(router: Factory, scripted: Scripted, front: str,
                                                            how: str, cut: bytes) -> None:
-    async def script(conn: BackendConn) -> None:
+    async def script(conn: ServerConn) -> None:
         await conn.send(SSE_HEAD + chunked(b'data: {"i": 0}\n\n', cut))
         if how == "stalls":
             await conn.closed_by_peer()  # the router gives up (total_timeout_s) and closes
@@ -310,7 +186,7 @@ async def test_an_oversized_response_head_is_a_502_and_the_connection_closes(rou
                                                                               front: str) -> None:
     closed = asyncio.Event()
 
-    async def script(conn: BackendConn) -> None:
+    async def script(conn: ServerConn) -> None:
         big = b"".join(b"X-Filler-%d: %s\r\n" % (i, b"a" * 1000) for i in range(100))  # ~100 KB of headers
         try:
             await conn.send(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n" + big)
@@ -338,7 +214,7 @@ async def test_the_head_bound_counts_every_byte_across_reads(router: Factory, sc
     head = start + b"a" * (limit - len(start) - 4 + over) + b"\r\n\r\n"
     assert len(head) == limit + over
 
-    async def script(conn: BackendConn) -> None:
+    async def script(conn: ServerConn) -> None:
         try:
             for i in range(0, len(head), 7):  # many small segments: the bound counts across reads
                 await conn.send(head[i:i + 7])
@@ -364,7 +240,7 @@ async def test_an_oversized_buffered_body_is_a_502_and_the_connection_closes(rou
     size = 3 * 1024 * 1024
     body = b'{"pad": "' + b"a" * (size - 11) + b'"}'
 
-    async def script(conn: BackendConn) -> None:
+    async def script(conn: ServerConn) -> None:
         try:
             if framing == "content-length":
                 await conn.send(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
@@ -402,7 +278,7 @@ async def test_a_stream_longer_than_the_body_bound_is_relayed_whole(router: Fact
                                                                     front: str) -> None:
     event = b'data: {"pad": "' + b"a" * 4000 + b'"}\n\n'
 
-    async def script(conn: BackendConn) -> None:
+    async def script(conn: ServerConn) -> None:
         await conn.send(SSE_HEAD)
         for _ in range(100):  # ~400 KB through a router that buffers at most 64 KiB of a whole answer
             await conn.send(chunked(event))
@@ -431,7 +307,7 @@ def test_the_bounds_are_settings() -> None:
 @pytest.mark.parametrize("status", [b"000", b"099", b"600", b"999"])
 async def test_a_status_outside_100_599_is_a_502(router: Factory, scripted: Scripted, front: str,
                                                  status: bytes) -> None:
-    async def script(conn: BackendConn) -> None:
+    async def script(conn: ServerConn) -> None:
         await conn.send(b"HTTP/1.1 " + status + b" Odd\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}")
         await conn.closed_by_peer()
 
@@ -448,7 +324,7 @@ async def test_non_ascii_header_bytes_pass_through_unchanged(router: Factory, sc
     utf8 = "café – 東京".encode()
     raw = b"caf\xe9 \xff\x80"  # not UTF-8
 
-    async def script(conn: BackendConn) -> None:
+    async def script(conn: ServerConn) -> None:
         await conn.send(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nX-Utf8: " + utf8
                         + b"\r\nX-Raw: " + raw + b"\r\nContent-Length: 2\r\n\r\n{}")
         await conn.closed_by_peer()
@@ -477,7 +353,7 @@ async def test_an_encoded_body_is_relayed_byte_for_byte_with_its_content_encodin
         kind = b"application/json"
     encoded = gzip.compress(plain, mtime=0)
 
-    async def script(conn: BackendConn) -> None:
+    async def script(conn: ServerConn) -> None:
         head = b"HTTP/1.1 200 OK\r\nContent-Type: " + kind + b"\r\nContent-Encoding: gzip\r\n"
         if stream:
             half = len(encoded) // 2
@@ -503,7 +379,7 @@ async def test_an_encoded_stream_that_breaks_gets_no_plain_text_appended(router:
     encoded = gzip.compress(plain, mtime=0)
     half = encoded[: len(encoded) // 2]
 
-    async def script(conn: BackendConn) -> None:
+    async def script(conn: ServerConn) -> None:
         await conn.send(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Encoding: gzip\r\n"
                         b"Transfer-Encoding: chunked\r\n\r\n" + chunked(half))
         # then the connection breaks

@@ -15,89 +15,13 @@ import pytest
 
 from contract.errors import UpstreamConnectError, UpstreamError, UpstreamProtocolError, UpstreamTimeoutError
 from router.upstream import UpstreamLimits, UpstreamPool, UpstreamTimeouts, build_request_head
+from tests.raw_http import Handler, RawServer, ServerConn
 from tests.support import eventually
 
 LIMITS = UpstreamLimits(sweep_interval_s=0.02)
 TIMEOUTS = UpstreamTimeouts(connect_s=2.0, first_byte_s=5.0, total_s=10.0)
 
 OK_2 = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 2\r\n\r\nok"
-
-Handler = Callable[["Conn"], Awaitable[None]]
-
-
-class Conn:
-    """One accepted connection of a RawServer, with helpers for scripted behaviour."""
-
-    def __init__(self, index: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.index = index
-        self.reader = reader
-        self.writer = writer
-
-    async def read_request(self) -> bytes | None:
-        """One request (head + Content-Length body), or None at EOF."""
-        try:
-            head = await self.reader.readuntil(b"\r\n\r\n")
-        except (asyncio.IncompleteReadError, ConnectionError):
-            return None
-        length = 0
-        for line in head.split(b"\r\n"):
-            if line.lower().startswith(b"content-length:"):
-                length = int(line.split(b":", 1)[1])
-        body = await self.reader.readexactly(length) if length else b""
-        return head + body
-
-    async def send(self, data: bytes) -> None:
-        self.writer.write(data)
-        await self.writer.drain()
-
-    async def wait_closed_by_peer(self) -> None:
-        """Return when the client closed (EOF or reset). Bounded by the test's own timeout."""
-        try:
-            while await self.reader.read(65536):
-                pass
-        except ConnectionError:
-            pass
-
-    def close(self) -> None:
-        self.writer.close()
-
-
-class RawServer:
-    def __init__(self, handler: Handler) -> None:
-        self.handler = handler
-        self.connections = 0
-        self.port = 0
-        self.conns: list[Conn] = []
-        self._server: asyncio.Server | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
-
-    async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        conn = Conn(self.connections, reader, writer)
-        self.connections += 1
-        self.conns.append(conn)
-        task = asyncio.current_task()
-        assert task is not None
-        self._tasks.add(task)
-        try:
-            await self.handler(conn)
-        except (ConnectionError, asyncio.IncompleteReadError):
-            pass
-        finally:
-            self._tasks.discard(task)
-            writer.close()
-
-    async def start(self) -> None:
-        self._server = await asyncio.start_server(self._on_connect, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-
-    async def stop(self) -> None:
-        assert self._server is not None
-        self._server.close()
-        for task in list(self._tasks):
-            task.cancel()
-        for conn in self.conns:
-            conn.writer.close()
-        await self._server.wait_closed()
 
 
 @asynccontextmanager
@@ -129,7 +53,7 @@ _until = functools.partial(eventually, timeout=5.0, interval=0.005)
 async def scenario_first_byte_timeout() -> None:
     closed = asyncio.Event()
 
-    async def never_answers(conn: Conn) -> None:
+    async def never_answers(conn: ServerConn) -> None:
         assert await conn.read_request() is not None
         await conn.wait_closed_by_peer()
         closed.set()
@@ -149,7 +73,7 @@ async def scenario_first_byte_timeout() -> None:
 
 
 async def scenario_per_request_timeouts_override_pool_defaults() -> None:
-    async def never_answers(conn: Conn) -> None:
+    async def never_answers(conn: ServerConn) -> None:
         await conn.read_request()
         await conn.wait_closed_by_peer()
 
@@ -165,7 +89,7 @@ async def scenario_per_request_timeouts_override_pool_defaults() -> None:
 async def scenario_total_timeout_cuts_a_stalled_stream() -> None:
     closed = asyncio.Event()
 
-    async def head_then_stall(conn: Conn) -> None:
+    async def head_then_stall(conn: ServerConn) -> None:
         await conn.read_request()
         await conn.send(
             b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
@@ -190,7 +114,7 @@ async def scenario_total_timeout_cuts_a_stalled_stream() -> None:
 
 
 async def scenario_total_timeout_while_waiting_for_head_and_in_read() -> None:
-    async def stall_mid_body(conn: Conn) -> None:
+    async def stall_mid_body(conn: ServerConn) -> None:
         await conn.read_request()
         await conn.send(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n0123456789")
         await conn.wait_closed_by_peer()
@@ -201,7 +125,7 @@ async def scenario_total_timeout_while_waiting_for_head_and_in_read() -> None:
         with pytest.raises(UpstreamTimeoutError):
             await resp.read()
 
-    async def never_answers(conn: Conn) -> None:
+    async def never_answers(conn: ServerConn) -> None:
         await conn.read_request()
         await conn.wait_closed_by_peer()
 
@@ -213,7 +137,7 @@ async def scenario_total_timeout_while_waiting_for_head_and_in_read() -> None:
 
 # ---------------------------------------------------------------------- broken responses
 async def scenario_close_mid_body_content_length() -> None:
-    async def short_body(conn: Conn) -> None:
+    async def short_body(conn: ServerConn) -> None:
         await conn.read_request()
         await conn.send(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"partial\":")
         conn.close()
@@ -229,7 +153,7 @@ async def scenario_close_mid_body_content_length() -> None:
 
 
 async def scenario_close_mid_body_chunked_stream() -> None:
-    async def broken_stream(conn: Conn) -> None:
+    async def broken_stream(conn: ServerConn) -> None:
         await conn.read_request()
         await conn.send(
             b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
@@ -249,7 +173,7 @@ async def scenario_close_mid_body_chunked_stream() -> None:
 
 
 async def scenario_garbage_is_a_protocol_error() -> None:
-    async def garbage(conn: Conn) -> None:
+    async def garbage(conn: ServerConn) -> None:
         await conn.read_request()
         await conn.send(b"HELLO THERE\r\n\r\n")
         await conn.wait_closed_by_peer()
@@ -260,7 +184,7 @@ async def scenario_garbage_is_a_protocol_error() -> None:
         assert "invalid HTTP response" in info.value.message
         assert not pool.stats()
 
-    async def bad_chunk(conn: Conn) -> None:
+    async def bad_chunk(conn: ServerConn) -> None:
         await conn.read_request()
         await conn.send(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\nZZZ\r\n")
         await conn.wait_closed_by_peer()
@@ -270,7 +194,7 @@ async def scenario_garbage_is_a_protocol_error() -> None:
         with pytest.raises(UpstreamProtocolError):
             await resp.read()
 
-    async def smuggling(conn: Conn) -> None:  # both framings at once: llhttp refuses it
+    async def smuggling(conn: ServerConn) -> None:  # both framings at once: llhttp refuses it
         await conn.read_request()
         await conn.send(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n")
         await conn.wait_closed_by_peer()
@@ -282,7 +206,7 @@ async def scenario_garbage_is_a_protocol_error() -> None:
 
 
 async def scenario_closed_before_head_on_fresh_connection_is_not_retried() -> None:
-    async def close_at_once(conn: Conn) -> None:
+    async def close_at_once(conn: ServerConn) -> None:
         await conn.read_request()
         conn.close()
 
@@ -297,7 +221,7 @@ async def scenario_closed_before_head_on_fresh_connection_is_not_retried() -> No
 async def scenario_stale_keepalive_is_retried_once_on_a_fresh_connection() -> None:
     seen: list[tuple[int, bytes]] = []
 
-    async def first_conn_dies_on_second_request(conn: Conn) -> None:
+    async def first_conn_dies_on_second_request(conn: ServerConn) -> None:
         while (req := await conn.read_request()) is not None:
             seen.append((conn.index, req))
             if conn.index == 0 and len(seen) == 2:
@@ -317,7 +241,7 @@ async def scenario_stale_keepalive_is_retried_once_on_a_fresh_connection() -> No
 
 
 async def scenario_no_retry_after_response_bytes() -> None:
-    async def partial_head_on_second(conn: Conn) -> None:
+    async def partial_head_on_second(conn: ServerConn) -> None:
         n = 0
         while await conn.read_request() is not None:
             n += 1
@@ -336,7 +260,7 @@ async def scenario_no_retry_after_response_bytes() -> None:
 
 
 async def scenario_idle_connection_closed_by_backend_is_dropped() -> None:
-    async def answer_then_close_later(conn: Conn) -> None:
+    async def answer_then_close_later(conn: ServerConn) -> None:
         await conn.read_request()
         await conn.send(OK_2)
         conn.close()  # keep-alive advertised, then closed while idle
@@ -352,7 +276,7 @@ async def scenario_idle_connection_closed_by_backend_is_dropped() -> None:
 
 # ---------------------------------------------------------------------- framing and reuse rules
 async def scenario_body_until_close_and_connection_close() -> None:
-    async def until_close(conn: Conn) -> None:
+    async def until_close(conn: ServerConn) -> None:
         await conn.read_request()
         await conn.send(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nConnection: close\r\n\r\nhello ")
         await conn.send(b"world")
@@ -366,7 +290,7 @@ async def scenario_body_until_close_and_connection_close() -> None:
         assert server.connections == 2
         await _until(lambda: not pool.stats())
 
-    async def http10(conn: Conn) -> None:
+    async def http10(conn: ServerConn) -> None:
         await conn.read_request()
         await conn.send(b"HTTP/1.0 200 OK\r\n\r\nold")
         conn.close()
@@ -375,7 +299,7 @@ async def scenario_body_until_close_and_connection_close() -> None:
         resp = await pool.request("127.0.0.1", server.port, _get(server.port), b"")
         assert [c async for c in resp] == [b"old"]
 
-    async def until_reset(conn: Conn) -> None:
+    async def until_reset(conn: ServerConn) -> None:
         await conn.read_request()
         await conn.send(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\ntrunc")
         sock = conn.writer.get_extra_info("socket")
@@ -389,7 +313,7 @@ async def scenario_body_until_close_and_connection_close() -> None:
 
 
 async def scenario_connection_close_with_length_is_not_reused() -> None:
-    async def close_each(conn: Conn) -> None:
+    async def close_each(conn: ServerConn) -> None:
         while await conn.read_request() is not None:
             await conn.send(b"HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\nContent-Length: 4\r\n\r\nbusy")
 
@@ -403,7 +327,7 @@ async def scenario_connection_close_with_length_is_not_reused() -> None:
 
 
 async def scenario_informational_responses_are_skipped() -> None:
-    async def with_1xx(conn: Conn) -> None:
+    async def with_1xx(conn: ServerConn) -> None:
         while await conn.read_request() is not None:
             await conn.send(b"HTTP/1.1 100 Continue\r\n\r\n")
             await conn.send(b"HTTP/1.1 103 Early Hints\r\nLink: </x>\r\n\r\n" + OK_2)
@@ -418,7 +342,7 @@ async def scenario_informational_responses_are_skipped() -> None:
 
 
 async def scenario_extra_bytes_after_response_poison_the_connection() -> None:
-    async def two_answers(conn: Conn) -> None:
+    async def two_answers(conn: ServerConn) -> None:
         await conn.read_request()
         await conn.send(OK_2 + OK_2)
         await conn.wait_closed_by_peer()
@@ -429,7 +353,7 @@ async def scenario_extra_bytes_after_response_poison_the_connection() -> None:
             assert await resp.read() == b"ok"
         assert server.connections == 2
 
-    async def late_junk(conn: Conn) -> None:
+    async def late_junk(conn: ServerConn) -> None:
         await conn.read_request()
         await conn.send(OK_2)
         await conn.send(b"junk")
@@ -448,7 +372,7 @@ async def scenario_large_request_body_is_sent_whole() -> None:
     body = b"x" * (3 * 1024 * 1024 + 7)
     got: list[bytes] = []
 
-    async def echo_len(conn: Conn) -> None:
+    async def echo_len(conn: ServerConn) -> None:
         req = await conn.read_request()
         assert req is not None
         got.append(req)
@@ -464,7 +388,7 @@ async def scenario_large_request_body_is_sent_whole() -> None:
 async def scenario_close_unfinished_response_closes_socket_at_once() -> None:
     closed = asyncio.Event()
 
-    async def slow_stream(conn: Conn) -> None:
+    async def slow_stream(conn: ServerConn) -> None:
         await conn.read_request()
         await conn.send(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\ntick1\r\n")
         await conn.wait_closed_by_peer()
@@ -485,7 +409,7 @@ async def scenario_cancelled_request_closes_socket() -> None:
     received = asyncio.Event()
     closed = asyncio.Event()
 
-    async def never_answers(conn: Conn) -> None:
+    async def never_answers(conn: ServerConn) -> None:
         await conn.read_request()
         received.set()
         await conn.wait_closed_by_peer()
@@ -499,7 +423,7 @@ async def scenario_cancelled_request_closes_socket() -> None:
             await task
         await asyncio.wait_for(closed.wait(), 1.0)
 
-    async def stream_forever(conn: Conn) -> None:
+    async def stream_forever(conn: ServerConn) -> None:
         await conn.read_request()
         await conn.send(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
         await conn.wait_closed_by_peer()
@@ -519,7 +443,7 @@ async def scenario_cancelled_request_closes_socket() -> None:
 async def scenario_pool_close_fails_in_flight_and_refuses_new() -> None:
     received = asyncio.Event()
 
-    async def never_answers(conn: Conn) -> None:
+    async def never_answers(conn: ServerConn) -> None:
         await conn.read_request()
         received.set()
         await conn.wait_closed_by_peer()
@@ -585,7 +509,7 @@ async def scenario_head_over_max_head_bytes_fails_and_closes() -> None:
     def head(over: int) -> bytes:
         return start + b"a" * (limit - len(start) - 4 + over) + b"\r\n\r\n"
 
-    async def answers(conn: Conn) -> None:
+    async def answers(conn: ServerConn) -> None:
         over = 0
         while await conn.read_request() is not None:
             data = head(over) + b"ok"
@@ -611,7 +535,7 @@ async def scenario_body_over_max_body_bytes_fails_read_and_closes() -> None:
     limit = 64 * 1024
     closed = asyncio.Event()
 
-    async def declares_a_big_body(conn: Conn) -> None:
+    async def declares_a_big_body(conn: ServerConn) -> None:
         await conn.read_request()
         await conn.send(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 10000000\r\n\r\n{")
         await conn.wait_closed_by_peer()  # never sends the rest: read() must not wait for it
@@ -624,7 +548,7 @@ async def scenario_body_over_max_body_bytes_fails_read_and_closes() -> None:
             await resp.read()
         await asyncio.wait_for(closed.wait(), 5)
 
-    async def chunked_big(conn: Conn) -> None:
+    async def chunked_big(conn: ServerConn) -> None:
         await conn.read_request()
         await conn.send(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
         try:
@@ -653,7 +577,7 @@ async def scenario_body_over_max_body_bytes_fails_read_and_closes() -> None:
 async def scenario_status_outside_100_599_is_a_protocol_error() -> None:
     statuses = [b"000", b"099", b"600", b"999"]
 
-    async def odd(conn: Conn) -> None:
+    async def odd(conn: ServerConn) -> None:
         await conn.read_request()
         await conn.send(b"HTTP/1.1 " + statuses[conn.index] + b" X\r\nContent-Length: 2\r\n\r\nok")
         await conn.wait_closed_by_peer()
@@ -667,7 +591,7 @@ async def scenario_status_outside_100_599_is_a_protocol_error() -> None:
 async def scenario_header_bytes_are_kept() -> None:
     value = "café".encode() + b" \xff\x80"
 
-    async def non_ascii(conn: Conn) -> None:
+    async def non_ascii(conn: ServerConn) -> None:
         while await conn.read_request() is not None:
             await conn.send(b"HTTP/1.1 200 OK\r\nX-Odd: " + value + b"\r\nContent-Length: 2\r\n\r\nok")
 
