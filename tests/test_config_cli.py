@@ -26,6 +26,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from contract.errors import ConfigError
 from router.cli import main
 from router.serve import listening_line, run_worker
 from router.config import RouterConfig, build_config
