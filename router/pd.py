@@ -130,7 +130,7 @@ class PDHandoff:
             params, backend = await self._prefill_leg(route, request, attempt, headers, path)
         except PrefillFailed as failed:
             state.metrics.pd_fallbacks.labels(failed.reason).inc()
-            if not state.config.pd_fallback:
+            if not state.config.pd.fallback:
                 raise UpstreamStatusError(
                     f"prefill failed ({failed.reason}) and pd_fallback is off; "
                     "enable pd_fallback to let decode instances compute the prompt",

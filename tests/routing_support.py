@@ -16,11 +16,11 @@ import pytest
 from aiohttp import web
 
 from router.app import PROXY, create_app
-from router.config import BackendConfig, RouterConfig
+from router.config import BackendConfig
 from router.front.server import RawFront
 from router.http_server import JsonErrorAppRunner
 from router.state import ROUTER_STATE, RouterState
-from tests.support import eventually
+from tests.support import eventually, router_config
 
 FRONTS = ("raw", "aiohttp")
 
@@ -158,7 +158,7 @@ async def serve(aiohttp_server: Any) -> AsyncIterator[Serve]:
 
         settings: dict[str, Any] = {"health_interval_s": 3600.0, "retry_backoff_s": 0.001}
         settings.update(overrides)
-        config = RouterConfig(backends=configs(backends) + [BackendConfig(u) for u in extra_urls or ()],
+        config = router_config(backends=configs(backends) + [BackendConfig(u) for u in extra_urls or ()],
                               prefill=configs(prefill), decode=configs(decode), **settings)
         app = create_app(config)
         runner = JsonErrorAppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
@@ -168,8 +168,8 @@ async def serve(aiohttp_server: Any) -> AsyncIterator[Serve]:
         await site.start()
         port = site.port
         if front == "raw":
-            raw = RawFront(app[PROXY], "127.0.0.1", site.port, max_body_bytes=config.max_body_bytes,
-                           body_timeout_s=config.body_timeout_s)
+            raw = RawFront(app[PROXY], "127.0.0.1", site.port, max_body_bytes=config.front.max_body_bytes,
+                           body_timeout_s=config.front.body_timeout_s)
             port = await raw.start("127.0.0.1", 0)
             cleanups.append(lambda: raw.shutdown(0))
         state = app[ROUTER_STATE]

@@ -3,6 +3,9 @@
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
 
 from bench.procs import (  # noqa: F401
     LOOPBACK,
@@ -15,6 +18,7 @@ from bench.procs import (  # noqa: F401
     start_router,
     wait_until,
 )
+from router.config import RouterConfig, sectioned
 
 
 def metric_sum(text: str, name: str, **labels: str) -> float:
@@ -43,3 +47,11 @@ async def eventually(check: Callable[[], bool | Awaitable[bool]], *, timeout: fl
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         await asyncio.sleep(interval)
+
+
+def router_config(**settings: Any) -> RouterConfig:
+    """A ``RouterConfig`` from keyword settings under their flat names (``health_interval_s=...``,
+    as the tests' fixtures pass them around) or whole sections (``placement={...}``), backend
+    lists as ``BackendConfig`` lists; the schema's bounds apply, the cross-key checks do not."""
+    data, _ = sectioned(settings)
+    return msgspec.convert(data, RouterConfig)

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.support import eventually, wait_until
+from tests.support import eventually, router_config, wait_until
 from tests.test_front_raw import GOOD, Conn, Factory, get, post, read_answer, served  # noqa: F401
 
 FRONTS = ["raw", "aiohttp"]
@@ -283,7 +283,7 @@ async def test_answers_during_the_drain_say_connection_close(served: Factory, ai
     from aiohttp import web
 
     from router.app import create_app
-    from router.config import BackendConfig, RouterConfig
+    from router.config import BackendConfig
     from router.http_server import JsonErrorAppRunner
 
     gated = Gated()
@@ -294,7 +294,7 @@ async def test_answers_during_the_drain_say_connection_close(served: Factory, ai
         conn = await open_front(router, front)
         drain = lambda: router.front.shutdown(30)  # noqa: E731
     else:  # the aiohttp front as router.cli.serve runs it: its drain is the runner's cleanup
-        config = RouterConfig(backends=[BackendConfig(url)], health_interval_s=3600.0)
+        config = router_config(backends=[BackendConfig(url)], health_interval_s=3600.0)
         runner = JsonErrorAppRunner(create_app(config), access_log=None, handle_signals=False,
                                     handler_cancellation=True, shutdown_timeout=30)
         await runner.setup()
@@ -400,26 +400,26 @@ async def test_connections_over_max_connections_are_closed_at_once_and_logged_ra
     from aiohttp import web
 
     from router.app import PROXY, create_app
-    from router.config import BackendConfig, RouterConfig
+    from router.config import BackendConfig
     from router.front.server import RawFront
     from router.http_server import JsonErrorAppRunner
     from tests.fakes import EchoBackend
 
     fake = EchoBackend("b0")
     backend = await aiohttp_server(fake.app(), host="127.0.0.1")
-    config = RouterConfig(backends=[BackendConfig(f"http://127.0.0.1:{backend.port}")], health_interval_s=3600.0,
+    config = router_config(backends=[BackendConfig(f"http://127.0.0.1:{backend.port}")], health_interval_s=3600.0,
                           max_connections=2)
     app = create_app(config)
     runner = JsonErrorAppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True,
-                                max_connections=config.max_connections if front == "aiohttp" else None)
+                                max_connections=config.front.max_connections if front == "aiohttp" else None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     raw = None
     port = site.port
     if front == "raw":
-        raw = RawFront(app[PROXY], "127.0.0.1", site.port, max_body_bytes=config.max_body_bytes,
-                       max_connections=config.max_connections)
+        raw = RawFront(app[PROXY], "127.0.0.1", site.port, max_body_bytes=config.front.max_body_bytes,
+                       max_connections=config.front.max_connections)
         port = await raw.start("127.0.0.1", 0)
     opened: list[Conn] = []
     try:

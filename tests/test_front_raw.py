@@ -25,13 +25,13 @@ import pytest
 from aiohttp import web
 
 from router.app import PROXY, create_app
-from router.config import BackendConfig, RouterConfig, build_config
+from router.config import BackendConfig, build_config
 from router.errors import ConfigError
 from router.front.server import RawFront
 from router.http_server import JsonErrorAppRunner
 from router.state import ROUTER_STATE, RouterState
 from tests.fakes import EchoBackend
-from tests.support import eventually, metric_sum, start_backend, start_router, wait_until
+from tests.support import eventually, metric_sum, router_config, start_backend, start_router, wait_until
 
 TOKEN = "raw-front-admin-token"
 LIMIT = 4096  # max_body_bytes of the in-process routers
@@ -170,14 +170,14 @@ async def served(aiohttp_server: Any) -> AsyncIterator[Factory]:
             urls.append(f"http://127.0.0.1:{server.port}")
         settings: dict[str, Any] = {"health_interval_s": 3600.0, "retry_backoff_s": 0.001, "max_body_bytes": LIMIT}
         settings.update(overrides)
-        config = RouterConfig(backends=[BackendConfig(u) for u in urls], **settings)
+        config = router_config(backends=[BackendConfig(u) for u in urls], **settings)
         app = create_app(config)
         runner = JsonErrorAppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
-        front = RawFront(app[PROXY], "127.0.0.1", site.port, max_body_bytes=config.max_body_bytes,
-                         body_timeout_s=config.body_timeout_s)
+        front = RawFront(app[PROXY], "127.0.0.1", site.port, max_body_bytes=config.front.max_body_bytes,
+                         body_timeout_s=config.front.body_timeout_s)
         port = await front.start("127.0.0.1", 0)
         result = Served(front, port, site.port, app[ROUTER_STATE], fakes)
         cleanups.append((result, runner))
@@ -639,8 +639,8 @@ async def test_the_raw_front_answers_like_the_aiohttp_front(served: Factory, nam
 
 
 def test_the_front_setting() -> None:
-    assert build_config(["--backend", "http://127.0.0.1:9"]).front == "raw"
-    assert build_config(["--backend", "http://127.0.0.1:9", "--front", "aiohttp"]).front == "aiohttp"
+    assert build_config(["--backend", "http://127.0.0.1:9"]).front.kind == "raw"
+    assert build_config(["--backend", "http://127.0.0.1:9", "--front", "aiohttp"]).front.kind == "aiohttp"
     with pytest.raises(ConfigError, match="--front"):
         build_config(["--backend", "http://127.0.0.1:9", "--front", "nginx"])
 

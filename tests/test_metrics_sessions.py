@@ -25,10 +25,10 @@ from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.app import create_app
-from router.config import BackendConfig, RouterConfig
+from router.config import BackendConfig
 from router.state import ROUTER_STATE
 from tests.fakes import EchoBackend
-from tests.support import free_port
+from tests.support import free_port, router_config
 from tests.support import eventually as shared_eventually
 
 K = 5
@@ -116,7 +116,7 @@ def router(aiohttp_server: Any, aiohttp_client: Any) -> Factory:
         settings: dict[str, Any] = {"health_interval_s": 3600.0, "retry_backoff_s": 0.001,
                                     "session_metrics_top_k": K, "session_label": "id", "admin_token": TOKEN}
         settings.update(overrides)
-        client = await aiohttp_client(create_app(RouterConfig(backends=backends, **settings)),
+        client = await aiohttp_client(create_app(router_config(backends=backends, **settings)),
                                       server_kwargs={"handler_cancellation": True})
         return client, fakes
 

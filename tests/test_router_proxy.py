@@ -12,10 +12,10 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from router.app import create_app
-from router.config import BackendConfig, RouterConfig
+from router.config import BackendConfig
 from router.state import ROUTER_STATE
 from tests.fakes import EchoBackend
-from tests.support import free_port
+from tests.support import free_port, router_config
 
 Factory = Callable[..., Awaitable[tuple[TestClient, list[EchoBackend], list[TestServer]]]]
 
@@ -29,7 +29,7 @@ def router(aiohttp_server: Any, aiohttp_client: Any) -> Factory:
         urls += [f"http://127.0.0.1:{free_port()}" for _ in range(dead)]  # nothing listens there
         settings: dict[str, Any] = {"health_interval_s": 3600.0, "retry_backoff_s": 0.001}
         settings.update(overrides)
-        config = RouterConfig(backends=[BackendConfig(u) for u in urls], **settings)
+        config = router_config(backends=[BackendConfig(u) for u in urls], **settings)
         client = await aiohttp_client(create_app(config), server_kwargs={"handler_cancellation": True})
         return client, fakes, servers
 

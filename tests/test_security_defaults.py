@@ -34,7 +34,7 @@ from aiohttp import web
 
 from router.app import PROXY, create_admin_app, create_app
 from router.backend_allow import BackendAllowList, BackendNotAllowed, parse_entry
-from router.config import BackendConfig, RouterConfig, build_config, config_from_mapping
+from router.config import BackendConfig, build_config, config_from_mapping
 from router.errors import ConfigError
 from router.front.server import RawFront
 from router.http_server import JsonErrorAppRunner
@@ -42,7 +42,7 @@ from router.ids import session_hash
 from router.state import ROUTER_STATE, RouterState
 from tests.fakes import EchoBackend
 from bench.procs import free_ports
-from tests.support import REPO, http_status, start_router, wait_until
+from tests.support import REPO, http_status, router_config, start_router, wait_until
 
 TOKEN = "defaults-admin-Token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -84,15 +84,15 @@ async def serve(aiohttp_server: Any) -> AsyncIterator[Factory]:
         servers = [await aiohttp_server(f.app(), host="127.0.0.1") for f in fakes]
         settings: dict[str, Any] = {"health_interval_s": 3600.0, "retry_backoff_s": 0.001}
         settings.update(overrides)
-        config = RouterConfig(backends=[BackendConfig(f"http://127.0.0.1:{s.port}") for s in servers], **settings)
+        config = router_config(backends=[BackendConfig(f"http://127.0.0.1:{s.port}") for s in servers], **settings)
         app = create_app(config)
         port = await site(app)
         if front == "raw":
-            raw = RawFront(app[PROXY], "127.0.0.1", port, max_body_bytes=config.max_body_bytes)
+            raw = RawFront(app[PROXY], "127.0.0.1", port, max_body_bytes=config.front.max_body_bytes)
             port = await raw.start("127.0.0.1", 0)
             stack.push_async_callback(raw.shutdown, 0)
         admin_url = None
-        if config.admin_port:
+        if config.admin.port:
             admin_url = f"http://127.0.0.1:{await site(create_admin_app(app))}"
         return Served(f"http://127.0.0.1:{port}", admin_url, app[ROUTER_STATE], fakes)
 
@@ -208,18 +208,18 @@ def test_admin_listener_off_loopback_without_token_is_refused(host: str) -> None
     # with a token it is allowed
     config = config_from_mapping({"admin_port": 9000, "admin_host": host, "admin_token": TOKEN,
                                   "backends": [{"url": "http://127.0.0.1:8100"}]})
-    assert config.admin_host == host
+    assert config.admin.host == host
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "::1", "localhost", "LOCALHOST.", "::ffff:127.0.0.1"])
 def test_admin_listener_on_loopback_may_be_open(host: str) -> None:
     config = config_from_mapping({"admin_port": 9000, "admin_host": host, "backends": [{"url": "http://127.0.0.1:8100"}]})
-    assert config.admin_token == ""
+    assert config.admin.token == ""
 
 
 def test_a_public_data_port_without_token_starts_with_the_admin_api_off() -> None:
     config = config_from_mapping({"host": "0.0.0.0", "backends": [{"url": "http://127.0.0.1:8100"}]})
-    assert (config.admin_port, config.admin_token, config.admin_host) == (0, "", "127.0.0.1")
+    assert (config.admin.port, config.admin.token, config.admin.host) == (0, "", "127.0.0.1")
 
 
 @pytest.mark.parametrize(("settings", "message"), [
@@ -244,12 +244,12 @@ def test_admin_token_from_the_environment(tmp_path: Path, monkeypatch: pytest.Mo
     config_file = tmp_path / "r.toml"
     config_file.write_text('admin_token = "from-file"\n[[backends]]\nurl = "http://127.0.0.1:8100"\n')
     monkeypatch.delenv("SESSION_ROUTER_ADMIN_TOKEN", raising=False)
-    assert build_config(["--config", str(config_file)]).admin_token == "from-file"
+    assert build_config(["--config", str(config_file)]).admin.token == "from-file"
     monkeypatch.setenv("SESSION_ROUTER_ADMIN_TOKEN", "")  # empty: as if unset (compose's ${VAR:-})
-    assert build_config(["--config", str(config_file)]).admin_token == "from-file"
+    assert build_config(["--config", str(config_file)]).admin.token == "from-file"
     monkeypatch.setenv("SESSION_ROUTER_ADMIN_TOKEN", "from-env")
-    assert build_config(["--config", str(config_file)]).admin_token == "from-env"
-    assert build_config(["--config", str(config_file), "--admin-token", "from-flag"]).admin_token == "from-flag"
+    assert build_config(["--config", str(config_file)]).admin.token == "from-env"
+    assert build_config(["--config", str(config_file), "--admin-token", "from-flag"]).admin.token == "from-flag"
     monkeypatch.setenv("SESSION_ROUTER_ADMIN_TOKEN", "bad token")
     with pytest.raises(ConfigError, match="^SESSION_ROUTER_ADMIN_TOKEN: use visible ASCII"):
         build_config(["--config", str(config_file)])

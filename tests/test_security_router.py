@@ -23,10 +23,10 @@ from aiohttp.test_utils import TestClient
 
 from router import admin as admin_module
 from router.app import create_admin_app, create_app
-from router.config import BackendConfig, RouterConfig
+from router.config import BackendConfig
 from router.state import ROUTER_STATE
 from tests.fakes import EchoBackend
-from tests.support import start_backend, start_router
+from tests.support import router_config, start_backend, start_router
 
 TOKEN = "adm-5ecret-Token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -40,7 +40,7 @@ def router(aiohttp_server: Any, aiohttp_client: Any) -> Factory:
         servers = [await aiohttp_server(f.app(), host="127.0.0.1") for f in fakes]
         settings: dict[str, Any] = {"health_interval_s": 3600.0, "retry_backoff_s": 0.001}
         settings.update(overrides)
-        config = RouterConfig(backends=[BackendConfig(f"http://127.0.0.1:{s.port}") for s in servers], **settings)
+        config = router_config(backends=[BackendConfig(f"http://127.0.0.1:{s.port}") for s in servers], **settings)
         client = await aiohttp_client(create_app(config), server_kwargs={"handler_cancellation": True})
         return client, fakes
 
@@ -133,7 +133,7 @@ async def test_admin_path_tricks_never_bypass_the_token(router: Factory) -> None
 
 async def test_admin_on_its_own_port_only(aiohttp_server: Any, aiohttp_client: Any) -> None:
     backend = await aiohttp_server(EchoBackend("b").app(), host="127.0.0.1")
-    config = RouterConfig(backends=[BackendConfig(f"http://127.0.0.1:{backend.port}")], admin_token=TOKEN,
+    config = router_config(backends=[BackendConfig(f"http://127.0.0.1:{backend.port}")], admin_token=TOKEN,
                           admin_port=1, health_interval_s=3600.0)  # admin_port != 0: off the data app
     main = create_app(config)
     data = await aiohttp_client(main)
