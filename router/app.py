@@ -53,11 +53,13 @@ def build_state(config: RouterConfig, registry: CollectorRegistry | None = None)
         sessions=sessions,
         responses=ResponseIndex(config.sessions.max_response_ids),
         metrics=metrics,
-        upstream=UpstreamPool(UpstreamTimeouts(config.upstream.connect_timeout_s, config.upstream.first_byte_timeout_s,
+        upstream=UpstreamPool(UpstreamTimeouts(config.upstream.connect_timeout_s,
+                                               config.upstream.first_byte_timeout_s,
                                                config.upstream.total_timeout_s),
                               UpstreamLimits(max_head_bytes=config.upstream.max_head_bytes,
                                              max_body_bytes=config.upstream.max_body_bytes)),
-        access_log=AccessLog(config.front.access_log, config.front.access_log_file) if config.front.access_log != "off" else None,
+        access_log=(AccessLog(config.front.access_log, config.front.access_log_file)
+                    if config.front.access_log != "off" else None),
     )
     metrics.attach_live(state.all_pools, sessions)
     return state

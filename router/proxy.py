@@ -407,7 +407,8 @@ class Proxy:
             remaining = deadline - loop.time()
             if remaining <= 0:
                 raise UpstreamTimeoutError(
-                    f"no backend answered within total_timeout_s ({self.config.upstream.total_timeout_s:g} s), retries included"
+                    f"no backend answered within total_timeout_s ({self.config.upstream.total_timeout_s:g} s), "
+                    "retries included"
                 )
             t = state.upstream.timeouts
             timeouts = UpstreamTimeouts(min(t.connect_s, remaining), min(t.first_byte_s, remaining), remaining)
