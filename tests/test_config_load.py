@@ -342,7 +342,7 @@ _values = st.recursive(
     _scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
     max_leaves=8,
 )
-_keys = st.sampled_from([f.name for f in msgspec.structs.fields(RouterConfig)] + ["unknown_key"])
+_keys = st.sampled_from([f.name for f in msgspec.structs.fields(RouterConfig)] + list(FLAT_KEYS) + ["unknown_key"])
 
 
 @settings(max_examples=300, deadline=None)
