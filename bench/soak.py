@@ -207,10 +207,10 @@ def start_topology(args: argparse.Namespace, log_dir: str) -> tuple[list[Proc], 
     backends = [start_backend(log_dir, speed=str(args.speed)) for _ in range(args.backends)]
     config = os.path.join(log_dir, "router.toml")
     with open(config, "w") as fh:
-        fh.write(f"max_sessions = {args.max_sessions}\nsession_metrics_top_k = {args.top_k}\n"
-                 f'admin_token = "{ADMIN_TOKEN}"\n'  # for the session count (GET /v1/sessions)
-                 "health_interval_s = 0.5\nhealth_timeout_s = 0.5\nretries = 2\n"
-                 "first_byte_timeout_s = 10\ntotal_timeout_s = 60\n")
+        fh.write(f"[sessions]\nmax_sessions = {args.max_sessions}\nmetrics_top_k = {args.top_k}\n"
+                 f'[admin]\ntoken = "{ADMIN_TOKEN}"\n'  # for the session count (GET /v1/sessions)
+                 "[health]\ninterval_s = 0.5\ntimeout_s = 0.5\n"
+                 "[upstream]\nretries = 2\nfirst_byte_timeout_s = 10\ntotal_timeout_s = 60\n")
         fh.writelines(f'[[backends]]\nurl = "{b.url}"\n' for b in backends)
     return backends, start_router(log_dir, "--config", config, port=free_port())
 

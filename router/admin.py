@@ -59,7 +59,7 @@ def _view(backend: Backend) -> BackendView:
 
 
 def _authorize(request: web.Request, state: RouterState) -> None:
-    token = state.config.admin_token
+    token = state.config.admin.token
     if not token:
         return
     supplied = request.headers.get("Authorization", "")
@@ -157,13 +157,13 @@ async def remove_backend(request: web.Request) -> web.Response:
 
 def on_data_port(config: RouterConfig) -> bool:
     """Whether the data port serves the admin API: only without an admin listener and with a token."""
-    return config.admin_port == 0 and bool(config.admin_token)
+    return config.admin.port == 0 and bool(config.admin.token)
 
 
 def add_admin_routes(app: web.Application, config: RouterConfig) -> None:
     """The admin API (and the session listing) on ``app``: the data app when ``on_data_port``,
     else the admin listener's app."""
-    app[BACKEND_ALLOW] = BackendAllowList(config.admin_backend_allow)
+    app[BACKEND_ALLOW] = BackendAllowList(config.admin.backend_allow)
     app.router.add_get("/admin/backends", list_backends)
     app.router.add_post("/admin/backends", add_backend)
     app.router.add_delete("/admin/backends/{name:.+}", remove_backend)
@@ -173,7 +173,7 @@ def add_admin_routes(app: web.Application, config: RouterConfig) -> None:
 def add_unserved_routes(app: web.Application, config: RouterConfig) -> None:
     """On a data app without the admin API: its paths (and the session listing) answer 404 saying
     where the admin API is, or how to turn it on."""
-    if config.admin_port:
+    if config.admin.port:
         where = "it is served on its own listener (admin_port, on admin_host), not on this port"
     else:
         where = ("it is off: set admin_token to serve it here (every call with 'Authorization: Bearer "

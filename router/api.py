@@ -43,7 +43,7 @@ async def models(request: web.Request) -> web.Response:
     assert state.http is not None
     available = [b for pool in state.pools.values() for b in pool.available()]
     backends = [b for b in available if b.models is None]
-    timeout = aiohttp.ClientTimeout(total=state.config.health_timeout_s * 2)
+    timeout = aiohttp.ClientTimeout(total=state.config.health.timeout_s * 2)
 
     async def fetch(url: str) -> list[dict[str, Any]]:
         try:

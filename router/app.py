@@ -48,9 +48,9 @@ def build_pools(config: RouterConfig) -> dict[str, BackendPool]:
 
 
 def build_state(config: RouterConfig, registry: CollectorRegistry | None = None) -> RouterState:
-    metrics = RouterMetrics(registry or CollectorRegistry(), top_k=config.session_metrics_top_k,
-                            session_label=config.session_label)
-    sessions = SessionTable(config.max_sessions, config.session_ttl_s)
+    metrics = RouterMetrics(registry or CollectorRegistry(), top_k=config.sessions.metrics_top_k,
+                            session_label=config.sessions.label)
+    sessions = SessionTable(config.sessions.max_sessions, config.sessions.ttl_s)
     sessions.on_evict = metrics.session_evicted
     pools = build_pools(config)
     health = HealthChecker.from_config(
@@ -61,18 +61,18 @@ def build_state(config: RouterConfig, registry: CollectorRegistry | None = None)
     state = RouterState(
         config=config,
         pools=pools,
-        policy=make_policy(config.policy, load_factor=config.load_factor,
-                           reported_load_weight=config.reported_load_weight,
-                           sticky_headroom=config.sticky_headroom),
+        policy=make_policy(config.placement.policy, load_factor=config.placement.load_factor,
+                           reported_load_weight=config.placement.reported_load_weight,
+                           sticky_headroom=config.placement.sticky_headroom),
         sessions=sessions,
-        responses=ResponseIndex(config.max_response_ids),
+        responses=ResponseIndex(config.sessions.max_response_ids),
         metrics=metrics,
-        upstream=UpstreamPool(UpstreamTimeouts(config.connect_timeout_s, config.first_byte_timeout_s,
-                                               config.total_timeout_s),
-                              UpstreamLimits(max_head_bytes=config.max_upstream_head_bytes,
-                                             max_body_bytes=config.max_upstream_body_bytes)),
+        upstream=UpstreamPool(UpstreamTimeouts(config.upstream.connect_timeout_s, config.upstream.first_byte_timeout_s,
+                                               config.upstream.total_timeout_s),
+                              UpstreamLimits(max_head_bytes=config.upstream.max_head_bytes,
+                                             max_body_bytes=config.upstream.max_body_bytes)),
         health=health,
-        access_log=AccessLog(config.access_log, config.access_log_file) if config.access_log != "off" else None,
+        access_log=AccessLog(config.front.access_log, config.front.access_log_file) if config.front.access_log != "off" else None,
     )
     metrics.attach_live(state.all_pools, sessions)
     return state
@@ -84,7 +84,7 @@ def build_proxy(state: RouterState) -> Proxy:
     pd = None
     if config.pd_mode:
         pd = PDHandoff(state.pools[POOL_PREFILL], policy=state.policy, metrics=state.metrics,
-                       upstream=state.upstream, health=state.health, fallback=config.pd_fallback)
+                       upstream=state.upstream, health=state.health, fallback=config.pd.fallback)
     return Proxy(config, pool=state.serving_pool, policy=state.policy, sessions=state.sessions,
                  responses=state.responses, metrics=state.metrics, upstream=state.upstream, health=state.health,
                  request_ids=state.request_ids, access_log=state.access_log, pd=pd)
@@ -109,7 +109,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _sweep_sessions(state: RouterState) -> None:
-    interval = max(0.5, min(60.0, state.config.session_ttl_s / 10))
+    interval = max(0.5, min(60.0, state.config.sessions.ttl_s / 10))
     while True:
         await asyncio.sleep(interval)
         state.sessions.sweep()
@@ -156,7 +156,7 @@ async def _stamp_request_id(request: web.Request, response: web.StreamResponse) 
 
 
 def create_app(config: RouterConfig, *, registry: CollectorRegistry | None = None) -> web.Application:
-    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[error_middleware])
+    app = web.Application(client_max_size=config.front.max_body_bytes, middlewares=[error_middleware])
     state = build_state(config, registry)
     app[ROUTER_STATE] = state
     app.cleanup_ctx.append(_lifecycle)

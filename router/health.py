@@ -112,13 +112,13 @@ class HealthChecker:
     ) -> HealthChecker:
         return cls(
             pools,
-            interval_s=config.health_interval_s,
-            timeout_s=config.health_timeout_s,
-            eject_after_failures=config.eject_after_failures,
-            eject_s=config.eject_s,
+            interval_s=config.health.interval_s,
+            timeout_s=config.health.timeout_s,
+            eject_after_failures=config.health.eject_after_failures,
+            eject_s=config.health.eject_s,
             session=session,
             on_change=on_change,
-            scrape_load=config.reported_load_weight > 0,
+            scrape_load=config.placement.reported_load_weight > 0,
         )
 
     # ---------------------------------------------------------------- lifecycle

@@ -101,10 +101,10 @@ class Proxy:
         self.request_ids = request_ids
         self.access_log = access_log
         self.pd = pd
-        self._deny = path_rules(config.proxy_deny)
+        self._deny = path_rules(config.front.proxy_deny)
         #: the client-side session header (read and echoed under this name; upstream it is always
         #: SESSION_HEADER, the name vLLM reads)
-        self.session_header = config.session_header
+        self.session_header = config.sessions.header
         self._drop_response = _DROP_RESPONSE | {self.session_header.lower()}
 
     def forwards(self, target: str) -> bool:
@@ -135,7 +135,7 @@ class Proxy:
                 )
             body = await self._read_body(request)
             fields = self._resolve(request, route, body, attempt)
-            if not self.config.trust_client_kv_params:
+            if not self.config.pd.trust_client_kv_params:
                 stripped = inspect.without_kv_transfer_params(body, fields)
                 if stripped is not None:  # a client's own P/D parameters reach no backend
                     body = stripped
@@ -156,9 +156,9 @@ class Proxy:
     # ------------------------------------------------------------------ session
     async def _read_body(self, request: RequestView) -> bytes:
         length = request.content_length
-        if length is not None and length > self.config.max_body_bytes:
+        if length is not None and length > self.config.front.max_body_bytes:
             raise PayloadTooLargeError(
-                f"request body is {length} bytes; the limit is {self.config.max_body_bytes} (max_body_bytes)"
+                f"request body is {length} bytes; the limit is {self.config.front.max_body_bytes} (max_body_bytes)"
             )
         return await request.read_body()
 
@@ -194,7 +194,7 @@ class Proxy:
         return fields
 
     def _stamp(self, route: Route, fields: inspect.RoutingFields) -> str | None:
-        mode = self.config.stamp
+        mode = self.config.sessions.stamp
         if mode == "none":
             return None
         if mode == "derive":
@@ -292,9 +292,9 @@ class Proxy:
         """
         loop = asyncio.get_running_loop()
         exclude: set[str] = set()
-        retries_left = self.config.retries
+        retries_left = self.config.upstream.retries
         # total_timeout_s bounds the whole request, retries included: later attempts get what is left
-        deadline = attempt.started + self.config.total_timeout_s
+        deadline = attempt.started + self.config.upstream.total_timeout_s
         timeouts: UpstreamTimeouts | None = None  # the pool's own on the first attempt
         while True:
             placement = first if first is not None else self._place(pool, attempt, fields, frozenset(exclude))
@@ -333,12 +333,13 @@ class Proxy:
             self.metrics.retries.labels(reason).inc()
             if len(exclude) >= len(pool):
                 exclude.clear()  # every backend tried once: allow another round on the healthy ones
-            await asyncio.sleep(min(self.config.retry_backoff_s * (0.5 + random.random()),
+            await asyncio.sleep(min(self.config.upstream.retry_backoff_s * (0.5 + random.random()),
                                     max(0.0, deadline - loop.time())))
             remaining = deadline - loop.time()
             if remaining <= 0:
                 raise UpstreamTimeoutError(
-                    f"no backend answered within total_timeout_s ({self.config.total_timeout_s:g} s), retries included"
+                    f"no backend answered within total_timeout_s ({self.config.upstream.total_timeout_s:g} s), "
+                    "retries included"
                 )
             t = self.upstream.timeouts
             timeouts = UpstreamTimeouts(min(t.connect_s, remaining), min(t.first_byte_s, remaining), remaining)

@@ -76,7 +76,7 @@ def run_worker(
 ) -> int:
     """Build the app and serve it in this process until SIGTERM/SIGINT; return the exit code.
 
-    With ``config.admin_port`` set, ``admin_factory(main_app)`` is served on ``admin_host:admin_port`` too.
+    With ``config.admin.port`` set, ``admin_factory(main_app)`` is served on ``admin_host:admin_port`` too.
     ``on_ready(port)`` is called once listening (default: print the listening line).
     ``lifeline`` and ``ignore_late_signals``: see ``serve``.
     """
@@ -89,17 +89,17 @@ def run_worker(
     async def _main() -> None:
         app = factory(config)
         admin = None
-        if config.admin_port:
-            admin = (load_factory(admin_factory)(app), config.admin_host, config.admin_port)
+        if config.admin.port:
+            admin = (load_factory(admin_factory)(app), config.admin.host, config.admin.port)
         await serve(
             app,
             config.host,
             config.port,
             drain_timeout_s=config.drain_timeout_s,
-            front=config.front,
-            max_body_bytes=config.max_body_bytes,
-            body_timeout_s=config.body_timeout_s,
-            max_connections=config.max_connections,
+            front=config.front.kind,
+            max_body_bytes=config.front.max_body_bytes,
+            body_timeout_s=config.front.body_timeout_s,
+            max_connections=config.front.max_connections,
             reuse_port=reuse_port,
             on_ready=on_ready,
             admin=admin,
@@ -107,7 +107,7 @@ def run_worker(
             ignore_late_signals=ignore_late_signals,
         )
 
-    raise_open_files_limit(config.max_connections)
+    raise_open_files_limit(config.front.max_connections)
     try:
         run_async(_main())
     except ConfigError as exc:

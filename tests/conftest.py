@@ -24,7 +24,7 @@ from router.front.server import RawFront
 from router.http_server import CappedAppRunner
 from router.state import ROUTER_STATE, RouterState
 from tests.fakes import EchoBackend
-from tests.support import free_port
+from tests.support import free_port, router_config
 
 #: the settings every in-process router starts from (a test's overrides win)
 BASE_SETTINGS: dict[str, Any] = {"health_interval_s": 3600.0, "retry_backoff_s": 0.001}
@@ -118,27 +118,27 @@ async def make_router(aiohttp_server: Any, aiohttp_client: Any) -> AsyncIterator
         pd: dict[str, Any] = {}
         if prefill or decode:
             pd = {"prefill": configs(prefill, True), "decode": configs(decode, True)}
-        config = RouterConfig(backends=backends, **pd, **settings)
+        config = router_config(backends=backends, **pd, **settings)
         app = create_app(config)
         result_fakes = [*main, *prefill, *decode]
         if front == "client":
             client = await aiohttp_client(app, server_kwargs={"handler_cancellation": True})
             admin_client = None
-            if admin and config.admin_port:
+            if admin and config.admin.port:
                 admin_client = await aiohttp_client(create_admin_app(app))
             return RouterUnderTest(app, config, app[ROUTER_STATE], result_fakes, servers, client.port, client.port,
                                    client=client, admin_client=admin_client,
                                    admin_port=None if admin_client is None else admin_client.port)
         runner, app_port = await listen(app, shutdown_timeout=shutdown_timeout,
-                                        max_connections=config.max_connections if front == "aiohttp" else None)
+                                        max_connections=config.front.max_connections if front == "aiohttp" else None)
         port, raw = app_port, None
         if front == "raw":
-            raw = RawFront(app[PROXY], "127.0.0.1", app_port, max_body_bytes=config.max_body_bytes,
-                           body_timeout_s=config.body_timeout_s, max_connections=config.max_connections)
+            raw = RawFront(app[PROXY], "127.0.0.1", app_port, max_body_bytes=config.front.max_body_bytes,
+                           body_timeout_s=config.front.body_timeout_s, max_connections=config.front.max_connections)
             port = await raw.start("127.0.0.1", 0)
             stack.push_async_callback(raw.shutdown, 0)
         admin_port = None
-        if admin and config.admin_port:
+        if admin and config.admin.port:
             admin_port = (await listen(create_admin_app(app)))[1]
         return RouterUnderTest(app, config, app[ROUTER_STATE], result_fakes, servers, port, app_port,
                                runner=runner, raw=raw, admin_port=admin_port)

@@ -3,6 +3,9 @@
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
 
 from bench.procs import (  # noqa: F401
     LOOPBACK,
@@ -15,6 +18,7 @@ from bench.procs import (  # noqa: F401
     start_router,
     wait_until,
 )
+from router.config import RouterConfig, sectioned
 
 
 def metric_sum(text: str, name: str, **labels: str) -> float:
@@ -50,3 +54,11 @@ def kill_alive(*procs: Proc) -> None:
     for proc in procs:
         if proc.alive():
             proc.kill()
+
+
+def router_config(**settings: Any) -> RouterConfig:
+    """A ``RouterConfig`` from keyword settings under their flat names (``health_interval_s=...``,
+    as the tests' fixtures pass them around) or whole sections (``placement={...}``), backend
+    lists as ``BackendConfig`` lists; the schema's bounds apply, the cross-key checks do not."""
+    data, _ = sectioned(settings)
+    return msgspec.convert(data, RouterConfig)

@@ -34,7 +34,7 @@ from bench.traffic import run as traffic_run
 from router import admin
 from router.app import create_app as create_router_app
 from router.config import BackendConfig, RouterConfig, build_config
-from tests.support import free_port
+from tests.support import free_port, router_config
 from tests.test_metrics_sessions import parse_exposition
 
 REPO = Path(__file__).resolve().parent.parent
@@ -221,10 +221,10 @@ def test_routers_take_the_admin_token_from_the_environment(monkeypatch: pytest.M
         assert router.command is not None and "--admin-token" not in router.command  # not visible in `ps`
         monkeypatch.setenv("SESSION_ROUTER_ADMIN_TOKEN", "")  # what compose passes when it is unset
         config = build_config(router.command[3:])
-        assert (config.admin_token, config.admin_port, admin.on_data_port(config)) == ("", 0, False), router.name
+        assert (config.admin.token, config.admin.port, admin.on_data_port(config)) == ("", 0, False), router.name
         monkeypatch.setenv("SESSION_ROUTER_ADMIN_TOKEN", "compose-t0ken")
         config = build_config(router.command[3:])
-        assert config.admin_token == "compose-t0ken" and admin.on_data_port(config), router.name
+        assert config.admin.token == "compose-t0ken" and admin.on_data_port(config), router.name
 
 
 @pytest.mark.parametrize("module", ["router", "backends", "bench.traffic"])
@@ -377,7 +377,7 @@ def test_metric_name_extraction() -> None:
 
 
 async def exported_names(aiohttp_client: Any) -> set[str]:
-    router = create_router_app(RouterConfig(backends=[BackendConfig("http://127.0.0.1:9")], health_interval_s=3600.0))
+    router = create_router_app(router_config(backends=[BackendConfig("http://127.0.0.1:9")], health_interval_s=3600.0))
     backend = create_backend_app(EngineConfig(speed=0.0))
     names: set[str] = set()
     for app in (router, backend):
@@ -488,7 +488,7 @@ async def test_traffic_runs_multi_turn_sessions_through_the_router(aiohttp_serve
     """bench.traffic against a real backend app behind the router: header and derived sessions,
     streamed and plain turns, each session sticky with a growing prefix-cache hit count."""
     backend = await aiohttp_server(create_backend_app(EngineConfig(speed=0.0)), host="127.0.0.1")
-    router_app = create_router_app(RouterConfig(backends=[BackendConfig(f"http://127.0.0.1:{backend.port}")],
+    router_app = create_router_app(router_config(backends=[BackendConfig(f"http://127.0.0.1:{backend.port}")],
                                                 health_interval_s=3600.0))
     router = await aiohttp_server(router_app, host="127.0.0.1")
     url = f"http://127.0.0.1:{router.port}"
@@ -519,7 +519,7 @@ async def test_traffic_waits_for_a_router_that_starts_late(aiohttp_server: Any) 
     while stats.failed == 0:  # the first turn was refused
         assert time.monotonic() < deadline and not task.done(), "traffic never tried the router"
         await asyncio.sleep(0.01)
-    router_app = create_router_app(RouterConfig(backends=[BackendConfig(f"http://127.0.0.1:{backend.port}")],
+    router_app = create_router_app(router_config(backends=[BackendConfig(f"http://127.0.0.1:{backend.port}")],
                                                 health_interval_s=3600.0))
     await aiohttp_server(router_app, host="127.0.0.1", port=port)
     result = await asyncio.wait_for(task, timeout=30)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import tomllib
@@ -16,6 +17,8 @@ from hypothesis import strategies as st
 from contract.errors import ConfigError
 from router.config import (
     BackendConfig,
+    FLAT_KEYS,
+    SECTIONS,
     RouterConfig,
     build_config,
     config_from_mapping,
@@ -52,12 +55,14 @@ def test_example_file_is_the_defaults_plus_three_local_backends() -> None:
 def test_example_file_lists_every_setting() -> None:
     text = EXAMPLE.read_text()
     for field in msgspec.structs.fields(RouterConfig):
-        # a key line (`name = ...`) or a table header (`[[name]]`), commented out or not
-        pattern = rf"^\s*#?\s*(\[\[{field.name}\]\]|{field.name}\s*=)"
+        # a key line (`name = ...`), a table header (`[[name]]`) or a section (`[name]`), commented out or not
+        pattern = rf"^\s*#?\s*(\[\[{field.name}\]\]|\[{field.name}\]|{field.name}\s*=)"
         assert re.search(pattern, text, re.MULTILINE), f"config/router.toml does not mention {field.name}"
-    # and the uncommented keys are settings, nothing else
+    # and the uncommented keys are settings, nothing else; each section lists every key of its own
     data = tomllib.loads(text)
     assert set(data) <= {f.name for f in msgspec.structs.fields(RouterConfig)}
+    for section, struct in SECTIONS.items():
+        assert set(data[section]) == {f.name for f in msgspec.structs.fields(struct)}, section
 
 
 def test_empty_file_with_a_backend_flag_is_the_defaults(tmp_path: Path) -> None:
@@ -159,8 +164,8 @@ def test_boundary_values_are_accepted(tmp_path: Path) -> None:
         'eject_s = 0\nretry_backoff_s = 0\nlog_level = "DEBUG"\n' + ONE_BACKEND
     )
     config = load_config(write(tmp_path, text))
-    assert (config.load_factor, config.retries, config.port, config.log_level) == (1.0, 0, 0, "debug")
-    assert isinstance(config.load_factor, float)
+    assert (config.placement.load_factor, config.upstream.retries, config.port, config.log_level) == (1.0, 0, 0, "debug")
+    assert isinstance(config.placement.load_factor, float)
 
 
 # ------------------------------------------------------------------------------ backends
@@ -227,7 +232,7 @@ def test_load_config_without_a_file_needs_a_backend() -> None:
 
 def test_config_from_mapping() -> None:
     config = config_from_mapping({"backends": [{"url": "http://127.0.0.1:1/"}], "policy": "round_robin"})
-    assert config.backends == [BackendConfig(url="http://127.0.0.1:1")] and config.policy == "round_robin"
+    assert config.backends == [BackendConfig(url="http://127.0.0.1:1")] and config.placement.policy == "round_robin"
     assert config_error(config_from_mapping, {"backends": "x"}).startswith("backends: expected array, got str")
 
 
@@ -253,17 +258,17 @@ def test_flags_override_the_file(tmp_path: Path) -> None:
             "--workers", "3",
         ]
     )  # fmt: skip
-    assert (config.host, config.port, config.policy, config.log_level, config.stamp) == (
+    assert (config.host, config.port, config.placement.policy, config.log_level, config.sessions.stamp) == (
         "0.0.0.0", 9100, "least_loaded", "debug", "none",
     )  # fmt: skip
-    assert (config.load_factor, config.admin_token, config.workers) == (1.5, "flag", 3)
-    assert config.retries == 7  # not overridden: the file's value stays
+    assert (config.placement.load_factor, config.admin.token, config.workers) == (1.5, "flag", 3)
+    assert config.upstream.retries == 7  # not overridden: the file's value stays
     assert config.backends == [BackendConfig(url="http://127.0.0.1:8100")]
 
 
 def test_file_values_stay_without_flags(tmp_path: Path) -> None:
     config = build_config(["--config", write(tmp_path, 'port = 9000\npolicy = "round_robin"\n' + ONE_BACKEND)])
-    assert (config.port, config.policy) == (9000, "round_robin")
+    assert (config.port, config.placement.policy) == (9000, "round_robin")
 
 
 def test_backend_flags_replace_the_file_list(tmp_path: Path) -> None:
@@ -337,7 +342,7 @@ _values = st.recursive(
     _scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
     max_leaves=8,
 )
-_keys = st.sampled_from([f.name for f in msgspec.structs.fields(RouterConfig)] + ["unknown_key"])
+_keys = st.sampled_from([f.name for f in msgspec.structs.fields(RouterConfig)] + list(FLAT_KEYS) + ["unknown_key"])
 
 
 @settings(max_examples=300, deadline=None)
@@ -358,3 +363,92 @@ def test_config_files_in_the_repo_load() -> None:
     assert EXAMPLE in paths
     for path in paths:
         assert isinstance(load_config(os.fspath(path)), RouterConfig)
+
+
+# ------------------------------------------------------ sections, and the flat layout of before
+
+#: a non-default value for every key of the flat layout
+FLAT_VALUES: dict[str, Any] = {
+    "connect_timeout_s": 1.5, "first_byte_timeout_s": 2.5, "total_timeout_s": 3.5, "retries": 4,
+    "retry_backoff_s": 0.5, "max_upstream_head_bytes": 4096, "max_upstream_body_bytes": 8192,
+    "front": "aiohttp", "max_body_bytes": 1000, "body_timeout_s": 7.0, "max_connections": 9,
+    "proxy_deny": ["/x"], "access_log": "json", "access_log_file": "/tmp/a.log",
+    "policy": "least_loaded", "load_factor": 1.5, "sticky_headroom": 0, "reported_load_weight": 0.5,
+    "stamp": "mint", "session_header": "X-Conv", "session_ttl_s": 60.0, "max_sessions": 5,
+    "max_response_ids": 6, "session_metrics_top_k": 7, "session_label": "id",
+    "health_interval_s": 0.5, "health_timeout_s": 0.25, "eject_after_failures": 8, "eject_s": 9.0,
+    "pd_fallback": False, "trust_client_kv_params": True,
+    "admin_token": "t0ken", "admin_port": 9001, "admin_host": "127.0.0.2", "admin_backend_allow": ["10.0.0.0/8"],
+}  # fmt: skip
+BACKENDS = [{"url": "http://127.0.0.1:8100"}]
+
+
+def test_every_flat_key_is_its_section_key() -> None:
+    assert set(FLAT_VALUES) == set(FLAT_KEYS)
+    sectioned_data: dict[str, Any] = {}
+    for flat, value in FLAT_VALUES.items():
+        section, key = FLAT_KEYS[flat]
+        sectioned_data.setdefault(section, {})[key] = value
+    flat_config = config_from_mapping({**FLAT_VALUES, "backends": BACKENDS})
+    assert flat_config == config_from_mapping({**sectioned_data, "backends": BACKENDS})
+    assert flat_config != config_from_mapping({"backends": BACKENDS})  # every value above is not a default
+    assert (flat_config.placement.load_factor, flat_config.front.kind, flat_config.sessions.header,
+            flat_config.admin.port, flat_config.upstream.max_head_bytes) == (1.5, "aiohttp", "X-Conv", 9001, 4096)
+
+
+def test_a_flat_key_logs_where_it_goes_now(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="router.config")
+    load_config(write(tmp_path, "load_factor = 1.5\nsession_ttl_s = 60\n" + ONE_BACKEND))
+    assert sorted(r.getMessage().split(" (")[0] for r in caplog.records) == [
+        "load_factor is deprecated at top level; write it as [placement] load_factor",
+        "session_ttl_s is deprecated at top level; write it as [sessions] ttl_s",
+    ]
+    caplog.clear()
+    build_config(["--config", write(tmp_path, "[placement]\nload_factor = 1.5\n" + ONE_BACKEND)])
+    assert caplog.records == []  # the sectioned layout: no warning
+
+
+def test_a_key_set_flat_and_in_its_section_is_refused(tmp_path: Path) -> None:
+    text = "load_factor = 1.5\n[placement]\nload_factor = 2.0\n" + ONE_BACKEND
+    message = config_error(load_config, write(tmp_path, text))
+    assert message.startswith("load_factor and [placement] load_factor are both set; keep only [placement] load_factor")
+    flat_front = 'front = "raw"\nmax_body_bytes = 10\n'  # `front` at the top: the old key, not the section
+    assert load_config(write(tmp_path, flat_front + ONE_BACKEND)).front.max_body_bytes == 10
+
+
+@pytest.mark.parametrize(
+    ("toml", "message"),
+    [
+        ("[placement]\nload_factor = 0.5\n", "placement.load_factor: must be at least 1 (1 = perfectly even load"),
+        ('[placement]\npolicy = "sticky"\n', "placement.policy: must be one of session, round_robin, least_loaded"),
+        ('[front]\nkind = "nginx"\n', "front.kind: must be one of raw, aiohttp, got 'nginx'"),
+        ('[front]\naccess_log = "xml"\n', "front.access_log: must be one of off, text, json"),
+        ('[sessions]\nlabel = "name"\n', "sessions.label: must be one of hash, id, none"),
+        ("[sessions]\nttl_s = 0\n", "sessions.ttl_s: must be a positive number of seconds, got 0"),
+        ("[upstream]\nmax_head_bytes = 10\n", "upstream.max_head_bytes: must be at least 1024 bytes, got 10"),
+        ("[health]\neject_after_failures = 0\n", "health.eject_after_failures: must be at least 1, got 0"),
+        ("[admin]\nport = 70000\n", "admin.port: must be 0..65535 (0 = no admin listener of its own), got 70000"),
+        ("[placement]\nlod_factor = 2\n", "placement: unknown key 'lod_factor' (did you mean 'load_factor'?)"),
+        ("placement = 2\n", "placement: expected object, got int; write it as a [placement] table"),
+        ("[upstream]\nretries = inf\n", "upstream.retries: must be a finite number, got inf"),
+        ('[sessions]\nheader = "Host"\n', "sessions.header: Host is a header the router reads or sets itself"),
+        ('[admin]\nport = 9000\nhost = "0.0.0.0"\n', "admin.host: the admin API on 0.0.0.0:9000 would be open"),
+    ],
+)
+def test_sectioned_errors_name_the_section_key(tmp_path: Path, toml: str, message: str) -> None:
+    assert config_error(load_config, write(tmp_path, toml + ONE_BACKEND)).startswith(message)
+
+
+def test_a_flag_is_named_for_the_section_key_it_sets(tmp_path: Path) -> None:
+    path = write(tmp_path, "[placement]\nload_factor = 1.5\n" + ONE_BACKEND)
+    assert build_config(["--config", path, "--load-factor", "2"]).placement.load_factor == 2.0
+    assert config_error(build_config, ["--config", path, "--load-factor", "0.5"]).startswith("--load-factor: must be")
+
+
+def test_the_bounds_live_in_the_schema() -> None:
+    """msgspec checks ranges and closed sets while decoding: no code of ours needed (placement's own
+    re-checks are gone)."""
+    for bad in ({"placement": {"load_factor": 0.5}}, {"placement": {"sticky_headroom": -1}},
+                {"placement": {"policy": "x"}}, {"log_level": "loud"}, {"port": -1}, {"workers": 0}):
+        with pytest.raises(msgspec.ValidationError):
+            msgspec.convert(bad, RouterConfig)

@@ -534,8 +534,8 @@ async def test_the_raw_front_answers_like_the_aiohttp_front(served: Factory, nam
 
 
 def test_the_front_setting() -> None:
-    assert build_config(["--backend", "http://127.0.0.1:9"]).front == "raw"
-    assert build_config(["--backend", "http://127.0.0.1:9", "--front", "aiohttp"]).front == "aiohttp"
+    assert build_config(["--backend", "http://127.0.0.1:9"]).front.kind == "raw"
+    assert build_config(["--backend", "http://127.0.0.1:9", "--front", "aiohttp"]).front.kind == "aiohttp"
     with pytest.raises(ConfigError, match="--front"):
         build_config(["--backend", "http://127.0.0.1:9", "--front", "nginx"])
 

@@ -326,4 +326,4 @@ def test_example_pd_config_loads() -> None:
     assert config.pd_mode and not config.backends
     assert [b.url for b in config.prefill] == ["http://127.0.0.1:8200"]
     assert [b.url for b in config.decode] == ["http://127.0.0.1:8201", "http://127.0.0.1:8202"]
-    assert config.pd_fallback is True and config.policy == "session"
+    assert config.pd.fallback is True and config.placement.policy == "session"

@@ -32,16 +32,10 @@ def test_make_policy_by_name() -> None:
     assert isinstance(session, SessionPolicy) and session.load_factor == 1.5
 
 
-def test_make_policy_rejects_unknown_names_and_bad_numbers() -> None:
+def test_make_policy_rejects_unknown_names() -> None:
+    # the numbers' ranges are the config schema's (tests/test_config_load.py), checked once at load
     with pytest.raises(ConfigError, match=r"'consistent_hash'.*session, round_robin, least_loaded"):
         make_policy("consistent_hash", load_factor=1.25, reported_load_weight=0.0)
-    for name in POLICY_NAMES:
-        with pytest.raises(ConfigError, match="load_factor"):
-            make_policy(name, load_factor=0.5, reported_load_weight=0.0)
-        with pytest.raises(ConfigError, match="reported_load_weight"):
-            make_policy(name, load_factor=1.25, reported_load_weight=float("inf"))
-        with pytest.raises(ConfigError, match="sticky_headroom"):
-            make_policy(name, load_factor=1.25, reported_load_weight=0.0, sticky_headroom=-1)
 
 
 # -- round_robin -----------------------------------------------------------------------------

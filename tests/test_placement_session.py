@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from contract.errors import ConfigError, NoHealthyBackendError
+from router.config import config_from_mapping
 from router.placement import Outcome, SessionPolicy, load_bound, make_policy, session_score, sticky_bound
 from router.placement.session import DEFAULT_STICKY_HEADROOM
 from router.pool import Backend, BackendPool
@@ -94,12 +95,14 @@ def test_candidates_leave_out_unavailable_and_excluded_and_follow_membership() -
 
 
 def test_bad_settings_are_config_errors() -> None:
+    # the ranges are the config schema's, checked once when it loads (the policy no longer re-checks)
+    backends = [{"url": "http://127.0.0.1:8100"}]
     with pytest.raises(ConfigError, match="load_factor"):
-        policy(load_factor=0.9)
+        config_from_mapping({"placement": {"load_factor": 0.9}, "backends": backends})
     with pytest.raises(ConfigError, match="load_factor"):
-        policy(load_factor=float("nan"))
+        config_from_mapping({"placement": {"load_factor": float("nan")}, "backends": backends})
     with pytest.raises(ConfigError, match="reported_load_weight"):
-        policy(weight=-1.0)
+        config_from_mapping({"placement": {"reported_load_weight": -1.0}, "backends": backends})
 
 
 # -- every outcome ---------------------------------------------------------------------------

@@ -15,8 +15,7 @@ import os
 import pytest
 
 from contract.errors import ConfigError
-from router.config import RouterConfig, validate_config
-from contract.errors import ConfigError
+from router.config import FrontConfig, RouterConfig, validate_config
 from router.routes import canonical_path
 from tests.routing_support import FRONTS, ModelBackend, Serve, ask, raw_ask, serve  # noqa: F401  (fixture)
 
@@ -190,6 +189,6 @@ async def test_pd_other_routes_go_to_the_decode_pool(serve: Serve, front: str) -
 def test_canonical_paths_and_the_deny_setting() -> None:
     assert canonical_path("/A/%62//c/./d/../e;x?q=/admin") == "/a/b/c/e"
     assert canonical_path("/x\\..\\admin") == "/admin"
-    assert RouterConfig().proxy_deny[0] == "/internal"
+    assert RouterConfig().front.proxy_deny[0] == "/internal"
     with pytest.raises(ConfigError, match="proxy_deny: entry 0"):
-        validate_config(RouterConfig(backends=[], decode=[], proxy_deny=["internal"]))
+        validate_config(RouterConfig(backends=[], decode=[], front=FrontConfig(proxy_deny=["internal"])))

@@ -14,6 +14,7 @@ from aiohttp import web
 
 from router.app import PROXY, build_proxy, build_state, create_admin_app, create_app, error_middleware
 from router.config import BackendConfig, RouterConfig
+from tests.support import router_config
 from router.front.server import RawFront
 from router.front.settings import ConnectionSettings
 from router.health import HealthChecker
@@ -49,11 +50,11 @@ def test_the_pd_handoff_is_given_the_prefill_pool_and_the_same_health_checker() 
     assert proxy.pd is not None and not hasattr(proxy.pd, "state")
     assert proxy.pd.prefill_pool is state.pools[POOL_PREFILL]
     assert proxy.pd.health is state.health and proxy.pd.upstream is state.upstream
-    assert proxy.pd.fallback is config.pd_fallback
+    assert proxy.pd.fallback is config.pd.fallback
 
 
 async def test_raw_connections_get_frozen_settings_and_hooks_not_the_front() -> None:
-    app = create_app(RouterConfig(backends=[BackendConfig(DEAD)], max_body_bytes=1234, body_timeout_s=7.0))
+    app = create_app(router_config(backends=[BackendConfig(DEAD)], max_body_bytes=1234, body_timeout_s=7.0))
     front = RawFront(app[PROXY], "127.0.0.1", 9, max_body_bytes=1234, body_timeout_s=7.0)
     try:
         settings = front.settings
@@ -68,7 +69,7 @@ async def test_raw_connections_get_frozen_settings_and_hooks_not_the_front() -> 
 
 
 async def test_both_apps_answer_raised_errors_through_the_one_middleware(aiohttp_client: Any) -> None:
-    config = RouterConfig(backends=[BackendConfig(DEAD)], health_interval_s=3600.0, admin_port=1,
+    config = router_config(backends=[BackendConfig(DEAD)], health_interval_s=3600.0, admin_port=1,
                           admin_token="t0k3n")
     app = create_app(config)
     admin = create_admin_app(app)

@@ -170,18 +170,18 @@ def test_admin_listener_off_loopback_without_token_is_refused(host: str) -> None
     # with a token it is allowed
     config = config_from_mapping({"admin_port": 9000, "admin_host": host, "admin_token": TOKEN,
                                   "backends": [{"url": "http://127.0.0.1:8100"}]})
-    assert config.admin_host == host
+    assert config.admin.host == host
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "::1", "localhost", "LOCALHOST.", "::ffff:127.0.0.1"])
 def test_admin_listener_on_loopback_may_be_open(host: str) -> None:
     config = config_from_mapping({"admin_port": 9000, "admin_host": host, "backends": [{"url": "http://127.0.0.1:8100"}]})
-    assert config.admin_token == ""
+    assert config.admin.token == ""
 
 
 def test_a_public_data_port_without_token_starts_with_the_admin_api_off() -> None:
     config = config_from_mapping({"host": "0.0.0.0", "backends": [{"url": "http://127.0.0.1:8100"}]})
-    assert (config.admin_port, config.admin_token, config.admin_host) == (0, "", "127.0.0.1")
+    assert (config.admin.port, config.admin.token, config.admin.host) == (0, "", "127.0.0.1")
 
 
 @pytest.mark.parametrize(("settings", "message"), [
@@ -206,12 +206,12 @@ def test_admin_token_from_the_environment(tmp_path: Path, monkeypatch: pytest.Mo
     config_file = tmp_path / "r.toml"
     config_file.write_text('admin_token = "from-file"\n[[backends]]\nurl = "http://127.0.0.1:8100"\n')
     monkeypatch.delenv("SESSION_ROUTER_ADMIN_TOKEN", raising=False)
-    assert build_config(["--config", str(config_file)]).admin_token == "from-file"
+    assert build_config(["--config", str(config_file)]).admin.token == "from-file"
     monkeypatch.setenv("SESSION_ROUTER_ADMIN_TOKEN", "")  # empty: as if unset (compose's ${VAR:-})
-    assert build_config(["--config", str(config_file)]).admin_token == "from-file"
+    assert build_config(["--config", str(config_file)]).admin.token == "from-file"
     monkeypatch.setenv("SESSION_ROUTER_ADMIN_TOKEN", "from-env")
-    assert build_config(["--config", str(config_file)]).admin_token == "from-env"
-    assert build_config(["--config", str(config_file), "--admin-token", "from-flag"]).admin_token == "from-flag"
+    assert build_config(["--config", str(config_file)]).admin.token == "from-env"
+    assert build_config(["--config", str(config_file), "--admin-token", "from-flag"]).admin.token == "from-flag"
     monkeypatch.setenv("SESSION_ROUTER_ADMIN_TOKEN", "bad token")
     with pytest.raises(ConfigError, match="^SESSION_ROUTER_ADMIN_TOKEN: use visible ASCII"):
         build_config(["--config", str(config_file)])

@@ -25,15 +25,14 @@ import pytest
 from contract.errors import ConfigError
 from router.access_log import ACCESS_LOGGER, BatchingHandler, session_hash
 from router.app import create_app
-from router.config import BackendConfig, RouterConfig, build_config, config_from_mapping
-from contract.errors import ConfigError
+from router.config import BackendConfig, build_config, config_from_mapping
 from router.http_server import CappedAppRunner
 from router.proxy import event_boundary
 from router.state import RouterState
 from tests.conftest import MakeRouter
 from tests.fakes import EchoBackend
 from tests.raw_http import Answer, RawServer, ServerConn, post, read_answer
-from tests.support import eventually
+from tests.support import eventually, router_config
 
 FRONTS = ["raw", "aiohttp"]
 GOOD = b'{"model": "m", "prompt": "hello", "session_id": "sess-1"}'
@@ -294,7 +293,7 @@ async def test_a_stream_longer_than_the_body_bound_is_relayed_whole(router: Fact
 
 def test_the_bounds_are_settings() -> None:
     config = build_config(["--backend", "http://127.0.0.1:8100"])
-    assert (config.max_upstream_head_bytes, config.max_upstream_body_bytes) == (64 * 1024, 64 * 1024 * 1024)
+    assert (config.upstream.max_head_bytes, config.upstream.max_body_bytes) == (64 * 1024, 64 * 1024 * 1024)
     for key in ("max_upstream_head_bytes", "max_upstream_body_bytes"):
         with pytest.raises(ConfigError, match=key):
             config_from_mapping({"backends": [{"url": "http://127.0.0.1:8100"}], key: 10})
@@ -468,14 +467,14 @@ async def test_the_access_log_records_a_client_that_went_away(router: Factory, t
 
 async def test_the_access_log_is_off_by_default(router: Factory) -> None:
     r = await router()
-    assert r.state.config.access_log == "off"
+    assert r.state.config.front.access_log == "off"
     assert r.state.access_log is None and r.state.serving_pool is not None
     assert not own_handlers()
     assert (await r.ask("raw", post("/v1/completions", GOOD))).status == 200
 
 
 async def test_the_access_log_handler_goes_with_the_app(aiohttp_server: Any, tmp_path: Path) -> None:
-    config = RouterConfig(backends=[BackendConfig("http://127.0.0.9:9")], access_log="text",
+    config = router_config(backends=[BackendConfig("http://127.0.0.9:9")], access_log="text",
                           access_log_file=str(tmp_path / "a.log"), health_interval_s=3600.0)
     runner = CappedAppRunner(create_app(config), access_log=None, handle_signals=False)
     await runner.setup()
@@ -487,7 +486,7 @@ async def test_the_access_log_handler_goes_with_the_app(aiohttp_server: Any, tmp
 def test_access_log_flags() -> None:
     config = build_config(["--backend", "http://127.0.0.1:8100", "--access-log", "json",
                            "--access-log-file", "/tmp/x.log"])
-    assert (config.access_log, config.access_log_file) == ("json", "/tmp/x.log")
+    assert (config.front.access_log, config.front.access_log_file) == ("json", "/tmp/x.log")
     with pytest.raises(ConfigError, match="--access-log"):
         build_config(["--backend", "http://127.0.0.1:8100", "--access-log", "verbose"])
 
@@ -538,8 +537,8 @@ async def test_errors_echo_the_configured_session_header(router: Factory, front:
 
 def test_session_header_setting() -> None:
     config = build_config(["--backend", "http://127.0.0.1:8100", "--session-header", "X-Conversation-Id"])
-    assert config.session_header == "X-Conversation-Id"
-    assert build_config(["--backend", "http://127.0.0.1:8100"]).session_header == "X-Session-ID"
+    assert config.sessions.header == "X-Conversation-Id"
+    assert build_config(["--backend", "http://127.0.0.1:8100"]).sessions.header == "X-Session-ID"
     for bad in ("Host", "X-Request-Id", "Content-Length", "Connection", "bad header", ""):
         with pytest.raises(ConfigError, match="--session-header"):
             build_config(["--backend", "http://127.0.0.1:8100", "--session-header", bad])

@@ -117,7 +117,7 @@ class AiohttpWriter:
 def proxy_handler(proxy: "Proxy", route: "Route") -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
     """The aiohttp handler of one proxied route."""
 
-    body_timeout = proxy.config.body_timeout_s
+    body_timeout = proxy.config.front.body_timeout_s
     session_header = proxy.session_header
     drop = DROP_REQUEST | {session_header.lower()}
 

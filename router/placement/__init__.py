@@ -9,7 +9,6 @@ from router.placement.round_robin import RoundRobinPolicy
 from router.placement.session import (
     DEFAULT_STICKY_HEADROOM,
     SessionPolicy,
-    check_load_settings,
     load_bound,
     session_score,
     sticky_bound,
@@ -26,7 +25,6 @@ __all__ = [
     "RoundRobinPolicy",
     "SessionPins",
     "SessionPolicy",
-    "check_load_settings",
     "load_bound",
     "make_policy",
     "session_score",
@@ -38,11 +36,9 @@ def make_policy(name: str, *, load_factor: float, reported_load_weight: float,
                 sticky_headroom: int = DEFAULT_STICKY_HEADROOM) -> Policy:
     """The policy called ``name`` (``session``, ``round_robin`` or ``least_loaded``).
 
-    Raises ``ConfigError`` for an unknown name or a bad ``load_factor`` (< 1),
-    ``reported_load_weight`` (< 0) or ``sticky_headroom`` (< 0); they are checked for every policy
-    so that a bad config fails the same way whichever policy it names.
+    Raises ``ConfigError`` for an unknown name. The numbers' ranges are the configuration
+    schema's (``router.config.PlacementConfig``), checked once when the configuration loads.
     """
-    check_load_settings(load_factor, reported_load_weight, sticky_headroom)
     if name == "session":
         return SessionPolicy(load_factor=load_factor, reported_load_weight=reported_load_weight,
                              sticky_headroom=sticky_headroom)

@@ -48,7 +48,6 @@ import hashlib
 import math
 from typing import TYPE_CHECKING
 
-from contract.errors import ConfigError
 from router.placement.base import Outcome, Placement, SessionPins
 from router.placement.least_loaded import NOTHING_EXCLUDED, LeastLoaded, no_available_backend
 from router.pool import Backend, BackendSet
@@ -75,19 +74,6 @@ def sticky_bound(bound: int, total_load: float, available: int, headroom: int) -
     if headroom <= 0:
         return bound
     return max(bound, math.ceil((total_load + 1) / available - _BOUND_EPSILON) + headroom)
-
-
-def check_load_settings(load_factor: float, reported_load_weight: float, sticky_headroom: int = 0) -> None:
-    """Raise ``ConfigError`` unless ``load_factor >= 1``, ``reported_load_weight >= 0`` (finite)
-    and ``sticky_headroom >= 0``."""
-    if sticky_headroom < 0:
-        raise ConfigError(f"sticky_headroom = {sticky_headroom!r}: must be an integer >= 0 (default 2; 0 = plain bound)")
-    if not math.isfinite(load_factor) or load_factor < 1.0:
-        raise ConfigError(f"load_factor = {load_factor!r}: must be a number >= 1.0 (default 1.25)")
-    if not math.isfinite(reported_load_weight) or reported_load_weight < 0.0:
-        raise ConfigError(
-            f"reported_load_weight = {reported_load_weight!r}: must be a number >= 0 (0 = in-flight only)"
-        )
 
 
 def session_score(url: str, session_id: str) -> int:
@@ -117,7 +103,6 @@ class SessionPolicy:
 
     def __init__(self, *, load_factor: float = 1.25, reported_load_weight: float = 0.0,
                  sticky_headroom: int = DEFAULT_STICKY_HEADROOM) -> None:
-        check_load_settings(load_factor, reported_load_weight, sticky_headroom)
         self.load_factor = load_factor
         self.sticky_headroom = sticky_headroom
         self._weight = reported_load_weight
