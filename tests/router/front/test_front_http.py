@@ -18,7 +18,7 @@ from aiohttp import web
 from tests.conftest import MakeRouter
 from tests.raw_http import GOOD, Conn, get, post, read_answer
 from tests.support import eventually, kill_alive, wait_until
-from tests.test_front_raw import Factory, served  # noqa: F401
+from tests.router.front.test_front_raw import Factory, served  # noqa: F401
 
 FRONTS = ["raw", "aiohttp"]
 
