@@ -11,7 +11,7 @@ waits until all clients have theirs (so all streams are open at once), then read
 Round 1 warms up (it fills the router's keep-alive pools: 64 idle connections per backend);
 later rounds are measured against the state after round 1: the router's open file descriptors
 and RSS, the most requests it had in flight at once, errors, client-side latency.
-``tests/test_load_1000.py`` runs this with assertions; the numbers go into ``bench/RESULTS.md``.
+``tests/system/test_load_1000.py`` runs this with assertions; the numbers go into ``bench/RESULTS.md``.
 """
 
 from __future__ import annotations

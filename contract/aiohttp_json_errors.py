@@ -25,8 +25,8 @@ This overrides PRIVATE aiohttp hooks and attributes (``AppRunner._make_server``,
 ``Server._kwargs``/``_loop``, ``RequestHandler._parser``/``_messages``/``_manager``/
 ``_max_msg_queue_size``, ``web_protocol._ErrInfo``), which aiohttp may change in any release:
 pyproject.toml pins aiohttp below the next minor version for that reason. Before raising the
-pin, run tests/test_front_http.py, tests/test_security_defaults.py and tests/test_backend_errors.py
-against the new version.
+pin, run tests/router/front/test_front_http.py, tests/router/test_security_defaults.py and
+tests/backends/test_backend_errors.py against the new version.
 
 A server with a cap on open connections (the router's) builds on this: ``JsonErrorServer`` has a
 ``handler_class`` and ``JsonErrorAppRunner`` a ``server_class`` to override.

@@ -27,7 +27,7 @@ from router.config import load_config
 from tests.support import LOOPBACK, Proc, start_backend, start_router, wait_until
 
 BS = 16
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "../../.."))
 PLACEHOLDER = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                "remote_block_ids": None, "remote_host": None, "remote_port": None}
 

@@ -22,7 +22,7 @@ from bench.procs import free_ports
 from router.placement import RoundRobinPolicy, SessionPolicy
 from router.pool import Backend, BackendPool
 from router.sessions import SessionEntry
-from tests.routing_support import FRONTS, ModelBackend, Serve, ask, serve  # noqa: F401  (fixture)
+from tests.router.routing_support import FRONTS, ModelBackend, Serve, ask
 from tests.support import Proc, metric_sum, start_backend, start_router, wait_until
 
 NOT_FOUND = {"message": "The model `gamma` does not exist.", "type": "NotFoundError", "param": "model", "code": 404}

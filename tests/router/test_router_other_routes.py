@@ -17,7 +17,7 @@ import pytest
 from contract.errors import ConfigError
 from router.config import FrontConfig, RouterConfig, validate_config
 from router.routes import canonical_path
-from tests.routing_support import FRONTS, ModelBackend, Serve, ask, raw_ask, serve  # noqa: F401  (fixture)
+from tests.router.routing_support import FRONTS, ModelBackend, Serve, ask, raw_ask
 
 
 def pair() -> list[ModelBackend]:

@@ -31,7 +31,7 @@ from router.cli import main
 from router.serve import listening_line, run_worker
 from router.config import RouterConfig, build_config
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 RELEASE_ENV = "SESSION_ROUTER_TEST_RELEASE"
 LINE = re.compile(rb"session-router listening on http://127\.0\.0\.1:(\d+)\r?\n")
 PROC_TIMEOUT = 20.0
@@ -168,7 +168,7 @@ def start_fixture_router(children: list[Child], tmp_path: Path, factory: str, *,
                          extra: tuple[str, ...] = ()) -> Child:  # fmt: skip
     config_path = tmp_path / "router.toml"
     config_path.write_text(config)
-    args = ["-c", RUN_SNIPPET, f"tests.test_config_cli:{factory}", "--config", str(config_path),
+    args = ["-c", RUN_SNIPPET, f"tests.router.test_config_cli:{factory}", "--config", str(config_path),
             "--host", "127.0.0.1", "--port", "0", "--backend", "http://127.0.0.1:9", *extra]  # fmt: skip
     child = Child(args, tmp_path, env={RELEASE_ENV: str(tmp_path / "release")})
     children.append(child)
@@ -249,14 +249,14 @@ def test_a_taken_port_exits_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]
         taken.listen()
         port = taken.getsockname()[1]
         config = build_config(["--port", str(port), "--backend", "http://127.0.0.1:9"])
-        assert run_worker(config, app_factory="tests.test_config_cli:drain_app") == 1
+        assert run_worker(config, app_factory="tests.router.test_config_cli:drain_app") == 1
     assert capsys.readouterr().err.startswith(f"session-router: cannot listen on 127.0.0.1:{port}: ")
     assert events(tmp_path) == [f"{os.getpid()} startup", f"{os.getpid()} cleanup"]  # cleaned up anyway
 
 
 def test_a_factory_config_error_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     config = build_config(["--port", "0", "--backend", "http://127.0.0.1:9"])
-    assert run_worker(config, app_factory="tests.test_config_cli:broken_app") == 2
+    assert run_worker(config, app_factory="tests.router.test_config_cli:broken_app") == 2
     assert capsys.readouterr().err == "session-router: broken on purpose: the fixture app refuses to start\n"
 
 

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.support import Proc, start_backend, start_router
-from tests.test_badinput_corpus import (
+from tests.contract.test_badinput_corpus import (
     ADMIN_TOKEN,
     GOOD,
     ROUTES,

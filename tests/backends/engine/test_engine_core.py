@@ -13,7 +13,7 @@ from backends.engine.core import DuplicateRequestError, EngineCore, InvalidReque
 from backends.engine.metrics import EngineMetrics
 from backends.engine.outputs import RequestOutput
 from backends.engine.request import EngineCoreRequest, SamplingParams, encode_request
-from tests.engine_support import wire, run_to_completion
+from tests.backends.engine.engine_support import wire, run_to_completion
 
 
 def make_core(**overrides: Any) -> EngineCore:

@@ -35,9 +35,9 @@ from router import admin
 from router.app import create_app as create_router_app
 from router.config import BackendConfig, RouterConfig, build_config
 from tests.support import free_port, router_config
-from tests.test_metrics_sessions import parse_exposition
+from tests.router.test_metrics_sessions import parse_exposition
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "docker-compose.yml"
 PROMETHEUS_CONFIG = REPO / "config" / "prometheus.yml"
 GRAFANA = REPO / "config" / "grafana"

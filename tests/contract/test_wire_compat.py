@@ -1,7 +1,7 @@
 """The engine core's wire contract (DESIGN.md §4): ``EngineCoreRequest`` as vLLM 0.32.0 sends it.
 
-- golden bytes in ``tests/data/`` pin the exact encoding (regenerate, only on purpose, with
-  ``python tests/test_wire_compat.py --write-golden``);
+- golden bytes in ``tests/contract/data/`` pin the exact encoding (regenerate, only on purpose, with
+  ``python tests/contract/test_wire_compat.py --write-golden``);
 - the 22-field order is pinned (``session_id`` at 20, ``kv_hints`` at 21);
 - peers with 20 fields (before PR #48048), 21 fields (PR #48048 as merged) and 23 fields (a future
   field appended) decode our messages and we decode theirs;
@@ -336,4 +336,4 @@ if __name__ == "__main__":  # pragma: no cover
     if "--write-golden" in sys.argv:
         _write_golden()
     else:
-        print("usage: python tests/test_wire_compat.py --write-golden")
+        print("usage: python tests/contract/test_wire_compat.py --write-golden")

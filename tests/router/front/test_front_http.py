@@ -17,8 +17,8 @@ from aiohttp import web
 
 from tests.conftest import MakeRouter
 from tests.raw_http import GOOD, Conn, get, post, read_answer
+from tests.router.front.conftest import Factory
 from tests.support import eventually, kill_alive, wait_until
-from tests.test_front_raw import Factory, served  # noqa: F401
 
 FRONTS = ["raw", "aiohttp"]
 

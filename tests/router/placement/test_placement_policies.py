@@ -33,7 +33,7 @@ def test_make_policy_by_name() -> None:
 
 
 def test_make_policy_rejects_unknown_names() -> None:
-    # the numbers' ranges are the config schema's (tests/test_config_load.py), checked once at load
+    # the numbers' ranges are the config schema's (tests/router/test_config_load.py), checked once at load
     with pytest.raises(ConfigError, match=r"'consistent_hash'.*session, round_robin, least_loaded"):
         make_policy("consistent_hash", load_factor=1.25, reported_load_weight=0.0)
 

@@ -26,8 +26,8 @@ import pytest
 from bench.traffic import TrafficConfig, run
 from contract.ids import session_hash
 from tests.support import LOOPBACK, Proc, free_port, http_status, start_backend, start_router, wait_until
-from tests.test_compose_stack import DASHBOARDS, concrete, dashboard_queries
-from tests.test_metrics_sessions import parse_exposition
+from tests.system.test_compose_stack import DASHBOARDS, concrete, dashboard_queries
+from tests.router.test_metrics_sessions import parse_exposition
 
 pytestmark = [pytest.mark.slow, pytest.mark.prometheus]
 

@@ -14,7 +14,7 @@ from backends.engine.config import EngineConfig
 from backends.engine.core import EngineCore
 from backends.engine.metrics import EngineMetrics, FastHistogram, buckets_1_2_5
 from backends.engine.request import EngineCoreRequest, SamplingParams
-from tests.engine_support import wire
+from tests.backends.engine.engine_support import wire
 
 LABELS = {"model_name": "sim-model", "engine": "3"}
 

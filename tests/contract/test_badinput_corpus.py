@@ -1,4 +1,4 @@
-"""The bad-input corpus (``tests/corpus/``) against a real router process and real backends.
+"""The bad-input corpus (``tests/contract/corpus/``) against a real router process and real backends.
 
 Every body case goes through the router and straight to a backend; every header case is sent
 raw over a socket to the router. Each must get a 4xx in OpenAI's error shape without a

@@ -10,7 +10,7 @@ from backends.engine.config import EngineConfig
 from backends.engine.core import EngineCore
 from backends.engine.metrics import EngineMetrics
 from backends.engine.outputs import RequestOutput
-from tests.engine_support import wire, run_to_completion
+from tests.backends.engine.engine_support import wire, run_to_completion
 
 
 def make_core(**overrides: Any) -> EngineCore:

@@ -25,7 +25,7 @@ from router.config import (
     load_config,
 )
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "config" / "router.toml"
 ONE_BACKEND = '[[backends]]\nurl = "http://127.0.0.1:8100"\n'
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 #: the proxy's side of the data path (below the fronts, above the upstream client)
 PROXY_MODULES = ("router.proxy", "router.pd", "router.attempt", "router.routes", "router.exchange")

@@ -21,7 +21,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "../.."))
 
 
 def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from tests.support import LOOPBACK, Proc, start_backend, start_router, wait_until
-from tests.test_pd_e2e import get_json, post, scrape, stop_all
+from tests.router.pd.test_pd_e2e import get_json, post, scrape, stop_all
 
 pytestmark = pytest.mark.slow
 
