@@ -86,6 +86,13 @@ class FrontConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     access_log: AccessLogFormat = "off"
     #: the access log's file (appended to); empty = stderr
     access_log_file: str = ""
+    #: an idle keep-alive client connection is closed after this long (both fronts)
+    keepalive_timeout_s: Seconds = 75.0
+    #: a request head (request line, headers, blank line) larger than this gets a 400 and the
+    #: connection closes (the raw front; aiohttp's front bounds each line instead)
+    max_head_bytes: Annotated[int, msgspec.Meta(ge=1024, extra={RULE: "must be at least 1024 bytes"})] = 256 * KiB
+    #: the listening sockets' accept backlog: bursts of new connections must not overflow it
+    listen_backlog: AtLeastOne = 1024
 
 
 class PlacementConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

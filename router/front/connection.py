@@ -28,7 +28,7 @@ fields after a chunked body are discarded (never headers, never forwarded, never
 the headers a ``Connection`` header names are not forwarded (``drop_connection_options``); an
 HTTP/1.1 request needs exactly one valid ``Host`` (else 400); an HTTP/1.0 request with
 ``Transfer-Encoding`` closes the connection after its answer; an ``Upgrade`` offer (h2c,
-websocket) is ignored and the request served; the head limit (``MAX_HEAD_BYTES``) counts the
+websocket) is ignored and the request served; the head limit (``max_head_bytes``) counts the
 request line, every header line and the blank line.
 """
 
@@ -56,14 +56,16 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: a request head (request line + headers + the blank line) larger than this is refused
-MAX_HEAD_BYTES = 256 * 1024
 #: header fields in one head (and trailer fields after a chunked body)
 MAX_HEADERS = 256
-HEAD_TOO_LARGE_MESSAGE = (
-    f"request head too large: the request line and headers together may not exceed {MAX_HEAD_BYTES} bytes "
-    f"(nor {MAX_HEADERS} header fields); send fewer or shorter headers"
-)
+
+
+def head_too_large(max_head_bytes: int) -> str:
+    """The 400's message for a head over ``max_head_bytes`` (request line + headers + the blank line)."""
+    return (f"request head too large: the request line and headers together may not exceed {max_head_bytes} "
+            f"bytes (nor {MAX_HEADERS} header fields); send fewer or shorter headers")
+
+
 #: bytes of a request line beyond its method and target: " " + " HTTP/1.1" + CRLF
 _REQUEST_LINE_EXTRA = 12
 #: how long a connection closed with unread input keeps discarding it (so the client reads the answer)
@@ -113,7 +115,7 @@ class FrontConnection(asyncio.Protocol):
         "settings", "hooks", "dates", "loop", "transport", "closed", "closing", "write_paused", "idle_since",
         "_parser", "_queue", "_parsing", "task", "_in_head", "_head_bytes", "_head_read", "_head_tail",
         "_begun", "_reading_paused",
-        "_drain", "_stopped", "_linger", "_body_only", "_backlog", "_session_b", "_drop_b",
+        "_drain", "_stopped", "_linger", "_body_only", "_backlog", "_session_b", "_drop_b", "_max_head",
     )  # fmt: skip
 
     def __init__(self, settings: ConnectionSettings, hooks: ConnectionHooks, loop: asyncio.AbstractEventLoop) -> None:
@@ -151,6 +153,8 @@ class FrontConnection(asyncio.Protocol):
         #: the session header's name (lower case) and the request headers not forwarded as received
         self._session_b = settings.session_header_b
         self._drop_b = settings.drop_request_b
+        #: a head over this many bytes is refused (``max_head_bytes``)
+        self._max_head = settings.max_head_bytes
         #: the parser is reading a made-up head that frames the body of an upgrade offer (``_upgrade``)
         self._body_only = False
         #: input read but not parsed yet: MAX_QUEUED requests wait already
@@ -201,8 +205,8 @@ class FrontConnection(asyncio.Protocol):
             tail = self._head_tail
             end = (tail + data).find(b"\r\n\r\n") if tail else data.find(b"\r\n\r\n")
             self._head_read += len(data) if end < 0 else max(end + 4 - len(tail), 0)
-            if self._head_read > MAX_HEAD_BYTES:
-                self._parse_error(_Rejected(HEAD_TOO_LARGE_MESSAGE))
+            if self._head_read > self._max_head:
+                self._parse_error(_Rejected(head_too_large(self._max_head)))
                 return
             idle = False
         else:  # no message under way: one that begins here begins at this piece's first byte
@@ -268,12 +272,12 @@ class FrontConnection(asyncio.Protocol):
             raise _Rejected()
         ex.fields += 1
         if ex.fields > MAX_HEADERS:
-            raise _Rejected(HEAD_TOO_LARGE_MESSAGE)
+            raise _Rejected(head_too_large(self._max_head))
         if not self._in_head:
             return  # a trailer field (after a chunked body): never a header, never forwarded (RFC 9110 §6.5)
         self._head_bytes += len(name) + len(value) + 4  # name ": " value CRLF
-        if self._head_bytes > MAX_HEAD_BYTES:
-            raise _Rejected(HEAD_TOO_LARGE_MESSAGE)
+        if self._head_bytes > self._max_head:
+            raise _Rejected(head_too_large(self._max_head))
         value = value.strip(b" \t")
         if b"\r" in value or b"\n" in value or b"\x00" in value:  # never reaches a backend
             raise _Rejected()
@@ -319,8 +323,8 @@ class FrontConnection(asyncio.Protocol):
         method = parser.get_method()
         url = ex.url
         self._head_bytes += len(method) + len(url) + _REQUEST_LINE_EXTRA + 2  # the request line, the blank line
-        if self._head_bytes > MAX_HEAD_BYTES:
-            raise _Rejected(HEAD_TOO_LARGE_MESSAGE)
+        if self._head_bytes > self._max_head:
+            raise _Rejected(head_too_large(self._max_head))
         version = parser.get_http_version()
         if version == "1.1":
             ex.keep_alive = not ex.conn_close
