@@ -38,8 +38,6 @@ PROG = "session-router"
 DEFAULT_APP_FACTORY = "router.app:create_app"
 #: ``module:function`` building the admin app from the main app (served when ``admin_port`` is set)
 DEFAULT_ADMIN_FACTORY = "router.app:create_admin_app"
-#: listen backlog: bursts of new connections (1,000 concurrent clients) must not overflow it
-LISTEN_BACKLOG = 1024
 #: where the raw front reaches the aiohttp app (an ephemeral port)
 INTERNAL_HOST = "127.0.0.1"
 
@@ -100,6 +98,9 @@ def run_worker(
             max_body_bytes=config.front.max_body_bytes,
             body_timeout_s=config.front.body_timeout_s,
             max_connections=config.front.max_connections,
+            max_head_bytes=config.front.max_head_bytes,
+            keepalive_timeout_s=config.front.keepalive_timeout_s,
+            listen_backlog=config.front.listen_backlog,
             reuse_port=reuse_port,
             on_ready=on_ready,
             admin=admin,
@@ -129,6 +130,9 @@ async def serve(
     max_body_bytes: int = 8 * MiB,
     body_timeout_s: float = 60.0,
     max_connections: int = 10_000,
+    max_head_bytes: int = 256 * 1024,
+    keepalive_timeout_s: float = 75.0,
+    listen_backlog: int = 1024,
     reuse_port: bool = False,
     on_ready: Callable[[int], None] | None = None,
     admin: tuple[web.Application, str, int] | None = None,
@@ -143,7 +147,9 @@ async def serve(
     the requests the raw front relays; ``"aiohttp"`` serves the port with aiohttp itself.
     ``max_connections``: on each port, a connection over this many open ones is closed as soon
     as it is accepted; refusals and accept() failures (out of file descriptors) are logged at
-    most once per 10 s.
+    most once per 10 s. ``max_head_bytes``: the raw front answers a larger request head with a 400.
+    ``keepalive_timeout_s``: an idle keep-alive client connection closes after this long (either
+    front). ``listen_backlog``: the accept backlog of every listening socket.
     Draining: the listening sockets close at once, in-flight requests (streams included) get up
     to ``drain_timeout_s`` to finish, then are cancelled; the app's cleanup runs last.
     ``lifeline``: a file descriptor that turns readable (EOF) when the supervisor dies; it
@@ -170,16 +176,19 @@ async def serve(
         for served, served_host, served_port in [(app, host, port)] + ([admin] if admin is not None else []):
             # handler_cancellation: a client that disconnects cancels its handler at once, which closes
             # the upstream connection so the backend aborts the request (streams and non-streams).
+            # the data port's keep-alive timeout, when aiohttp serves it (the raw front applies its own;
+            # the app's internal listener behind it and the admin listener keep aiohttp's 75 s)
+            keepalive = {"keepalive_timeout": keepalive_timeout_s} if served is app and front != "raw" else {}
             runner = CappedAppRunner(served, access_log=None, handle_signals=False, shutdown_timeout=shutdown_timeout,
-                                   handler_cancellation=True, max_connections=max_connections)
+                                   handler_cancellation=True, max_connections=max_connections, **keepalive)
             await runner.setup()
             runners.append(runner)
             if served is app and front == "raw":
                 where = f"{INTERNAL_HOST}:0"
-                internal = site = web.TCPSite(runner, INTERNAL_HOST, 0, backlog=LISTEN_BACKLOG)
+                internal = site = web.TCPSite(runner, INTERNAL_HOST, 0, backlog=listen_backlog)
             else:
                 where = f"{served_host}:{served_port}"
-                site = web.TCPSite(runner, served_host, served_port, backlog=LISTEN_BACKLOG,
+                site = web.TCPSite(runner, served_host, served_port, backlog=listen_backlog,
                                    reuse_port=reuse_port or None)
             try:
                 await site.start()
@@ -189,9 +198,10 @@ async def serve(
                 bound_port = site.port
         if internal is not None:
             raw = RawFront(app.get(PROXY), INTERNAL_HOST, internal.port, max_body_bytes=max_body_bytes,
-                           body_timeout_s=body_timeout_s, max_connections=max_connections)
+                           body_timeout_s=body_timeout_s, max_connections=max_connections,
+                           max_head_bytes=max_head_bytes, keepalive_timeout_s=keepalive_timeout_s)
             try:
-                bound_port = await raw.start(host, port, backlog=LISTEN_BACKLOG, reuse_port=reuse_port)
+                bound_port = await raw.start(host, port, backlog=listen_backlog, reuse_port=reuse_port)
             except OSError as exc:
                 raise StartupError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
         if on_ready is not None:

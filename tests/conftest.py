@@ -79,9 +79,9 @@ async def make_router(aiohttp_server: Any, aiohttp_client: Any) -> AsyncIterator
     stack = contextlib.AsyncExitStack()
 
     async def listen(app: web.Application, *, max_connections: int | None = None,
-                     shutdown_timeout: float = 60.0) -> tuple[web.AppRunner, int]:
+                     shutdown_timeout: float = 60.0, **server: Any) -> tuple[web.AppRunner, int]:
         runner = CappedAppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True,
-                                    max_connections=max_connections, shutdown_timeout=shutdown_timeout)
+                                    max_connections=max_connections, shutdown_timeout=shutdown_timeout, **server)
         await runner.setup()
 
         async def cleanup() -> None:
@@ -129,12 +129,17 @@ async def make_router(aiohttp_server: Any, aiohttp_client: Any) -> AsyncIterator
             return RouterUnderTest(app, config, app[ROUTER_STATE], result_fakes, servers, client.port, client.port,
                                    client=client, admin_client=admin_client,
                                    admin_port=None if admin_client is None else admin_client.port)
-        runner, app_port = await listen(app, shutdown_timeout=shutdown_timeout,
-                                        max_connections=config.front.max_connections if front == "aiohttp" else None)
+        facing: dict[str, Any] = {}
+        if front == "aiohttp":  # as router.serve: the client-facing listener's bounds
+            facing = {"max_connections": config.front.max_connections,
+                      "keepalive_timeout": config.front.keepalive_timeout_s}
+        runner, app_port = await listen(app, shutdown_timeout=shutdown_timeout, **facing)
         port, raw = app_port, None
         if front == "raw":
             raw = RawFront(app[PROXY], "127.0.0.1", app_port, max_body_bytes=config.front.max_body_bytes,
-                           body_timeout_s=config.front.body_timeout_s, max_connections=config.front.max_connections)
+                           body_timeout_s=config.front.body_timeout_s, max_connections=config.front.max_connections,
+                           max_head_bytes=config.front.max_head_bytes,
+                           keepalive_timeout_s=config.front.keepalive_timeout_s)
             port = await raw.start("127.0.0.1", 0)
             stack.push_async_callback(raw.shutdown, 0)
         admin_port = None

@@ -35,8 +35,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: an idle keep-alive connection is closed after this long (aiohttp's default)
-KEEPALIVE_TIMEOUT_S = 75.0
 SWEEP_INTERVAL_S = 1.0
 #: after the drain timeout, how long cancelled exchanges get to unwind
 CANCEL_GRACE_S = 5.0
@@ -46,13 +44,17 @@ class RawFront:
     """The router's port on an ``asyncio.Protocol`` + httptools (uvloop's loop when running on it)."""
 
     def __init__(self, proxy: "Proxy | None", app_host: str, app_port: int, *, max_body_bytes: int,
-                 body_timeout_s: float = 60.0, max_connections: int = 10_000) -> None:
+                 body_timeout_s: float = 60.0, max_connections: int = 10_000, max_head_bytes: int = 256 * 1024,
+                 keepalive_timeout_s: float = 75.0) -> None:
         """``proxy``: the app's (None: relay everything); ``app_host:app_port``: the aiohttp app's
         internal listener; ``max_body_bytes``: larger request bodies get a 413; ``body_timeout_s``:
         a body not whole this long after its head gets a 408; ``max_connections``: with this many
-        open, a new connection is closed as soon as it is accepted."""
+        open, a new connection is closed as soon as it is accepted; ``max_head_bytes``: a larger
+        request head gets a 400; ``keepalive_timeout_s``: an idle keep-alive connection is closed
+        after this long (checked once a second)."""
         self.proxy = proxy
         self.max_connections = max_connections
+        self.keepalive_timeout_s = keepalive_timeout_s
         self.refusals = RateLimitedLog(log)
         #: request ids for the answers the front makes itself (the proxy's, when there is one)
         self.ids = proxy.request_ids if proxy is not None else IdGenerator()
@@ -61,7 +63,8 @@ class RawFront:
         session_header_b = session_header.lower().encode()
         #: what every connection reads (fixed at start-up)
         self.settings = ConnectionSettings(
-            max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s, session_header_b=session_header_b,
+            max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s, max_head_bytes=max_head_bytes,
+            session_header_b=session_header_b,
             drop_request_b=frozenset(h.encode() for h in DROP_REQUEST) | {session_header_b},
         )
         self.relay = Relay(app_host, app_port, self.ids, session_header)
@@ -150,7 +153,7 @@ class RawFront:
     async def _sweep(self) -> None:
         while True:
             await asyncio.sleep(SWEEP_INTERVAL_S)
-            deadline = self.loop.time() - KEEPALIVE_TIMEOUT_S
+            deadline = self.loop.time() - self.keepalive_timeout_s
             for conn in list(self.connections):
                 if not conn.busy() and conn.idle_since < deadline:
                     conn.shutdown()

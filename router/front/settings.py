@@ -15,3 +15,5 @@ class ConnectionSettings:
     session_header_b: bytes
     #: request headers never forwarded as received, lower case (``router.exchange.DROP_REQUEST`` and the session header)
     drop_request_b: frozenset[bytes]
+    #: a larger request head gets a 400 and the connection closes (``max_head_bytes``)
+    max_head_bytes: int = 256 * 1024

@@ -9,9 +9,9 @@ The hot path of the proxy (DESIGN.md §9)::
 """
 
 from router.upstream.config import UpstreamLimits, UpstreamTimeouts
-from router.upstream.connection import UpstreamResponse
 from router.upstream.head import HOP_BY_HOP, build_request_head, render_headers, request_head
 from router.upstream.pool import UpstreamPool
+from router.upstream.response import UpstreamResponse
 
 __all__ = [
     "HOP_BY_HOP",

@@ -1,4 +1,4 @@
-"""One keep-alive upstream connection (an asyncio ``Protocol``) and the response it delivers.
+"""One keep-alive upstream connection (an asyncio ``Protocol``): one exchange at a time.
 
 The connection parses only what the proxy needs with ``httptools`` (llhttp, in C): the status
 line and headers, then it relays body bytes (de-chunked) as they arrive. It carries one request
@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import AsyncIterator, Callable
-from types import TracebackType
+from collections.abc import Callable
 
 import httptools
 
 from contract.errors import UpstreamProtocolError, UpstreamTimeoutError
 from router.upstream.config import UpstreamLimits
 from router.upstream.head import HOP_BY_HOP
+from router.upstream.response import UpstreamResponse
 
 _HOP_BY_HOP_B = frozenset(h.encode() for h in HOP_BY_HOP)
 
@@ -33,198 +33,6 @@ class StaleConnectionError(UpstreamProtocolError):
 
     Internal: the pool retries once on a fresh connection; callers never see it.
     """
-
-
-class UpstreamResponse:
-    """A response whose head has been parsed; the body arrives through ``read`` or iteration.
-
-    ``headers`` are as received minus hop-by-hop headers and ``Content-Length`` (framing is in
-    ``content_length`` / ``chunked``; the proxy frames its own response). Names and values are
-    decoded as UTF-8 with ``surrogateescape``: encoding them back the same way gives the exact bytes
-    the backend sent (non-ASCII and non-UTF-8 bytes included).
-    """
-
-    __slots__ = (
-        "status",
-        "headers",
-        "content_type",
-        "content_length",
-        "chunked",
-        "_conn",
-        "_loop",
-        "_chunks",
-        "_buffered",
-        "_eof",
-        "_exc",
-        "_waiter",
-        "_read_all",
-        "_label",
-        "_max_body",
-    )
-
-    def __init__(
-        self,
-        conn: "UpstreamConnection",
-        status: int,
-        headers: list[tuple[str, str]],
-        content_type: str,
-        content_length: int | None,
-        chunked: bool,
-    ) -> None:
-        self.status = status
-        self.headers = headers
-        self.content_type = content_type
-        self.content_length = content_length
-        self.chunked = chunked
-        #: the connection while the body is incomplete; None once complete, failed or closed
-        self._conn: UpstreamConnection | None = conn
-        self._loop = conn.loop
-        self._label = conn.label
-        self._chunks: list[bytes] = []
-        self._buffered = 0
-        self._eof = False
-        self._exc: BaseException | None = None
-        self._waiter: asyncio.Future[None] | None = None
-        self._read_all = False
-        self._max_body = conn.max_body
-
-    # ------------------------------------------------------------------ consumer side
-    @property
-    def buffered(self) -> int:
-        """Body bytes received and not yet consumed."""
-        return self._buffered
-
-    @property
-    def reading_paused(self) -> bool:
-        """Whether the socket is paused because the consumer is behind (back-pressure)."""
-        conn = self._conn
-        return conn is not None and conn.paused
-
-    @property
-    def complete(self) -> bool:
-        """The whole body has arrived (it may still be buffered here)."""
-        return self._eof
-
-    def header(self, name: str, default: str | None = None) -> str | None:
-        """First value of a header, case-insensitive (a scan: for occasional look-ups)."""
-        lname = name.lower()
-        for key, value in self.headers:
-            if key.lower() == lname:
-                return value
-        return default
-
-    async def read(self) -> bytes:
-        """The whole body. Raises ``UpstreamProtocolError`` if the backend broke off mid-body or the
-        body exceeds the pool's ``max_body_bytes`` (the connection is closed then), and
-        ``UpstreamTimeoutError`` past the total timeout. Cancelling it aborts the connection."""
-        if not self._eof and self._exc is None:
-            length = self.content_length
-            if (length is not None and length > self._max_body) or self._buffered > self._max_body:
-                self._too_large(length)
-            else:
-                self._read_all = True
-                conn = self._conn
-                if conn is not None and conn.paused:
-                    conn.resume()
-                while not self._eof and self._exc is None:
-                    await self._wait()
-        elif self._exc is None and self._buffered > self._max_body:
-            self._too_large(self._buffered)
-        if self._exc is not None:
-            raise self._exc
-        chunks = self._chunks
-        if not chunks:
-            return b""
-        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        chunks.clear()
-        self._buffered = 0
-        return data
-
-    def iter_chunks(self) -> AsyncIterator[bytes]:
-        """Body bytes as they arrive (de-chunked; all bytes buffered so far are joined into one)."""
-        return self
-
-    def __aiter__(self) -> "UpstreamResponse":
-        return self
-
-    async def __anext__(self) -> bytes:
-        while True:
-            chunks = self._chunks
-            if chunks:
-                data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-                chunks.clear()
-                self._buffered = 0
-                conn = self._conn
-                if conn is not None and conn.paused:
-                    conn.consumed(0)
-                return data
-            if self._exc is not None:
-                raise self._exc
-            if self._eof:
-                raise StopAsyncIteration
-            await self._wait()
-
-    async def _wait(self) -> None:
-        waiter = self._waiter = self._loop.create_future()
-        try:
-            await waiter
-        except asyncio.CancelledError:
-            self.close()
-            raise
-        finally:
-            self._waiter = None
-
-    def close(self) -> None:
-        """Abort: if the body is not complete, close the connection now (the backend sees the
-        disconnect and aborts its request). Idempotent; a no-op after a complete body."""
-        conn = self._conn
-        if conn is not None:
-            self._conn = None
-            conn.abort()
-        if not self._eof and self._exc is None:
-            self._exc = UpstreamProtocolError(f"response from backend {self._label} was closed before its end")
-            self._wake()
-        self._chunks.clear()
-        self._buffered = 0
-
-    async def __aenter__(self) -> "UpstreamResponse":
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        return f"<UpstreamResponse {self.status} from {self._label} eof={self._eof} buffered={self._buffered}>"
-
-    # ------------------------------------------------------------------ producer side (the connection)
-    def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    def _fail(self, exc: BaseException) -> None:
-        self._conn = None
-        if not self._eof and self._exc is None:
-            self._exc = exc
-        self._wake()
-
-    def _too_large(self, size: int | None) -> None:
-        """The body is (or would be) over ``max_body_bytes``: fail the read, close the connection."""
-        told = f" ({size} bytes)" if size is not None else ""
-        exc = UpstreamProtocolError(
-            f"backend {self._label} sent a response body larger than {self._max_body} bytes{told}, the "
-            "router's bound on an answer it buffers whole (max_upstream_body_bytes)"
-        )
-        conn = self._conn
-        if conn is not None:
-            conn._fail(exc)  # closes the connection; fails this response through it
-        self._exc = exc
-        self._eof = False
-        self._chunks.clear()
-        self._buffered = 0
-        self._wake()
 
 
 class UpstreamConnection(asyncio.Protocol):
@@ -337,7 +145,7 @@ class UpstreamConnection(asyncio.Protocol):
     def abort(self) -> None:
         """Close the socket at once (no flush); the exchange in progress, if any, fails."""
         if self.busy:
-            self._fail(UpstreamProtocolError(f"request to backend {self.label} was aborted"))
+            self.fail(UpstreamProtocolError(f"request to backend {self.label} was aborted"))
         elif not self.closed:
             self.closed = True
             if self.transport is not None:
@@ -363,7 +171,7 @@ class UpstreamConnection(asyncio.Protocol):
         if self.transport is not None:
             lost = self._lost_waiter = self.loop.create_future()
         if self.busy:
-            self._fail(UpstreamProtocolError(message))
+            self.fail(UpstreamProtocolError(message))
         elif self.transport is not None:
             self.closed = True
             self.transport.close()
@@ -385,11 +193,11 @@ class UpstreamConnection(asyncio.Protocol):
         if self.busy:
             waiter = self._head_waiter
             if waiter is not None and not waiter.done() and now >= self._fb_deadline:
-                self._fail(
+                self.fail(
                     UpstreamTimeoutError(f"backend {self.label} sent no response head within {self._fb_s:g} s")
                 )
             elif now >= self._total_deadline:
-                self._fail(
+                self.fail(
                     UpstreamTimeoutError(f"backend {self.label} did not finish its response within {self._total_s:g} s")
                 )
         elif not self.closed and now - self.idle_since >= idle_timeout_s:
@@ -397,7 +205,7 @@ class UpstreamConnection(asyncio.Protocol):
             if self.transport is not None:
                 self.transport.close()
 
-    def _fail(self, exc: BaseException) -> None:
+    def fail(self, exc: BaseException) -> None:
         """End the current exchange with ``exc`` and drop the connection."""
         self.busy = False
         waiter = self._head_waiter
@@ -406,7 +214,7 @@ class UpstreamConnection(asyncio.Protocol):
         resp = self._resp
         if resp is not None:
             self._resp = None
-            resp._fail(exc)
+            resp.fail(exc)
         if not self.closed:
             self.closed = True
             if self.transport is not None:
@@ -454,7 +262,7 @@ class UpstreamConnection(asyncio.Protocol):
                 if not self.busy:
                     return
                 if self._resp is None and not self._complete:
-                    self._fail(UpstreamProtocolError(
+                    self.fail(UpstreamProtocolError(
                         f"backend {self.label} sent a response head larger than {self._max_head} bytes "
                         "(max_upstream_head_bytes)"
                     ))
@@ -475,7 +283,7 @@ class UpstreamConnection(asyncio.Protocol):
             if self._complete:  # junk after a complete response: keep the response, drop the connection
                 self._poisoned = True
             else:
-                self._fail(UpstreamProtocolError(f"backend {self.label} sent an invalid HTTP response: {exc}"))
+                self.fail(UpstreamProtocolError(f"backend {self.label} sent an invalid HTTP response: {exc}"))
                 return False
         return True
 
@@ -509,11 +317,9 @@ class UpstreamConnection(asyncio.Protocol):
         self._resp = None
         if self._until_close and exc is None:
             # a response framed by connection close: an orderly close (not a reset) is its clean end
-            resp._conn = None
-            resp._eof = True
-            resp._wake()
+            resp.finish()
         else:
-            resp._fail(
+            resp.fail(
                 UpstreamProtocolError(
                     f"backend {self.label} closed the connection in the middle of the response body"
                     + (f" ({exc})" if exc is not None else "")
@@ -540,7 +346,7 @@ class UpstreamConnection(asyncio.Protocol):
             return
         status = self._parser.get_status_code()
         if not 100 <= status <= 599:  # llhttp takes any three digits
-            self._fail(UpstreamProtocolError(
+            self.fail(UpstreamProtocolError(
                 f"backend {self.label} answered with status {status:03d}, which is not an HTTP status (100-599)"
             ))
             return
@@ -576,7 +382,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._raw = []
         waiter = self._head_waiter
         if waiter is None or waiter.done():  # the caller was cancelled meanwhile: drop the exchange
-            self._fail(UpstreamProtocolError(f"request to backend {self.label} was cancelled"))
+            self.fail(UpstreamProtocolError(f"request to backend {self.label} was cancelled"))
             return
         self._until_close = content_length is None and not chunked
         resp = UpstreamResponse(self, status, headers, content_type, content_length, chunked)
@@ -587,16 +393,7 @@ class UpstreamConnection(asyncio.Protocol):
         resp = self._resp
         if resp is None:
             return
-        resp._chunks.append(body)
-        resp._buffered += len(body)
-        if resp._read_all:
-            if resp._buffered > resp._max_body:
-                resp._too_large(None)
-            return
-        waiter = resp._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-        if resp._buffered > self._high and not self.paused and not self.closed:
+        if resp.feed(body) > self._high and not self.paused and not self.closed:
             self.paused = True
             self.transport.pause_reading()  # type: ignore[union-attr]
 
@@ -611,6 +408,4 @@ class UpstreamConnection(asyncio.Protocol):
         resp = self._resp
         if resp is not None:
             self._resp = None  # bytes after this message are not its body
-            resp._conn = None
-            resp._eof = True
-            resp._wake()
+            resp.finish()

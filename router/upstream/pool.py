@@ -10,7 +10,8 @@ import os
 
 from contract.errors import UpstreamConnectError
 from router.upstream.config import UpstreamLimits, UpstreamTimeouts
-from router.upstream.connection import StaleConnectionError, UpstreamConnection, UpstreamResponse
+from router.upstream.connection import StaleConnectionError, UpstreamConnection
+from router.upstream.response import UpstreamResponse
 
 log = logging.getLogger(__name__)
 

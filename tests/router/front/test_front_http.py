@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from router.config import FrontConfig
 from tests.conftest import MakeRouter
 from tests.raw_http import GOOD, Conn, get, post, read_answer
 from tests.router.front.conftest import Factory
@@ -155,7 +156,6 @@ async def test_good_hosts_and_http_1_0_without_host_are_served(served: Factory, 
 
 def head_of(size: int) -> bytes:
     """A POST head of exactly ``size`` bytes (request line through the blank line), then its body."""
-    from router.front.connection import MAX_HEAD_BYTES  # noqa: F401  (the limit the caller compares with)
 
     start = f"POST /v1/completions HTTP/1.1\r\nHost: router\r\nContent-Length: {len(GOOD)}\r\n".encode()
     pads: list[bytes] = []
@@ -179,7 +179,7 @@ def head_of(size: int) -> bytes:
 
 
 async def test_the_head_limit_counts_every_byte_of_the_head(served: Factory) -> None:
-    from router.front.connection import MAX_HEAD_BYTES
+    MAX_HEAD_BYTES = FrontConfig().max_head_bytes  # the default
 
     router = await served()
     answer = await router.once(head_of(MAX_HEAD_BYTES))

@@ -1,0 +1,161 @@
+"""The command line: the argparse flag table and ``build_config`` (the file, then flags on top).
+
+A lower layer than ``router.cli`` and ``router.serve``: it imports neither.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import NoReturn
+
+from contract.errors import ConfigError
+from router import __version__
+from router.config.load import (
+    ADMIN_TOKEN_ENV,
+    decode,
+    read_toml,
+    sectioned,
+    set_value,
+    validate_config,
+    warn_flat_keys,
+)
+from router.config.schema import (
+    ACCESS_LOG_FORMATS,
+    FRONTS,
+    LOG_LEVELS,
+    POLICIES,
+    STAMPS,
+    BackendConfig,
+    RouterConfig,
+)
+
+def build_config(argv: list[str]) -> RouterConfig:
+    """Parse command-line arguments: ``--config FILE`` first, then the other flags override it.
+
+    ``--backend`` replaces the file's ``backends`` (and clears its ``prefill``/``decode``);
+    ``--prefill``/``--decode`` replace the file's list of the same name (and clear its
+    ``backends``). ``admin.token`` comes from ``--admin-token``, else from the environment variable
+    ``SESSION_ROUTER_ADMIN_TOKEN`` when set and non-empty, else from the file.
+    Raises ``ConfigError`` for bad flags and for every error ``load_config`` finds.
+    """
+    args = _parser().parse_args(argv)
+    data, labels = sectioned(read_toml(args.config) if args.config is not None else {})
+    flat = dict(labels)
+    for dest, (path, flag) in _SCALAR_FLAGS.items():
+        value = getattr(args, dest)
+        if value is not None:
+            set_value(data, path, value)
+            labels[path] = flag
+    if args.admin_token is None and os.environ.get(ADMIN_TOKEN_ENV):
+        set_value(data, "admin.token", os.environ[ADMIN_TOKEN_ENV])
+        labels["admin.token"] = ADMIN_TOKEN_ENV
+    if args.backend and (args.prefill or args.decode):
+        raise ConfigError(
+            "--backend (aggregated mode) cannot be combined with --prefill/--decode (P/D mode); "
+            "use one or the other"
+        )
+    if args.backend:
+        data.update(backends=_backend_list(args.backend, "--backend"), prefill=[], decode=[])
+        labels["backends"] = "--backend"
+    if args.prefill or args.decode:
+        data["backends"] = []
+    if args.prefill:
+        data["prefill"] = _backend_list(args.prefill, "--prefill")
+        labels["prefill"] = "--prefill"
+    if args.decode:
+        data["decode"] = _backend_list(args.decode, "--decode")
+        labels["decode"] = "--decode"
+    config = validate_config(decode(data, labels), labels=labels)
+    warn_flat_keys(flat)
+    return config
+
+
+
+def _backend_list(urls: list[str], flag: str) -> list[BackendConfig]:
+    """The URLs of a repeatable flag; a comma-joined value gets the flags to write instead."""
+    for url in urls:
+        parts = [part.strip() for part in url.split(",") if part.strip()]
+        if len(parts) > 1:
+            instead = " ".join(f"{flag} {part}" for part in parts)
+            raise ConfigError(
+                f"{flag}: {url!r} names {len(parts)} backends; give each backend its own {flag} flag: {instead}"
+            )
+    return [BackendConfig(url=url) for url in urls]
+
+
+#: argparse destination -> (the setting's path, the flag), for flags that set one setting
+_SCALAR_FLAGS = {
+    "host": ("host", "--host"),
+    "port": ("port", "--port"),
+    "policy": ("placement.policy", "--policy"),
+    "log_level": ("log_level", "--log-level"),
+    "stamp": ("sessions.stamp", "--stamp"),
+    "load_factor": ("placement.load_factor", "--load-factor"),
+    "admin_token": ("admin.token", "--admin-token"),
+    "workers": ("workers", "--workers"),
+    "front": ("front.kind", "--front"),
+    "access_log": ("front.access_log", "--access-log"),
+    "access_log_file": ("front.access_log_file", "--access-log-file"),
+    "session_header": ("sessions.header", "--session-header"),
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser that raises ``ConfigError`` instead of printing usage and exiting."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(f"{message} (see --help)")
+
+
+def _parser() -> _Parser:
+    parser = _Parser(
+        prog="session-router",
+        description="Session-aware router for vLLM-compatible inference backends. "
+        "Settings come from --config FILE (TOML; see config/router.toml); flags override it.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument("--config", metavar="FILE", help="TOML configuration file")
+    parser.add_argument("--host", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="port to listen on (default 8000; 0 = any free port)")
+    parser.add_argument(
+        "--backend",
+        action="append",
+        metavar="URL",
+        default=[],
+        help="backend base URL, e.g. http://127.0.0.1:8100 (repeatable; replaces the file's backends)",
+    )
+    parser.add_argument(
+        "--prefill", action="append", metavar="URL", default=[], help="P/D mode: prefill backend URL (repeatable)"
+    )
+    parser.add_argument(
+        "--decode", action="append", metavar="URL", default=[], help="P/D mode: decode backend URL (repeatable)"
+    )
+    parser.add_argument("--policy", choices=POLICIES, help="placement policy (default session)")
+    parser.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS, help="log level (default warning)")
+    parser.add_argument(
+        "--stamp", choices=STAMPS, help="session id for requests without one: derive (then mint), mint or none"
+    )
+    parser.add_argument("--load-factor", type=float, metavar="C", help="load bound factor c >= 1 (default 1.25)")
+    parser.add_argument("--admin-token", metavar="TOKEN",
+                        help=f"bearer token required by /admin and GET /v1/sessions (default ${ADMIN_TOKEN_ENV})")
+    parser.add_argument(
+        "--workers", type=int, metavar="N", help="SO_REUSEPORT worker processes sharing the port (default 1)"
+    )
+    parser.add_argument(
+        "--front", choices=FRONTS,
+        help="HTTP front: raw (the proxied POST routes on asyncio + httptools, the rest relayed to "
+        "aiohttp; the default) or aiohttp (everything on aiohttp)",
+    )
+    parser.add_argument(
+        "--access-log", choices=ACCESS_LOG_FORMATS,
+        help="one line per proxied request on the logger session_router.access: off (the default), text or json",
+    )
+    parser.add_argument("--access-log-file", metavar="FILE", help="append the access log to FILE (default stderr)")
+    parser.add_argument(
+        "--session-header", metavar="NAME",
+        help="header clients send their session id in (default X-Session-ID); it is echoed under that name and "
+        "forwarded to backends as X-Session-ID",
+    )
+    return parser
+
