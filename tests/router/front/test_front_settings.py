@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.raw_http import Conn, get
-from tests.test_config_cli import Child, children  # noqa: F401  (the fixture that stops them by PID)
+from tests.router.test_config_cli import Child, children  # noqa: F401  (the fixture that stops them by PID)
 
 FRONTS = ["raw", "aiohttp"]
 
