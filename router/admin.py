@@ -27,7 +27,7 @@ from router import api
 from router.api import json_response
 from router.backend_allow import BackendAllowList, BackendNotAllowed
 from router.config import RouterConfig
-from router.pool import POOL_DEFAULT, Backend
+from router.membership import POOL_DEFAULT, Backend
 from router.state import ROUTER_STATE, RouterState
 
 #: bounds on what POST /admin/backends accepts

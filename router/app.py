@@ -23,9 +23,9 @@ from router.config import RouterConfig
 from router.exchange import REQUEST_ID_HEADER
 from router.front.aiohttp_adapter import proxy_handler
 from router.health import HealthChecker
+from router.membership import POOL_DECODE, POOL_DEFAULT, POOL_PREFILL, Backend, BackendPool
 from router.metrics import RouterMetrics
 from router.placement import make_policy
-from router.pool import POOL_DECODE, POOL_DEFAULT, POOL_PREFILL, Backend, BackendPool
 from router.pd import PDHandoff
 from router.proxy import Proxy
 from router.responses import ResponseIndex

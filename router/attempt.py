@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from router.membership import Backend, BackendSet
 from router.placement.base import Outcome
-from router.pool import Backend, BackendSet
 from router.routes import Route
 
 if TYPE_CHECKING:

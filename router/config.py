@@ -31,7 +31,7 @@ import msgspec
 from contract.errors import ConfigError
 from router import __version__
 from router.backend_allow import literal_address, normalize_host, parse_entry
-from router.pool import normalize_url
+from router.membership import normalize_url
 from router.upstream import HOP_BY_HOP
 
 logger = logging.getLogger("router.config")

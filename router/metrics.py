@@ -31,7 +31,7 @@ from prometheus_client.registry import Collector
 from contract.ids import session_hash
 
 if TYPE_CHECKING:
-    from router.pool import BackendPool
+    from router.membership import BackendPool
     from router.sessions import SessionEntry, SessionTable
 
 PREFIX = "session_router_"

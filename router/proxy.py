@@ -50,10 +50,10 @@ from contract.errors import (
 from router.exchange import REQUEST_ID_HEADER, Headers, RequestView, ResponseWriter
 from router.health import HealthChecker
 from contract.ids import IdGenerator
+from router.membership import Backend, BackendPool, BackendSet
 from router.metrics import RouterMetrics
 from router.placement.base import Outcome, Placement, Policy
 from router.pd import PD_ROUTE_KINDS, Handoff, PDHandoff
-from router.pool import Backend, BackendPool, BackendSet
 from router.responses import ResponseIndex
 from router.routes import AMBIGUOUS, NAMED_PATHS, OPEN_KINDS, ROUTER_PATHS, ROUTER_PREFIXES, Route, canonical_path, path_rules
 from contract.session import SESSION_HEADER, resolve_session_id, session_from_headers

@@ -14,9 +14,9 @@ from contract.ids import IdGenerator
 from router.access_log import AccessLog
 from router.config import RouterConfig
 from router.health import HealthChecker
+from router.membership import POOL_DECODE, POOL_DEFAULT, Backend, BackendPool
 from router.metrics import RouterMetrics
 from router.placement.base import Policy
-from router.pool import POOL_DECODE, POOL_DEFAULT, Backend, BackendPool
 from router.responses import ResponseIndex
 from router.sessions import SessionTable
 from router.upstream import UpstreamPool

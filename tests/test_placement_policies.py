@@ -13,7 +13,7 @@ from router.placement import (
     SessionPolicy,
     make_policy,
 )
-from router.pool import Backend, BackendPool
+from router.membership import Backend, BackendPool
 from router.sessions import SessionTable
 
 

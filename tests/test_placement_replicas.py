@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from router.placement import Outcome, SessionPolicy, load_bound, make_policy
-from router.pool import Backend, BackendPool
+from router.membership import Backend, BackendPool
 from router.sessions import SessionTable
 
 URLS = [f"http://127.0.0.1:{8100 + i}" for i in range(5)]
@@ -24,7 +24,7 @@ SESSIONS = [f"sess-{i:04d}" for i in range(1000)] + ["conv-" + "ab" * 16, "x", "
 REPLICA = """
 import json, sys
 from router.placement import make_policy
-from router.pool import Backend, BackendPool
+from router.membership import Backend, BackendPool
 from router.sessions import SessionTable
 job = json.load(sys.stdin)
 pool = BackendPool("default", [Backend(u) for u in job["urls"]])

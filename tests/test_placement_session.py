@@ -15,7 +15,7 @@ from contract.errors import ConfigError, NoHealthyBackendError
 from router.config import config_from_mapping
 from router.placement import Outcome, SessionPolicy, load_bound, make_policy, session_score, sticky_bound
 from router.placement.session import DEFAULT_STICKY_HEADROOM
-from router.pool import Backend, BackendPool
+from router.membership import Backend, BackendPool
 from router.sessions import SessionTable
 
 
