@@ -1,6 +1,6 @@
 """The router's state: one object created by the app factory, stored under a typed AppKey.
 
-The aiohttp handlers (``router.api``, ``router.admin``) read it; the data path does not: the
+The aiohttp handlers (``router.endpoints``, ``router.admin``) read it; the data path does not: the
 factory hands ``Proxy`` and ``PDHandoff`` their collaborators one by one."""
 
 from __future__ import annotations
