@@ -28,9 +28,9 @@ from router.metrics import RouterMetrics
 from router.placement import make_policy
 from router.pd import PDHandoff
 from router.proxy import Proxy
-from router.responses import ResponseIndex
 from router.routes import OTHER, ROUTES
-from router.sessions import SessionTable
+from router.sessions.responses import ResponseIndex
+from router.sessions.table import SessionTable
 from router.state import ROUTER_STATE, RouterState
 from router.upstream import UpstreamLimits, UpstreamPool, UpstreamTimeouts
 

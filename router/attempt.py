@@ -13,8 +13,8 @@ from router.placement.base import Outcome
 from router.routes import Route
 
 if TYPE_CHECKING:
-    from router import inspect
-    from router.sessions import SessionEntry
+    from router import bodies
+    from router.sessions.table import SessionEntry
 
 
 class Attempt:
@@ -40,4 +40,4 @@ class Attempt:
         #: the (last) placement's outcome
         self.outcome: Outcome | None = None
         #: the answer's token usage, when the router read it
-        self.usage: inspect.Usage | None = None
+        self.usage: bodies.Usage | None = None

@@ -17,8 +17,8 @@ from router.health import HealthChecker
 from router.membership import POOL_DECODE, POOL_DEFAULT, Backend, BackendPool
 from router.metrics import RouterMetrics
 from router.placement.base import Policy
-from router.responses import ResponseIndex
-from router.sessions import SessionTable
+from router.sessions.responses import ResponseIndex
+from router.sessions.table import SessionTable
 from router.upstream import UpstreamPool
 
 

@@ -14,7 +14,7 @@ from router.placement import (
     make_policy,
 )
 from router.membership import Backend, BackendPool
-from router.sessions import SessionTable
+from router.sessions.table import SessionTable
 
 
 def make_pool(n: int, name: str = "default", first_port: int = 8100) -> BackendPool:

@@ -21,7 +21,7 @@ from prometheus_client import generate_latest
 from bench.procs import free_ports
 from router.placement import RoundRobinPolicy, SessionPolicy
 from router.membership import Backend, BackendPool
-from router.sessions import SessionEntry
+from router.sessions.table import SessionEntry
 from tests.routing_support import FRONTS, ModelBackend, Serve, ask, serve  # noqa: F401  (fixture)
 from tests.support import Proc, metric_sum, start_backend, start_router, wait_until
 
