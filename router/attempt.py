@@ -13,8 +13,8 @@ from router.placement.base import Outcome
 from router.routes import Route
 
 if TYPE_CHECKING:
-    from router import bodies
     from router.sessions.table import SessionEntry
+    from router.usage import Usage
 
 
 class Attempt:
@@ -40,4 +40,4 @@ class Attempt:
         #: the (last) placement's outcome
         self.outcome: Outcome | None = None
         #: the answer's token usage, when the router read it
-        self.usage: bodies.Usage | None = None
+        self.usage: Usage | None = None

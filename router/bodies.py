@@ -1,16 +1,14 @@
-"""Partial decoding of request and response bodies: only what routing and accounting need.
+"""What the proxy reads from a request body: only what routing needs, decoded partially.
 
-The request body is parsed once by msgspec into ``RoutingFields``; fields the router never
-reads are skipped by the parser, and the bodies that derivation may need (``messages``,
-``input``) are kept as ``msgspec.Raw`` slices, decoded only when a session id must be derived.
-The original bytes are what gets forwarded.
+The request body is parsed once by msgspec into ``RoutingFields`` (``OpenFields`` for a body the
+router does not own); fields the router never reads are skipped by the parser, and the bodies
+that derivation may need (``messages``, ``input``) are kept as ``msgspec.Raw`` slices, decoded only
+when a session id must be derived (``router.sessions.derive``). The original bytes are what gets
+forwarded, unless a client's own ``kv_transfer_params`` must be removed.
 """
 
 from __future__ import annotations
 
-import hashlib
-import os
-import re
 from typing import Any
 
 import msgspec
@@ -43,38 +41,8 @@ class _KVParamsOnly(msgspec.Struct):
     kv_transfer_params: msgspec.Raw = msgspec.Raw()
 
 
-class _Message(msgspec.Struct):
-    role: Any = None
-    content: Any = None
-
-
-class _Usage(msgspec.Struct):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    input_tokens: int = 0
-    output_tokens: int = 0
-    prompt_tokens_details: Any = None
-    input_tokens_details: Any = None
-
-
-class Usage(msgspec.Struct):
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-
-
-class _WithUsage(msgspec.Struct):
-    usage: _Usage | None = None
-    id: Any = None
-    response: Any = None  # responses API stream events wrap the response object
-
-
 _fields_decoder = msgspec.json.Decoder(RoutingFields)
 _open_decoder = msgspec.json.Decoder(OpenFields)
-_messages_decoder = msgspec.json.Decoder(list[_Message])
-_any_decoder = msgspec.json.Decoder()
-_usage_decoder = msgspec.json.Decoder(_WithUsage)
-_canonical = msgspec.json.Encoder(order="sorted")
 _kv_only_decoder = msgspec.json.Decoder(_KVParamsOnly)
 _object_decoder = msgspec.json.Decoder(dict[str, Any])
 _encoder = msgspec.json.Encoder()
@@ -145,108 +113,3 @@ def without_kv_transfer_params(body: bytes, fields: OpenFields | None) -> bytes 
             param="kv_transfer_params",
         )
     return _encoder.encode(obj)
-
-
-# ---------------------------------------------------------------------------- derivation
-
-def _digest(parts: Any) -> str:
-    return hashlib.blake2b(_canonical.encode(parts), digest_size=16).hexdigest()
-
-
-def derive_chat_session(messages: msgspec.Raw) -> str | None:
-    """``conv-`` + 32 hex from the system messages and the first user message, or None."""
-    if not messages:
-        return None
-    try:
-        decoded = _messages_decoder.decode(messages)
-    except msgspec.MsgspecError:
-        return None
-    anchor: list[Any] = []
-    for message in decoded:
-        if message.role in ("system", "developer"):
-            anchor.append([message.role, message.content])
-        elif message.role == "user":
-            anchor.append(["user", message.content])
-            return "conv-" + _digest(anchor)
-    return None
-
-
-def derive_responses_session(input_raw: msgspec.Raw) -> str | None:
-    """``conv-`` + 32 hex from the first input item of a Responses request, or None."""
-    if not input_raw:
-        return None
-    try:
-        value = _any_decoder.decode(input_raw)
-    except msgspec.MsgspecError:
-        return None
-    if isinstance(value, str):
-        first: Any = value
-    elif isinstance(value, list) and value:
-        first = value[0]
-    else:
-        return None
-    return "conv-" + _digest(["responses", first])
-
-
-def mint_session() -> str:
-    return "sess-" + os.urandom(16).hex()
-
-
-# ---------------------------------------------------------------------------- responses
-
-def usage_from_json(body: bytes) -> tuple[Usage | None, str | None]:
-    """``usage`` and ``id`` of a JSON response body (chat, completion, generate, responses)."""
-    try:
-        parsed = _usage_decoder.decode(body)
-    except msgspec.MsgspecError:
-        return None, None
-    response_id = parsed.id if isinstance(parsed.id, str) else None
-    return _to_usage(parsed.usage), response_id
-
-
-def _to_usage(raw: _Usage | None) -> Usage | None:
-    if raw is None:
-        return None
-    details = raw.prompt_tokens_details or raw.input_tokens_details
-    cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    return Usage(
-        prompt_tokens=raw.prompt_tokens or raw.input_tokens,
-        completion_tokens=raw.completion_tokens or raw.output_tokens,
-        cached_tokens=cached if isinstance(cached, int) else 0,
-    )
-
-
-_DATA_LINE = re.compile(rb"^data: (\{.*\})\s*$", re.MULTILINE)
-_RESPONSE_ID = re.compile(rb'"id":\s*"(resp_[^"]+)"')
-
-
-def usage_from_sse_tail(tail: bytes) -> Usage | None:
-    """The last ``usage`` object found in the tail of an SSE stream, if any."""
-    for match in reversed(_DATA_LINE.findall(tail)):
-        if b'"usage"' not in match:
-            continue
-        try:
-            parsed = _usage_decoder.decode(match)
-        except msgspec.MsgspecError:
-            continue
-        usage = parsed.usage
-        if usage is None and isinstance(parsed.response, dict):
-            usage = _usage_from_dict(parsed.response.get("usage"))
-        if usage is not None:
-            return _to_usage(usage)
-    return None
-
-
-def _usage_from_dict(value: Any) -> _Usage | None:
-    if not isinstance(value, dict):
-        return None
-    try:
-        return msgspec.convert(value, _Usage)
-    except msgspec.ValidationError:
-        return None
-
-
-def response_id_from_sse(head: bytes) -> str | None:
-    """The ``resp_…`` id announced at the start of a Responses API stream."""
-    match = _RESPONSE_ID.search(head)
-    return match.group(1).decode() if match else None
