@@ -34,7 +34,7 @@ from typing import TextIO
 import msgspec
 
 from contract.errors import ConfigError
-from router.inspect import Usage
+from router.usage import Usage
 
 ACCESS_LOGGER = "session_router.access"
 FORMATS = ("off", "text", "json")

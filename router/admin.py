@@ -23,11 +23,11 @@ import msgspec
 from aiohttp import web
 
 from contract.errors import AuthenticationError, BadRequestError, ConfigError, NotFoundError, PermissionDeniedError
-from router import api
-from router.api import json_response
+from router import endpoints
 from router.backend_allow import BackendAllowList, BackendNotAllowed
 from router.config import RouterConfig
-from router.pool import POOL_DEFAULT, Backend
+from router.endpoints import json_response
+from router.membership import POOL_DEFAULT, Backend
 from router.state import ROUTER_STATE, RouterState
 
 #: bounds on what POST /admin/backends accepts
@@ -134,7 +134,7 @@ def _check_unique(backend: Backend, pool_name: str, state: RouterState) -> None:
 async def list_sessions(request: web.Request) -> web.Response:
     """``GET /v1/sessions``: every session with its id, so an admin action."""
     _authorize(request, request.app[ROUTER_STATE])
-    return await api.list_sessions(request)
+    return await endpoints.list_sessions(request)
 
 
 async def remove_backend(request: web.Request) -> web.Response:

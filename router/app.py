@@ -1,7 +1,7 @@
 """The router's app factory: state, the data path's wiring, lifecycle (``cleanup_ctx``), routes, and
 the app's one error middleware.
 
-Errors: a handler of the app (``router.api``, ``router.admin``, the router's 404/405) raises a
+Errors: a handler of the app (``router.endpoints``, ``router.admin``, the router's 404/405) raises a
 ``SessionRouterError`` and ``error_middleware`` answers it in OpenAI's shape; every answer gets
 ``X-Request-Id`` in ``_stamp_request_id``. The proxied routes answer their own errors (front-agnostic,
 ``Proxy._error``), so nothing reaches the middleware from them."""
@@ -17,20 +17,20 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from contract.errors import MethodNotAllowedError, NotFoundError, SessionRouterError
-from router import admin, api
+from router import admin, endpoints
 from router.access_log import AccessLog
 from router.config import RouterConfig
 from router.exchange import REQUEST_ID_HEADER
 from router.front.aiohttp_adapter import proxy_handler
 from router.health import HealthChecker
+from router.membership import POOL_DECODE, POOL_DEFAULT, POOL_PREFILL, Backend, BackendPool
 from router.metrics import RouterMetrics
 from router.placement import make_policy
-from router.pool import POOL_DECODE, POOL_DEFAULT, POOL_PREFILL, Backend, BackendPool
 from router.pd import PDHandoff
 from router.proxy import Proxy
-from router.responses import ResponseIndex
 from router.routes import OTHER, ROUTES
-from router.sessions import SessionTable
+from router.sessions.responses import ResponseIndex
+from router.sessions.table import SessionTable
 from router.state import ROUTER_STATE, RouterState
 from router.upstream import UpstreamLimits, UpstreamPool, UpstreamTimeouts
 
@@ -164,11 +164,11 @@ def create_app(config: RouterConfig, *, registry: CollectorRegistry | None = Non
     proxy = app[PROXY] = build_proxy(state)
     for route in ROUTES:
         app.router.add_post(route.path, proxy_handler(proxy, route))
-    app.router.add_get("/health", api.health)
-    app.router.add_get("/v1/models", api.models)
-    app.router.add_get("/metrics", api.metrics)
-    app.router.add_get("/v1/sessions/{session_id}", api.get_session)
-    app.router.add_delete("/v1/sessions/{session_id}", api.delete_session)
+    app.router.add_get("/health", endpoints.health)
+    app.router.add_get("/v1/models", endpoints.models)
+    app.router.add_get("/metrics", endpoints.metrics)
+    app.router.add_get("/v1/sessions/{session_id}", endpoints.get_session)
+    app.router.add_delete("/v1/sessions/{session_id}", endpoints.delete_session)
     if admin.on_data_port(config):  # GET /v1/sessions (every session) is an admin action
         admin.add_admin_routes(app, config)
     else:

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from router.membership import Backend, BackendSet
 from router.placement.base import Outcome
-from router.pool import Backend, BackendSet
 from router.routes import Route
 
 if TYPE_CHECKING:
-    from router import inspect
-    from router.sessions import SessionEntry
+    from router.sessions.table import SessionEntry
+    from router.usage import Usage
 
 
 class Attempt:
@@ -40,4 +40,4 @@ class Attempt:
         #: the (last) placement's outcome
         self.outcome: Outcome | None = None
         #: the answer's token usage, when the router read it
-        self.usage: inspect.Usage | None = None
+        self.usage: Usage | None = None

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 import msgspec
 
-from router.pool import Backend, BackendPool
+from router.membership import Backend, BackendPool
 
 if TYPE_CHECKING:
     from router.config import RouterConfig

@@ -31,8 +31,8 @@ from prometheus_client.registry import Collector
 from contract.ids import session_hash
 
 if TYPE_CHECKING:
-    from router.pool import BackendPool
-    from router.sessions import SessionEntry, SessionTable
+    from router.membership import BackendPool
+    from router.sessions.table import SessionEntry, SessionTable
 
 PREFIX = "session_router_"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)

@@ -30,9 +30,9 @@ import msgspec
 from router.attempt import Attempt
 from contract.errors import NoHealthyBackendError, UpstreamConnectError, UpstreamError, UpstreamStatusError
 from router.health import HealthChecker
+from router.membership import Backend, BackendPool
 from router.metrics import RouterMetrics
 from router.placement.base import Policy
-from router.pool import Backend, BackendPool
 from router.routes import Route
 from router.upstream import UpstreamPool, UpstreamTimeouts, request_head
 

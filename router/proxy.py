@@ -33,9 +33,16 @@ import random
 from collections import deque
 from typing import cast
 
-from router import inspect
 from router.access_log import AccessLog
 from router.attempt import Attempt
+from router.bodies import (
+    OpenFields,
+    RoutingFields,
+    decode_open_fields,
+    decode_routing_fields,
+    wants_stream_usage,
+    without_kv_transfer_params,
+)
 from router.config import RouterConfig
 from contract.errors import (
     BadRequestError,
@@ -50,15 +57,17 @@ from contract.errors import (
 from router.exchange import REQUEST_ID_HEADER, Headers, RequestView, ResponseWriter
 from router.health import HealthChecker
 from contract.ids import IdGenerator
+from router.membership import Backend, BackendPool, BackendSet
 from router.metrics import RouterMetrics
 from router.placement.base import Outcome, Placement, Policy
 from router.pd import PD_ROUTE_KINDS, Handoff, PDHandoff
-from router.pool import Backend, BackendPool, BackendSet
-from router.responses import ResponseIndex
 from router.routes import AMBIGUOUS, NAMED_PATHS, OPEN_KINDS, ROUTER_PATHS, ROUTER_PREFIXES, Route, canonical_path, path_rules
 from contract.session import SESSION_HEADER, resolve_session_id, session_from_headers
-from router.sessions import SessionTable
+from router.sessions.derive import derive_chat_session, derive_responses_session, mint_session
+from router.sessions.responses import ResponseIndex
+from router.sessions.table import SessionTable
 from router.upstream import UpstreamPool, UpstreamResponse, UpstreamTimeouts, render_headers, request_head
+from router.usage import Usage, response_id_from_sse, usage_from_json, usage_from_sse_tail
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +145,7 @@ class Proxy:
             body = await self._read_body(request)
             fields = self._resolve(request, route, body, attempt)
             if not self.config.pd.trust_client_kv_params:
-                stripped = inspect.without_kv_transfer_params(body, fields)
+                stripped = without_kv_transfer_params(body, fields)
                 if stripped is not None:  # a client's own P/D parameters reach no backend
                     body = stripped
                     self.metrics.kv_params_stripped.labels(route.name).inc()
@@ -162,13 +171,13 @@ class Proxy:
             )
         return await request.read_body()
 
-    def _resolve(self, request: RequestView, route: Route, body: bytes, attempt: Attempt) -> inspect.OpenFields | None:
+    def _resolve(self, request: RequestView, route: Route, body: bytes, attempt: Attempt) -> OpenFields | None:
         kind = route.kind
-        fields: inspect.OpenFields | None
+        fields: OpenFields | None
         if kind in OPEN_KINDS:
-            fields = inspect.decode_open_fields(body)
+            fields = decode_open_fields(body)
         else:
-            fields = inspect.decode_routing_fields(body)
+            fields = decode_routing_fields(body)
         if fields is not None:
             candidates = self.pool.for_model(fields.model)
             if candidates is None:  # vLLM's answer, from the router: no backend of the pool serves it
@@ -185,7 +194,7 @@ class Proxy:
         if kind == "other":
             attempt.home = self._stored_response(request.path_qs)
         elif session_id is None:
-            session_id = self._stamp(route, cast(inspect.RoutingFields, fields))
+            session_id = self._stamp(route, cast(RoutingFields, fields))
         attempt.session_id = session_id
         if session_id is not None:
             entry = self.sessions.touch(session_id)
@@ -193,25 +202,25 @@ class Proxy:
             attempt.entry = entry
         return fields
 
-    def _stamp(self, route: Route, fields: inspect.RoutingFields) -> str | None:
+    def _stamp(self, route: Route, fields: RoutingFields) -> str | None:
         mode = self.config.sessions.stamp
         if mode == "none":
             return None
         if mode == "derive":
             derived: str | None = None
             if route.kind == "chat":
-                derived = inspect.derive_chat_session(fields.messages)
+                derived = derive_chat_session(fields.messages)
             elif route.kind == "responses":
                 known = self._previous_response(fields)
                 if known is not None and known[1] is not None:
                     derived = known[1]
                 else:
-                    derived = inspect.derive_responses_session(fields.input)
+                    derived = derive_responses_session(fields.input)
             if derived is not None:
                 return derived
-        return inspect.mint_session()
+        return mint_session()
 
-    def _previous_response(self, fields: inspect.OpenFields | None) -> tuple[str, str | None] | None:
+    def _previous_response(self, fields: OpenFields | None) -> tuple[str, str | None] | None:
         previous = getattr(fields, "previous_response_id", None)
         if not isinstance(previous, str):
             return None
@@ -228,7 +237,7 @@ class Proxy:
         return known[0] if known is not None else None
 
     # ------------------------------------------------------------------ placement + upstream
-    def _place(self, pool: BackendSet, attempt: Attempt, fields: inspect.OpenFields | None,
+    def _place(self, pool: BackendSet, attempt: Attempt, fields: OpenFields | None,
                exclude: frozenset[str]) -> Placement:
         if not exclude:
             home = attempt.home
@@ -249,7 +258,7 @@ class Proxy:
         return placement
 
     async def _dispatch(self, request: RequestView, writer: ResponseWriter, route: Route, body: bytes,
-                        fields: inspect.OpenFields | None, attempt: Attempt) -> None:
+                        fields: OpenFields | None, attempt: Attempt) -> None:
         pool = attempt.pool or self.pool
         headers = self.forward_headers(request, attempt)
         first: Placement | None = None
@@ -284,7 +293,7 @@ class Proxy:
         return request.forward_headers() + render_headers(own)
 
     async def send(self, pool: BackendSet, route: Route, method: str, path: str, headers: str,
-                   body: bytes, fields: inspect.OpenFields | None, attempt: Attempt,
+                   body: bytes, fields: OpenFields | None, attempt: Attempt,
                    first: Placement | None = None) -> tuple[UpstreamResponse, Backend]:
         """Send to a placed backend, retrying on the next candidate before any byte reached the client.
 
@@ -349,14 +358,14 @@ class Proxy:
         self.health.record_failure(backend, connect_error=connect_error)
 
     # ------------------------------------------------------------------ relay
-    async def _relay(self, writer: ResponseWriter, route: Route, fields: inspect.OpenFields | None,
+    async def _relay(self, writer: ResponseWriter, route: Route, fields: OpenFields | None,
                      upstream: UpstreamResponse, backend: Backend, attempt: Attempt) -> None:
         attempt.status = upstream.status
         headers = self._response_headers(upstream, attempt)
         if not upstream.content_type.startswith("text/event-stream"):
             data = await upstream.read()
             if upstream.status == 200 and (route.session_aware or attempt.entry is not None):
-                usage, response_id = inspect.usage_from_json(data)
+                usage, response_id = usage_from_json(data)
                 self._account(attempt, usage)
                 if route.kind == "responses" and response_id is not None:
                     self.responses.remember(response_id, backend.url, attempt.session_id)
@@ -366,12 +375,12 @@ class Proxy:
             return
         await self._relay_stream(writer, route, fields, upstream, backend, attempt, headers)
 
-    async def _relay_stream(self, writer: ResponseWriter, route: Route, fields: inspect.OpenFields | None,
+    async def _relay_stream(self, writer: ResponseWriter, route: Route, fields: OpenFields | None,
                             upstream: UpstreamResponse, backend: Backend, attempt: Attempt,
                             headers: Headers) -> None:
         await writer.start(upstream.status, headers)
         track_usage = route.session_aware and fields is not None and (
-            route.kind == "responses" or inspect.wants_stream_usage(cast(inspect.RoutingFields, fields))
+            route.kind == "responses" or wants_stream_usage(cast(RoutingFields, fields))
         )
         want_id = route.kind == "responses"
         last: deque[bytes] = deque(maxlen=3)
@@ -383,7 +392,7 @@ class Proxy:
                 if track_usage:
                     last.append(chunk)
                 if want_id:
-                    response_id = inspect.response_id_from_sse(chunk)
+                    response_id = response_id_from_sse(chunk)
                     if response_id is not None:
                         self.responses.remember(response_id, backend.url, attempt.session_id)
                         want_id = False
@@ -402,7 +411,7 @@ class Proxy:
             await writer.end()
             return
         if track_usage:
-            self._account(attempt, inspect.usage_from_sse_tail(b"".join(last)))
+            self._account(attempt, usage_from_sse_tail(b"".join(last)))
         else:
             self._account(attempt, None)
         await writer.end()
@@ -416,7 +425,7 @@ class Proxy:
         return headers
 
     # ------------------------------------------------------------------ accounting
-    def _account(self, attempt: Attempt, usage: inspect.Usage | None) -> None:
+    def _account(self, attempt: Attempt, usage: Usage | None) -> None:
         entry = attempt.entry
         prompt = completion = cached = 0
         if usage is not None:

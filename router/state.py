@@ -1,6 +1,6 @@
 """The router's state: one object created by the app factory, stored under a typed AppKey.
 
-The aiohttp handlers (``router.api``, ``router.admin``) read it; the data path does not: the
+The aiohttp handlers (``router.endpoints``, ``router.admin``) read it; the data path does not: the
 factory hands ``Proxy`` and ``PDHandoff`` their collaborators one by one."""
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from contract.ids import IdGenerator
 from router.access_log import AccessLog
 from router.config import RouterConfig
 from router.health import HealthChecker
+from router.membership import POOL_DECODE, POOL_DEFAULT, Backend, BackendPool
 from router.metrics import RouterMetrics
 from router.placement.base import Policy
-from router.pool import POOL_DECODE, POOL_DEFAULT, Backend, BackendPool
-from router.responses import ResponseIndex
-from router.sessions import SessionTable
+from router.sessions.responses import ResponseIndex
+from router.sessions.table import SessionTable
 from router.upstream import UpstreamPool
 
 

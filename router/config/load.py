@@ -31,7 +31,7 @@ from router.config.schema import (
     BackendConfig,
     RouterConfig,
 )
-from router.pool import normalize_url
+from router.membership import normalize_url
 from router.upstream import HOP_BY_HOP
 
 logger = logging.getLogger("router.config")

@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass
 from typing import Protocol
 
-from router.pool import Backend, BackendSet
+from router.membership import Backend, BackendSet
 
 
 class Outcome(enum.Enum):

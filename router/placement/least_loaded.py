@@ -10,8 +10,8 @@ set in it), and the first backend with the smallest load wins. The session polic
 from __future__ import annotations
 
 from contract.errors import NoHealthyBackendError
+from router.membership import Backend, BackendSet
 from router.placement.base import Outcome, Placement, SessionPins
-from router.pool import Backend, BackendSet
 
 NOTHING_EXCLUDED: frozenset[str] = frozenset()
 

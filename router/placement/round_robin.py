@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from router.membership import BackendSet
 from router.placement.base import Outcome, Placement, SessionPins
 from router.placement.least_loaded import NOTHING_EXCLUDED, no_available_backend
-from router.pool import BackendSet
 
 
 class RoundRobinPolicy:

@@ -48,9 +48,9 @@ import hashlib
 import math
 from typing import TYPE_CHECKING
 
+from router.membership import Backend, BackendSet
 from router.placement.base import Outcome, Placement, SessionPins
 from router.placement.least_loaded import NOTHING_EXCLUDED, LeastLoaded, no_available_backend
-from router.pool import Backend, BackendSet
 
 if TYPE_CHECKING:
     from hashlib import _Hash

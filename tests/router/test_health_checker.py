@@ -15,7 +15,7 @@ from aiohttp.test_utils import TestServer
 
 from router.config import config_from_mapping
 from router.health import HealthChecker
-from router.pool import Backend, BackendPool
+from router.membership import Backend, BackendPool
 from tests.support import eventually
 
 

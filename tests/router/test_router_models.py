@@ -20,8 +20,8 @@ from prometheus_client import generate_latest
 
 from bench.procs import free_ports
 from router.placement import RoundRobinPolicy, SessionPolicy
-from router.pool import Backend, BackendPool
-from router.sessions import SessionEntry
+from router.membership import Backend, BackendPool
+from router.sessions.table import SessionEntry
 from tests.router.routing_support import FRONTS, ModelBackend, Serve, ask
 from tests.support import Proc, metric_sum, start_backend, start_router, wait_until
 

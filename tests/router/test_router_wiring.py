@@ -18,7 +18,7 @@ from tests.support import router_config
 from router.front.server import RawFront
 from router.front.settings import ConnectionSettings
 from router.health import HealthChecker
-from router.pool import POOL_PREFILL
+from router.membership import POOL_PREFILL
 from router.state import ROUTER_STATE
 
 #: nothing listens there: the health checker never gets to it in these tests

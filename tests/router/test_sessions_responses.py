@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from contract.errors import ConfigError
-from router.responses import ResponseIndex
+from router.sessions.responses import ResponseIndex
 
 
 def test_remember_and_lookup() -> None:

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from contract.errors import BadRequestError, ConfigError
-from router.sessions import SessionEntry, SessionTable, SessionView
+from router.sessions.table import SessionEntry, SessionTable, SessionView
 
 
 class FakeClock:

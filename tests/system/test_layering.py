@@ -8,6 +8,7 @@ engine core knows no HTTP."""
 from __future__ import annotations
 
 import ast
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -178,3 +179,11 @@ def test_the_engine_knows_no_http() -> None:
 @pytest.mark.parametrize("package", ["contract", "backends"])
 def test_the_other_packages_import_no_cycle_either(package: str) -> None:
     assert _cycles(_graph(package)) == []
+
+
+def test_no_module_of_ours_is_named_like_a_standard_library_module() -> None:
+    """A module called ``inspect`` or ``queue`` reads as the standard library's to a newcomer (and
+    shadows it for a script run from its folder): name modules for what they hold."""
+    named = [str(path.relative_to(ROOT)) for package in ("router", "contract", "backends")
+             for path in _modules(package).values() if path.stem in sys.stdlib_module_names]
+    assert named == []

@@ -14,7 +14,7 @@ from backends.app import create_app as create_backend_app
 from backends.engine.config import EngineConfig
 from backends.frontend import ENGINE
 from contract.errors import BadRequestError, InvalidJSONError
-from router import inspect
+from router import bodies
 from router.app import create_app as create_router_app
 from router.config import config_from_mapping
 from router.state import ROUTER_STATE
@@ -40,14 +40,14 @@ def stripped_count(router: Any, route: str) -> float:
 # ---- the body rewrite --------------------------------------------------------------------------
 
 
-def fields_of(body: bytes) -> inspect.RoutingFields:
-    return inspect.decode_routing_fields(body)
+def fields_of(body: bytes) -> bodies.RoutingFields:
+    return bodies.decode_routing_fields(body)
 
 
 @pytest.mark.parametrize("session_aware", [True, False])
 def test_a_body_without_the_key_is_forwarded_as_is(session_aware: bool) -> None:
     body = json.dumps({"prompt": "kv_transfer_params is only a word here", "max_tokens": 3}).encode()
-    assert inspect.without_kv_transfer_params(body, fields_of(body) if session_aware else None) is None
+    assert bodies.without_kv_transfer_params(body, fields_of(body) if session_aware else None) is None
 
 
 @pytest.mark.parametrize("session_aware", [True, False])
@@ -58,33 +58,33 @@ def test_a_body_without_the_key_is_forwarded_as_is(session_aware: bool) -> None:
     b'{"prompt": "x", "kv_transfer_params": {"a": 1}, "kv_transfer_params": {"b": 2}, "max_tokens": 3}',
 ])
 def test_the_key_is_removed_however_it_is_written(raw: bytes, session_aware: bool) -> None:
-    out = inspect.without_kv_transfer_params(raw, fields_of(raw) if session_aware else None)
+    out = bodies.without_kv_transfer_params(raw, fields_of(raw) if session_aware else None)
     assert out is not None
     assert msgspec.json.decode(out) == {"prompt": "x", "max_tokens": 3}
 
 
 def test_only_the_top_level_key_is_removed() -> None:
     raw = json.dumps({"prompt": "x", "vllm_xargs": {"kv_transfer_params": 1}}).encode()
-    assert inspect.without_kv_transfer_params(raw, fields_of(raw)) is None
+    assert bodies.without_kv_transfer_params(raw, fields_of(raw)) is None
 
 
 def test_a_plain_body_that_is_not_a_json_object_is_left_to_the_backend() -> None:
     for raw in (b"--boundary\r\nkv_transfer_params\r\n", b'["kv_transfer_params"]', b"\\u0000 not json"):
-        assert inspect.without_kv_transfer_params(raw, None) is None
+        assert bodies.without_kv_transfer_params(raw, None) is None
 
 
 @pytest.mark.parametrize("value", ['"x"', "5", "[]", "true"])
 def test_params_of_the_wrong_type_are_a_400_as_at_a_backend(value: str) -> None:
     raw = b'{"prompt": "x", "kv_transfer_params": ' + value.encode() + b"}"
     with pytest.raises(BadRequestError, match="must be an object or null") as err:
-        inspect.without_kv_transfer_params(raw, fields_of(raw))
+        bodies.without_kv_transfer_params(raw, fields_of(raw))
     assert err.value.status == 400 and err.value.param == "kv_transfer_params"
 
 
 def test_a_body_that_cannot_be_reencoded_is_a_400() -> None:
     raw = b'{"prompt": "x", "temperature": 1e400, "kv_transfer_params": {"do_remote_decode": true}}'
     with pytest.raises(InvalidJSONError, match="kv_transfer_params"):
-        inspect.without_kv_transfer_params(raw, fields_of(raw))
+        bodies.without_kv_transfer_params(raw, fields_of(raw))
 
 
 # ---- through the router: a `both` backend holds nothing for a client ------------------------------

@@ -13,8 +13,8 @@ from router.placement import (
     SessionPolicy,
     make_policy,
 )
-from router.pool import Backend, BackendPool
-from router.sessions import SessionTable
+from router.membership import Backend, BackendPool
+from router.sessions.table import SessionTable
 
 
 def make_pool(n: int, name: str = "default", first_port: int = 8100) -> BackendPool:

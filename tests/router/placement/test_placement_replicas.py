@@ -14,8 +14,8 @@ import sys
 import pytest
 
 from router.placement import Outcome, SessionPolicy, load_bound, make_policy
-from router.pool import Backend, BackendPool
-from router.sessions import SessionTable
+from router.membership import Backend, BackendPool
+from router.sessions.table import SessionTable
 
 URLS = [f"http://127.0.0.1:{8100 + i}" for i in range(5)]
 SESSIONS = [f"sess-{i:04d}" for i in range(1000)] + ["conv-" + "ab" * 16, "x", "~!@#$%^&*()_+{}|:<>?"]
@@ -24,8 +24,8 @@ SESSIONS = [f"sess-{i:04d}" for i in range(1000)] + ["conv-" + "ab" * 16, "x", "
 REPLICA = """
 import json, sys
 from router.placement import make_policy
-from router.pool import Backend, BackendPool
-from router.sessions import SessionTable
+from router.membership import Backend, BackendPool
+from router.sessions.table import SessionTable
 job = json.load(sys.stdin)
 pool = BackendPool("default", [Backend(u) for u in job["urls"]])
 policy = make_policy("session", load_factor=1.25, reported_load_weight=0.0)

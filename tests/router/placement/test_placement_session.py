@@ -15,8 +15,8 @@ from contract.errors import ConfigError, NoHealthyBackendError
 from router.config import config_from_mapping
 from router.placement import Outcome, SessionPolicy, load_bound, make_policy, session_score, sticky_bound
 from router.placement.session import DEFAULT_STICKY_HEADROOM
-from router.pool import Backend, BackendPool
-from router.sessions import SessionTable
+from router.membership import Backend, BackendPool
+from router.sessions.table import SessionTable
 
 
 def make_pool(n: int, name: str = "default", first_port: int = 8100) -> BackendPool:

@@ -1,4 +1,4 @@
-"""Backends and pools: the router's view of where it may send a request.
+"""Membership: the backends and their pools, the router's view of where it may send a request.
 
 A ``Backend`` is one upstream server; a ``BackendPool`` is a named set of them (``default`` in
 aggregated mode, ``prefill`` and ``decode`` in P/D mode). Membership changes rebuild nothing per
