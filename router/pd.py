@@ -28,7 +28,8 @@ from typing import Any
 import msgspec
 
 from router.attempt import Attempt
-from contract.errors import NoHealthyBackendError, UpstreamConnectError, UpstreamError, UpstreamStatusError
+from contract.errors import (InvalidJSONError, NoHealthyBackendError, UpstreamConnectError, UpstreamError,
+                             UpstreamStatusError)
 from router.health import HealthChecker
 from router.membership import Backend, BackendPool
 from router.metrics import RouterMetrics
@@ -136,6 +137,10 @@ class PDHandoff:
         what ``release`` needs should the decode leg fail."""
         try:
             request = _decoder.decode(body)
+        except msgspec.DecodeError as exc:  # routing skipped these values; the legs need them decoded
+            raise InvalidJSONError(f"request body is JSON this router cannot read for a P/D hand-off: {exc}; "
+                                   "send numbers within 64-bit float range") from None
+        try:
             params, backend = await self._prefill_leg(route, request, attempt, headers, path)
         except PrefillFailed as failed:
             self.metrics.pd_fallbacks.labels(failed.reason).inc()

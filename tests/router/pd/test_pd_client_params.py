@@ -191,3 +191,13 @@ async def test_both_legs_carry_only_the_handoffs_params(aiohttp_server: Any, aio
     # the prefill's own answer (it held the blocks), not the client's
     assert params["remote_engine_id"] == prefill.app[ENGINE].core.engine_id != AIMED["remote_engine_id"]
     assert params["remote_port"] == prefill.port and prefill.app[ENGINE].core.num_held == 1
+
+
+async def test_a_body_the_hand_off_cannot_decode_is_a_400_not_a_500(aiohttp_server: Any, aiohttp_client: Any) -> None:
+    decode, router = await pd_router(aiohttp_server, aiohttp_client, f"http://{DEAD}:{free_port()}")
+    resp = await router.post("/v1/completions", data=b'{"prompt": "x", "max_tokens": 4, "temperature": 1e400}',
+                             headers={"Content-Type": "application/json"})
+    assert resp.status == 400
+    error = (await resp.json())["error"]
+    assert error["code"] == 400 and "P/D hand-off" in error["message"]
+    assert decode.seen == []  # answered by the router, no leg sent
