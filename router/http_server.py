@@ -107,6 +107,9 @@ class CappedAppRunner(JsonErrorAppRunner):
 
     def __init__(self, app: web.Application, *, max_connections: int | None = None, **kwargs: Any) -> None:
         self._max_connections = max_connections
+        # request bodies are forwarded as sent, with their Content-Encoding (as the raw front does);
+        # decompressing them here would send the backend plain bytes labelled gzip
+        kwargs.setdefault("auto_decompress", False)
         super().__init__(app, **kwargs)
 
     async def _make_server(self) -> web.Server:

@@ -544,3 +544,19 @@ def test_process_out_of_file_descriptors_keeps_a_small_log_and_recovers(tmp_path
     log = router.log()
     assert len(log) < 4000, log[:4000]
     assert "Traceback" not in log
+
+
+@pytest.mark.parametrize("front", FRONTS)
+async def test_a_compressed_request_body_is_forwarded_with_its_encoding(make_router: MakeRouter, front: str) -> None:
+    import gzip
+
+    import aiohttp
+
+    routed = await make_router(front)
+    plain = b'{"model": "m", "input": "hello"}'
+    async with aiohttp.ClientSession(auto_decompress=False) as http:
+        async with http.post(f"http://127.0.0.1:{routed.port}/v1/embeddings", data=gzip.compress(plain),
+                             headers={"Content-Type": "application/json", "Content-Encoding": "gzip"}) as resp:
+            assert resp.status == 200, await resp.text()
+    seen = routed.fakes[0].seen[-1]
+    assert seen.headers["content-encoding"] == ["gzip"] and seen.body == plain  # the backend decoded it once
