@@ -9,8 +9,9 @@ system call per request: a process killed outright loses at most the last half s
 Fields: ``time`` (UTC, when the answer ended), ``method``, ``route`` (the router's route path, never
 the client's query string), ``status`` (what the client got; 499 = the client went away),
 ``duration_ms``, ``ttfb_ms`` (until the backend's response head arrived; none when no backend
-answered), ``backend`` (name), ``session`` (a blake2b hash of the session id, 12 hex digits: never
-the id itself), ``placement`` (the placement outcome: sticky, new, spill, ...), the token counts
+answered), ``backend`` (name), ``session`` (``contract.ids.session_hash`` of the session id, 16 hex
+digits, the same value as the per-session metric label and ``session_hash`` in
+``GET /v1/sessions/{id}``: never the id itself), ``placement`` (the placement outcome: sticky, new, spill, ...), the token counts
 from the answer's ``usage`` when the router read one, and ``request_id``.
 
 Text::
@@ -25,7 +26,6 @@ JSON: the same keys in one object per line (``null`` = none).
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import sys
 import time
@@ -34,6 +34,7 @@ from typing import TextIO
 import msgspec
 
 from contract.errors import ConfigError
+from contract.ids import session_hash
 from router.usage import Usage
 
 ACCESS_LOGGER = "session_router.access"
@@ -43,11 +44,6 @@ FLUSH_S = 0.5
 BATCH_CHARS = 64 * 1024
 
 _encode = msgspec.json.Encoder().encode
-
-
-def session_hash(session_id: str) -> str:
-    """The session id as the access log shows it: 12 hex digits of its blake2b hash."""
-    return hashlib.blake2b(session_id.encode("utf-8", "surrogateescape"), digest_size=6).hexdigest()
 
 
 class AccessRecord(msgspec.Struct):

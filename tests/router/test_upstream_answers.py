@@ -23,7 +23,8 @@ from typing import Any
 import pytest
 
 from contract.errors import ConfigError
-from router.access_log import ACCESS_LOGGER, BatchingHandler, session_hash
+from contract.ids import session_hash
+from router.access_log import ACCESS_LOGGER, BatchingHandler
 from router.app import create_app
 from router.config import BackendConfig, build_config, config_from_mapping
 from router.http_server import CappedAppRunner
@@ -427,7 +428,7 @@ async def test_the_access_log_has_one_line_per_request(router: Factory, tmp_path
     first, second, third = lines
     assert first["method"] == "POST" and first["route"] == "/v1/completions"
     assert int(first["status"]) == 200 and first["request_id"] == "rid-1"
-    assert first["session"] == session_hash("sess-1") and len(first["session"]) == 12
+    assert first["session"] == session_hash("sess-1") and len(first["session"]) == 16
     names = {b.name for b in r.state.serving_pool.members}
     assert first["backend"] in names and first["placement"] == "new"
     assert (int(first["prompt_tokens"]), int(first["completion_tokens"]), int(first["cached_tokens"])) == (10, 3, 4)
