@@ -26,9 +26,10 @@ from typing import Any
 from aiohttp import web
 
 from router.app import PROXY
-from router.config import MiB, RouterConfig
+from router.config import RouterConfig
 from contract.errors import ConfigError
 from router.front.server import RawFront
+from router.front.settings import FRONT_DEFAULTS
 from router.http_server import CappedAppRunner, limit_accept_error_logs
 
 logger = logging.getLogger("router.serve")
@@ -127,12 +128,12 @@ async def serve(
     *,
     drain_timeout_s: float,
     front: str = "raw",
-    max_body_bytes: int = 8 * MiB,
-    body_timeout_s: float = 60.0,
-    max_connections: int = 10_000,
-    max_head_bytes: int = 256 * 1024,
-    keepalive_timeout_s: float = 75.0,
-    listen_backlog: int = 1024,
+    max_body_bytes: int = FRONT_DEFAULTS.max_body_bytes,
+    body_timeout_s: float = FRONT_DEFAULTS.body_timeout_s,
+    max_connections: int = FRONT_DEFAULTS.max_connections,
+    max_head_bytes: int = FRONT_DEFAULTS.max_head_bytes,
+    keepalive_timeout_s: float = FRONT_DEFAULTS.keepalive_timeout_s,
+    listen_backlog: int = FRONT_DEFAULTS.listen_backlog,
     reuse_port: bool = False,
     on_ready: Callable[[int], None] | None = None,
     admin: tuple[web.Application, str, int] | None = None,

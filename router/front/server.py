@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from router.exchange import DROP_REQUEST, RequestView, ResponseWriter
 from router.front.connection import ConnectionHooks, FrontConnection
 from router.front.relay import Relay
-from router.front.settings import ConnectionSettings
+from router.front.settings import FRONT_DEFAULTS, ConnectionSettings
 from router.front.wire import DateServer
 from router.http_server import RateLimitedLog, refuse_message
 from contract.ids import IdGenerator
@@ -44,8 +44,10 @@ class RawFront:
     """The router's port on an ``asyncio.Protocol`` + httptools (uvloop's loop when running on it)."""
 
     def __init__(self, proxy: "Proxy | None", app_host: str, app_port: int, *, max_body_bytes: int,
-                 body_timeout_s: float = 60.0, max_connections: int = 10_000, max_head_bytes: int = 256 * 1024,
-                 keepalive_timeout_s: float = 75.0) -> None:
+                 body_timeout_s: float = FRONT_DEFAULTS.body_timeout_s,
+                 max_connections: int = FRONT_DEFAULTS.max_connections,
+                 max_head_bytes: int = FRONT_DEFAULTS.max_head_bytes,
+                 keepalive_timeout_s: float = FRONT_DEFAULTS.keepalive_timeout_s) -> None:
         """``proxy``: the app's (None: relay everything); ``app_host:app_port``: the aiohttp app's
         internal listener; ``max_body_bytes``: larger request bodies get a 413; ``body_timeout_s``:
         a body not whole this long after its head gets a 408; ``max_connections``: with this many

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from router.config import FrontConfig
+
+#: the [front] settings' defaults (the schema's), for callers that give fewer
+FRONT_DEFAULTS = FrontConfig()
+
 
 @dataclass(frozen=True, slots=True)
 class ConnectionSettings:
@@ -16,4 +21,4 @@ class ConnectionSettings:
     #: request headers never forwarded as received, lower case (``router.exchange.DROP_REQUEST`` and the session header)
     drop_request_b: frozenset[bytes]
     #: a larger request head gets a 400 and the connection closes (``max_head_bytes``)
-    max_head_bytes: int = 256 * 1024
+    max_head_bytes: int = FRONT_DEFAULTS.max_head_bytes
