@@ -172,11 +172,18 @@ def test_the_contract_stands_on_nothing_of_ours() -> None:
     assert _offenders("contract", "router", "backends", "bench", "tests") == []
 
 
+def test_rendering_stands_on_the_contract_alone() -> None:
+    """``rendering/`` (render, derender, tokenizers, templates) is shared by the router and the
+    backends: it imports neither of them."""
+    assert len(_modules("rendering")) >= 3
+    assert _offenders("rendering", "router", "backends", "bench", "tests") == []
+
+
 def test_the_engine_knows_no_http() -> None:
     assert _offenders("backends/engine", "contract", "aiohttp", "backends.app", "backends.http_errors") == []
 
 
-@pytest.mark.parametrize("package", ["contract", "backends"])
+@pytest.mark.parametrize("package", ["contract", "rendering", "backends"])
 def test_the_other_packages_import_no_cycle_either(package: str) -> None:
     assert _cycles(_graph(package)) == []
 
@@ -184,6 +191,6 @@ def test_the_other_packages_import_no_cycle_either(package: str) -> None:
 def test_no_module_of_ours_is_named_like_a_standard_library_module() -> None:
     """A module called ``inspect`` or ``queue`` reads as the standard library's to a newcomer (and
     shadows it for a script run from its folder): name modules for what they hold."""
-    named = [str(path.relative_to(ROOT)) for package in ("router", "contract", "backends")
+    named = [str(path.relative_to(ROOT)) for package in ("router", "contract", "rendering", "backends")
              for path in _modules(package).values() if path.stem in sys.stdlib_module_names]
     assert named == []
