@@ -29,6 +29,7 @@ from router.config.schema import (
     PlacementConfig,
     RouterConfig,
     SessionsConfig,
+    TokensConfig,
     UpstreamConfig,
 )
 
@@ -47,6 +48,7 @@ __all__ = [
     "PlacementConfig",
     "RouterConfig",
     "SessionsConfig",
+    "TokensConfig",
     "UpstreamConfig",
     "build_config",
     "config_from_mapping",

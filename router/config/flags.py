@@ -26,6 +26,7 @@ from router.config.schema import (
     LOG_LEVELS,
     POLICIES,
     STAMPS,
+    UPSTREAM_APIS,
     BackendConfig,
     RouterConfig,
 )
@@ -66,6 +67,9 @@ def build_config(argv: list[str]) -> RouterConfig:
     if args.decode:
         data["decode"] = _backend_list(args.decode, "--decode")
         labels["decode"] = "--decode"
+    if args.render:
+        set_value(data, "tokens.render", "local" if args.render == ["local"] else args.render)
+        labels["tokens.render"] = "--render"
     config = validate_config(decode(data, labels), labels=labels)
     warn_flat_keys(flat)
     return config
@@ -98,6 +102,11 @@ _SCALAR_FLAGS = {
     "access_log": ("front.access_log", "--access-log"),
     "access_log_file": ("front.access_log_file", "--access-log-file"),
     "session_header": ("sessions.header", "--session-header"),
+    "upstream_api": ("tokens.upstream_api", "--upstream-api"),
+    "model_dir": ("tokens.model_dir", "--model-dir"),
+    "served_model_name": ("tokens.served_model_name", "--served-model-name"),
+    "max_model_len": ("tokens.max_model_len", "--max-model-len"),
+    "prompt_cache_bytes": ("tokens.prompt_cache_bytes", "--prompt-cache-bytes"),
 }
 
 
@@ -157,5 +166,25 @@ def _parser() -> _Parser:
         help="header clients send their session id in (default X-Session-ID); it is echoed under that name and "
         "forwarded to backends as X-Session-ID",
     )
+    tokens = parser.add_argument_group(
+        "tokens mode (vLLM's disaggregated serving: the router renders and derenders, engines take token ids)")
+    tokens.add_argument(
+        "--upstream-api", choices=UPSTREAM_APIS,
+        help="what the backends speak: openai (text in/out, the default) or tokens (/inference/v1/generate, "
+        "e.g. vllm serve --tokens-only)",
+    )
+    tokens.add_argument("--model-dir", metavar="DIR",
+                        help="tokens mode: the model folder the engines serve (tokenizer.json, chat template, ...)")
+    tokens.add_argument("--served-model-name", metavar="NAME",
+                        help="tokens mode: the model name clients use (default: the model folder's name)")
+    tokens.add_argument("--max-model-len", type=int, metavar="N",
+                        help="tokens mode: context length (default: config.json's max_position_embeddings)")
+    tokens.add_argument(
+        "--render", action="append", metavar="URL", default=[],
+        help="tokens mode: a render server (vllm launch render, or session-backend --role render) "
+        "(repeatable; replaces the file's render); none (or 'local') renders in the router",
+    )
+    tokens.add_argument("--prompt-cache-bytes", type=int, metavar="N",
+                        help="tokens mode: memory bound of the per-session incremental render cache (0 = off)")
     return parser
 

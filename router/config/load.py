@@ -12,6 +12,7 @@ import difflib
 import functools
 import logging
 import math
+import os
 import re
 import tomllib
 from collections.abc import Callable, Iterator, Mapping
@@ -30,6 +31,7 @@ from router.config.schema import (
     AdminConfig,
     BackendConfig,
     RouterConfig,
+    TokensConfig,
 )
 from router.membership import normalize_url
 from router.upstream import HOP_BY_HOP
@@ -163,7 +165,59 @@ def validate_config(config: RouterConfig, *, labels: Mapping[str, str] | None = 
     if not (config.backends or config.decode):
         raise ConfigError(_NO_BACKEND)
     pools = {name: _validate_pool(getattr(config, name), name, names.get(name)) for name in _POOL_FIELDS}
-    return msgspec.structs.replace(config, **pools)
+    tokens = _validate_tokens(config.tokens, key)
+    return msgspec.structs.replace(config, tokens=tokens, **pools)
+
+
+def _validate_tokens(tokens: TokensConfig, key: Callable[[str], str]) -> TokensConfig:
+    """The ``[tokens]`` section: a model folder that exists when (and only when) the backends take
+    tokens, and render server URLs; returns a copy with the URLs normalized.
+
+    There is no default model folder: the router's token ids must be the engines' own, and a
+    shipped toy tokenizer would silently produce the wrong ones (vLLM, too, requires its model)."""
+    settings = ("model_dir", "served_model_name", "max_model_len", "render")
+    if not tokens.enabled:
+        given = [name for name in settings if getattr(tokens, name) != getattr(_TOKENS_DEFAULTS, name)]
+        if given:
+            raise ConfigError(
+                f"{key('tokens.' + given[0])}: only used in tokens mode (the backends take token ids): set "
+                f"{key('tokens.upstream_api')} to tokens, or remove {key('tokens.' + given[0])}"
+            )
+        return tokens
+    if not tokens.model_dir.strip():
+        raise ConfigError(
+            f"{key('tokens.model_dir')}: tokens mode ({key('tokens.upstream_api')} tokens) needs the model folder the "
+            "engines serve (tokenizer.json, tokenizer_config.json, config.json, ...), e.g. "
+            "--model-dir models/tiny-llama; the router renders and derenders with its tokenizer"
+        )
+    if not os.path.isdir(tokens.model_dir):
+        raise ConfigError(f"{key('tokens.model_dir')}: {tokens.model_dir!r} is not a directory; give the model "
+                          "folder (with tokenizer.json)")
+    if tokens.served_model_name != tokens.served_model_name.strip():
+        raise ConfigError(f"{key('tokens.served_model_name')}: no leading or trailing spaces, got "
+                          f"{tokens.served_model_name!r}")
+    render = tokens.render
+    if isinstance(render, str):
+        if render != "local":
+            raise ConfigError(f"{key('tokens.render')}: \"local\" or a list of render server URLs, got {render!r}")
+        return tokens
+    if not render:
+        raise ConfigError(f"{key('tokens.render')}: an empty list names no render server; write \"local\" to "
+                          "render in the router, or list at least one URL")
+    urls: list[str] = []
+    for index, url in enumerate(render):
+        try:
+            normalized = normalize_url(url)
+        except ConfigError as exc:
+            raise ConfigError(f"{key('tokens.render')}[{index}]: {exc.message}") from None
+        if normalized in urls:
+            raise ConfigError(f"{key('tokens.render')}[{index}]: {normalized} is listed twice; list each render "
+                              "server once")
+        urls.append(normalized)
+    return msgspec.structs.replace(tokens, render=urls)
+
+
+_TOKENS_DEFAULTS = TokensConfig()
 
 
 def _validate_admin(admin: AdminConfig, key: Callable[[str], str]) -> None:

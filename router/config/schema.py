@@ -2,7 +2,7 @@
 
 One schema: the process's own settings and the backend lists at the top level, the rest in
 sections (``[upstream]``, ``[front]``, ``[placement]``, ``[sessions]``, ``[health]``, ``[pd]``,
-``[admin]``), one Struct each. Closed sets are ``Literal`` types and ranges ``msgspec.Meta``
+``[admin]``, ``[tokens]``), one Struct each. Closed sets are ``Literal`` types and ranges ``msgspec.Meta``
 bounds, so decoding checks them; what spans keys is checked in ``router.config.load``. Every
 setting has a default here, so an empty file is a valid configuration for one backend given
 with ``--backend``. ``FLAT_KEYS`` maps the flat layout of before (every key at the top level),
@@ -51,6 +51,7 @@ FrontKind = Literal["raw", "aiohttp"]
 StampMode = Literal["derive", "mint", "none"]
 AccessLogFormat = Literal["off", "text", "json"]
 SessionLabel = Literal["hash", "id", "none"]
+UpstreamApi = Literal["openai", "tokens"]
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 
 
@@ -159,6 +160,36 @@ class AdminConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     backend_allow: list[str] = []
 
 
+class TokensConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """``[tokens]``: which API the backends speak, and for ``"tokens"`` the model the router renders
+    and derenders with (DESIGN.md §10: vLLM's "disaggregated everything" coordinator)."""
+
+    #: openai: text in, text out (OpenAI routes forwarded as sent); tokens: the router renders requests
+    #: to token ids, the engines take them on /inference/v1/generate, the router derenders the answers
+    upstream_api: UpstreamApi = "openai"
+    #: the model folder (tokenizer.json, tokenizer_config.json, chat template, generation_config.json,
+    #: config.json); required with upstream_api = "tokens"
+    model_dir: str = ""
+    #: the model name clients send and answers carry; "" = the folder's name (as vLLM's default)
+    served_model_name: str = ""
+    #: the context length; 0 = config.json's max_position_embeddings (vLLM's --max-model-len)
+    max_model_len: Annotated[int, msgspec.Meta(ge=0, extra={HINT: "0 = the model's config.json"})] = 0
+    #: "local": rendered in the router process; a list of render server URLs (vLLM's
+    #: `vllm launch render`, or `session-backend --role render`): rendered there
+    render: str | list[str] = "local"
+    #: bound on the per-session incremental-render cache (rendered prompts kept per session)
+    prompt_cache_bytes: Annotated[int, msgspec.Meta(ge=0, extra={HINT: "0 = no incremental render"})] = 256 * MiB
+
+    @property
+    def enabled(self) -> bool:
+        return self.upstream_api == "tokens"
+
+    @property
+    def render_urls(self) -> list[str]:
+        """The render servers ([] = render locally)."""
+        return [] if isinstance(self.render, str) else list(self.render)
+
+
 class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """The whole configuration: the process's own settings at the top, then one struct per section."""
 
@@ -180,6 +211,7 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     health: HealthConfig = msgspec.field(default_factory=HealthConfig)
     pd: PDConfig = msgspec.field(default_factory=PDConfig)
     admin: AdminConfig = msgspec.field(default_factory=AdminConfig)
+    tokens: TokensConfig = msgspec.field(default_factory=TokensConfig)
 
     @property
     def pd_mode(self) -> bool:
@@ -195,6 +227,7 @@ SECTIONS: dict[str, type[msgspec.Struct]] = {
     "health": HealthConfig,
     "pd": PDConfig,
     "admin": AdminConfig,
+    "tokens": TokensConfig,
 }
 
 #: the keys of the flat layout (before sections), still read for one release: flat key -> (section, key)
@@ -244,3 +277,4 @@ STAMPS: tuple[str, ...] = get_args(StampMode)
 ACCESS_LOG_FORMATS: tuple[str, ...] = get_args(AccessLogFormat)
 SESSION_LABELS: tuple[str, ...] = get_args(SessionLabel)
 LOG_LEVELS: tuple[str, ...] = get_args(LogLevel)
+UPSTREAM_APIS: tuple[str, ...] = get_args(UpstreamApi)
