@@ -103,6 +103,70 @@ class _HotCounters:
             yield family
 
 
+#: render calls: a render server answers in about a millisecond, a local render of a long prompt in tens
+RENDER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class RenderMetrics:
+    """``session_router_render_*`` (tokens mode): renders by the render servers, per server, and in the
+    router itself. Plain ints and lock-free histograms, exported at scrape time, as ``_HotCounters``.
+
+    - ``render_requests{render_server, status_class}``: calls to a render server and what it answered
+      (its 4xx are the client's errors, relayed);
+    - ``render_errors{render_server, reason}``: calls that got no usable answer (``connect``, ``timeout``,
+      ``protocol``, ``status_5xx``); each one moved on to the next render server or ended in a 503;
+    - ``render_duration_seconds{render_server}``: a render server's answer time, per call;
+    - ``render_local_duration_seconds``: the router's own render time (CPU, in the event loop).
+    """
+
+    def __init__(self) -> None:
+        self.requests: dict[tuple[str, str], int] = {}
+        self.errors: dict[tuple[str, str], int] = {}
+        self.remote: dict[str, _Histogram] = {}
+        self.local = _Histogram(RENDER_BUCKETS)
+
+    def remote_done(self, server: str, status: int, seconds: float) -> None:
+        """A render server answered ``status`` after ``seconds``."""
+        key = (server, status_class(status))
+        self.requests[key] = self.requests.get(key, 0) + 1
+        hist = self.remote.get(server)
+        if hist is None:
+            hist = self.remote[server] = _Histogram(RENDER_BUCKETS)
+        hist.observe(seconds)
+
+    def remote_failed(self, server: str, reason: str) -> None:
+        """A call to a render server failed (``reason``: connect, timeout, protocol, status_5xx)."""
+        key = (server, reason)
+        self.errors[key] = self.errors.get(key, 0) + 1
+
+    def local_done(self, seconds: float) -> None:
+        """The router rendered one request itself in ``seconds``."""
+        self.local.observe(seconds)
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        requests = CounterMetricFamily(PREFIX + "render_requests", "Calls to render servers by server and status class",
+                                       labels=["render_server", "status_class"])
+        for key, value in self.requests.items():
+            requests.add_metric(list(key), value)
+        yield requests
+        errors = CounterMetricFamily(PREFIX + "render_errors",
+                                     "Calls to render servers that got no usable answer, by server and reason",
+                                     labels=["render_server", "reason"])
+        for key, value in self.errors.items():
+            errors.add_metric(list(key), value)
+        yield errors
+        remote = HistogramMetricFamily(PREFIX + "render_duration_seconds", "Render server answer time per call",
+                                       labels=["render_server"])
+        for server, hist in self.remote.items():
+            buckets, total = hist.family_samples()
+            remote.add_metric([server], buckets, total)
+        yield remote
+        local = HistogramMetricFamily(PREFIX + "render_local_duration_seconds", "Render time in the router itself")
+        buckets, total = self.local.family_samples()
+        local.add_metric([], buckets, total)
+        yield local
+
+
 SESSION_LABELS: dict[str, Callable[[str], str] | None] = {"hash": session_hash, "id": str, "none": None}
 
 
@@ -156,6 +220,9 @@ class RouterMetrics:
         self.session_label = session_label
         self.hot = _HotCounters()
         registry.register(self.hot)
+        #: tokens mode's render calls (``session_router_render_*``; empty families in text mode)
+        self.render = RenderMetrics()
+        registry.register(self.render)
         self.retries = Counter(PREFIX + "retries", "Upstream attempts retried, by reason", ["reason"], registry=registry)
         self.pd_fallbacks = Counter(PREFIX + "pd_fallback", "P/D requests that fell back to decode-only, by reason",
                                     ["reason"], registry=registry)
