@@ -1,0 +1,160 @@
+"""What an engine's ``POST /inference/v1/generate`` answers (vLLM 0.32, ``output_mode: "tokens"``).
+
+Non-stream: one ``GenerateResponse``. Stream: SSE events ``data: <GenerateStreamChunk>`` (one per
+engine step, ``token_ids`` being the step's new ids), a usage-only chunk with ``choices: []``
+when ``stream_options.include_usage`` is set, ``data: {"error": {...}}`` for an error, and
+``data: [DONE]``. Decoding ignores fields it does not know (as pydantic does in vLLM), so an
+engine newer than these Structs still decodes. Encoding writes vLLM's keys in vLLM's order;
+fields typed with ``UnsetType`` appear only when set (``prompt_token_ids`` only with
+``return_token_ids``, ``text`` only with ``output_mode: "text"``, ...).
+
+The backends encode with these Structs and the router decodes with them: one implementation.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from msgspec import UNSET, Struct, UnsetType
+
+from contract.errors import UpstreamProtocolError
+
+
+class PromptTokensDetails(Struct):
+    cached_tokens: int = 0
+
+
+class GenerateUsage(Struct, kw_only=True):
+    """vLLM's ``UsageInfo`` as the generate route writes it."""
+
+    prompt_tokens: int = 0
+    total_tokens: int = 0
+    completion_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None | UnsetType = UNSET
+
+
+class GenerateLogProb(Struct, kw_only=True):
+    """One (token id, logprob) candidate: the generate server has no tokenizer."""
+
+    token_id: int
+    logprob: float
+    rank: int | None = None
+
+
+class GenerateLogProbsContent(GenerateLogProb, kw_only=True):
+    """The sampled token at one position, then its top-k candidates in the engine's order."""
+
+    top_logprobs: list[GenerateLogProb] = msgspec.field(default_factory=list)
+
+
+class GenerateLogProbs(Struct):
+    content: list[GenerateLogProbsContent] | None = None
+
+
+class GenerateChoice(Struct, kw_only=True):
+    """One choice of a non-stream answer. ``token_ids`` keeps every generated id."""
+
+    index: int
+    #: vLLM's default when the engine leaves it out ("per OpenAI spec")
+    finish_reason: str | None = "stop"
+    #: the stop token id (``stop_token_ids``) or stop string that ended the choice; None for EOS
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+    routed_experts: str | None | UnsetType = UNSET
+    sampling_mask: list[list[int]] | None | UnsetType = UNSET
+    weight_versions: list[Any] | None | UnsetType = UNSET
+    #: only with ``output_mode: "text"``
+    text: str | UnsetType = UNSET
+    logprobs: GenerateLogProbs | None = None
+
+
+class GenerateResponse(Struct, kw_only=True):
+    """The non-stream answer of ``/inference/v1/generate``."""
+
+    request_id: str
+    model: str | None = None
+    created: int | None = None
+    usage: GenerateUsage | None = None
+    #: only with ``return_token_ids``
+    prompt_token_ids: list[int] | None | UnsetType = UNSET
+    kv_transfer_params: dict[str, Any] | None = None
+    ec_transfer_params: dict[str, Any] | None | UnsetType = UNSET
+    output_mode: str = "tokens"
+    choices: list[GenerateChoice] = msgspec.field(default_factory=list)
+
+
+class GenerateStreamChoice(Struct, kw_only=True):
+    """One choice of one stream step: ``token_ids`` are the step's new ids only."""
+
+    index: int
+    finish_reason: str | None = None
+    stop_reason: int | str | None | UnsetType = UNSET
+    token_ids: list[int] | None = None
+    routed_experts: str | None | UnsetType = UNSET
+    sampling_mask: list[list[int]] | None | UnsetType = UNSET
+    #: set on the final chunk only
+    weight_versions: list[Any] | None | UnsetType = UNSET
+    text: str | UnsetType = UNSET
+    logprobs: GenerateLogProbs | None = None
+
+
+class StreamError(Struct, kw_only=True):
+    """The ``error`` object of an error event (vLLM's error shape; every field optional)."""
+
+    message: str = ""
+    type: str | None = None
+    param: str | None = None
+    code: int | None = None
+
+
+class GenerateStreamChunk(Struct, kw_only=True):
+    """One ``data:`` object of a generate stream: a step, the usage-only chunk, or an error."""
+
+    request_id: str | UnsetType = UNSET
+    usage: GenerateUsage | None = None
+    #: only on the first chunk, with ``return_token_ids``
+    prompt_token_ids: list[int] | None | UnsetType = UNSET
+    kv_transfer_params: dict[str, Any] | None | UnsetType = UNSET
+    output_mode: str = "tokens"
+    choices: list[GenerateStreamChoice] = msgspec.field(default_factory=list)
+    #: set on an error event (``data: {"error": {...}}``); nothing else is then
+    error: StreamError | UnsetType = UNSET
+
+
+#: the payload of the stream's last event, ``data: [DONE]``
+STREAM_DONE = b"[DONE]"
+
+_response_decoder = msgspec.json.Decoder(GenerateResponse)
+_chunk_decoder = msgspec.json.Decoder(GenerateStreamChunk)
+_encoder = msgspec.json.Encoder()
+
+
+def decode_generate_response(body: bytes | bytearray | memoryview) -> GenerateResponse:
+    """Decode a non-stream generate answer; a body that is not one is an upstream fault."""
+    try:
+        return _response_decoder.decode(body)
+    except msgspec.DecodeError as exc:  # ValidationError included
+        raise UpstreamProtocolError(f"the engine's generate answer is not valid: {exc}") from None
+
+
+def decode_stream_chunk(data: bytes | bytearray | memoryview) -> GenerateStreamChunk:
+    """Decode one SSE ``data:`` payload (without the ``data: `` prefix; not ``[DONE]``)."""
+    try:
+        return _chunk_decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        raise UpstreamProtocolError(f"the engine's generate stream event is not valid: {exc}") from None
+
+
+def encode_generate_response(response: GenerateResponse) -> bytes:
+    """The JSON body of a non-stream generate answer."""
+    return _encoder.encode(response)
+
+
+def encode_stream_chunk(chunk: GenerateStreamChunk) -> bytes:
+    """One SSE event ``data: {...}\\n\\n`` of a generate stream."""
+    return b"data: " + _encoder.encode(chunk) + b"\n\n"
+
+
+#: the event that ends every generate stream
+STREAM_DONE_EVENT = b"data: [DONE]\n\n"

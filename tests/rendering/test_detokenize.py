@@ -1,0 +1,160 @@
+"""rendering.detokenize: vLLM's incremental detokenization on tokenizers' DecodeStream."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer
+
+from rendering.detokenize import IncrementalDetokenizer, detokenize, prime_ids
+
+ROOT = Path(__file__).resolve().parents[2]
+TOKENIZER = Tokenizer.from_file(str(ROOT / "models" / "tiny-llama" / "tokenizer.json"))
+GOLDEN = [json.loads(line) for line in (Path(__file__).parent / "data" / "derender_chat.jsonl").open()]
+VOCAB = TOKENIZER.get_vocab_size(with_added_tokens=True)
+BOS, EOS, UNK, PAD = 1, 2, 0, 3
+
+
+def ids_of(text: str) -> list[int]:
+    return TOKENIZER.encode(text, add_special_tokens=False).ids
+
+
+def byte_token(b: int) -> int:
+    """The id of the byte-level token for one raw byte (the ByteLevel alphabet)."""
+    # ByteLevel maps bytes to printable code points; encoding the character the byte stands for
+    # would merge, so look the single-byte token up by decoding every id once.
+    for token_id in range(VOCAB):
+        if TOKENIZER.id_to_token(token_id) and _token_bytes(token_id) == bytes([b]):
+            return token_id
+    raise LookupError(b)
+
+
+def _token_bytes(token_id: int) -> bytes | None:
+    token = TOKENIZER.id_to_token(token_id)
+    if token is None or token.startswith("<"):
+        return None
+    table = _byte_decoder()
+    try:
+        return bytes(table[ch] for ch in token)
+    except KeyError:
+        return None
+
+
+_TABLE: dict[str, int] = {}
+
+
+def _byte_decoder() -> dict[str, int]:
+    if not _TABLE:
+        bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+        cs = bs[:]
+        n = 0
+        for b in range(256):
+            if b not in bs:
+                bs.append(b)
+                cs.append(256 + n)
+                n += 1
+        _TABLE.update({chr(c): b for b, c in zip(bs, cs)})
+    return _TABLE
+
+
+@pytest.mark.parametrize("case", range(len(GOLDEN)))
+def test_golden_text_unprimed(case: int) -> None:
+    """All 30 recorded derenders, invalid bytes and out-of-vocabulary ids included."""
+    golden = GOLDEN[case]
+    ids = golden["request"]["generate_response"]["choices"][0]["token_ids"]
+    assert detokenize(TOKENIZER, ids) == golden["response"]["choices"][0]["message"]["content"]
+
+
+@pytest.mark.parametrize("case", range(len(GOLDEN)))
+def test_golden_text_is_the_same_in_any_split(case: int) -> None:
+    ids = GOLDEN[case]["request"]["generate_response"]["choices"][0]["token_ids"]
+    whole = detokenize(TOKENIZER, ids)
+    one_by_one = IncrementalDetokenizer(TOKENIZER)
+    assert "".join(one_by_one.push_one(i) for i in ids) == whole
+    pairs = IncrementalDetokenizer(TOKENIZER)
+    assert "".join(pairs.push(ids[k : k + 2]) for k in range(0, len(ids), 2)) == whole
+
+
+def test_multibyte_character_is_held_until_complete() -> None:
+    euro = "€".encode()  # three bytes
+    ids = [byte_token(b) for b in euro]
+    d = IncrementalDetokenizer(TOKENIZER)
+    assert d.push_one(ids[0]) == ""
+    assert d.push_one(ids[1]) == ""
+    assert d.push_one(ids[2]) == "€"
+
+
+def test_character_incomplete_at_the_end_is_never_sent() -> None:
+    ids = ids_of("ab") + [byte_token("€".encode()[0])]
+    assert detokenize(TOKENIZER, ids) == "ab"
+
+
+def test_invalid_bytes_become_replacement_characters() -> None:
+    # a lone continuation byte can never start a character
+    ids = ids_of("a") + [byte_token(0x80)] + ids_of("b")
+    text = detokenize(TOKENIZER, ids)
+    assert text.startswith("a") and text.endswith("b") and "\ufffd" in text
+    one_by_one = IncrementalDetokenizer(TOKENIZER)
+    assert "".join([one_by_one.push_one(i) for i in ids]) == text
+
+
+def test_special_tokens_skipped_or_kept() -> None:
+    ids = [BOS, *ids_of("hi"), EOS]
+    assert detokenize(TOKENIZER, ids) == "hi"
+    assert detokenize(TOKENIZER, ids, skip_special_tokens=False) == "<s>hi</s>"
+
+
+def test_spaces_between_special_tokens_off_writes_them_raw() -> None:
+    ids = [EOS, EOS, PAD]
+    assert detokenize(TOKENIZER, ids, skip_special_tokens=False, spaces_between_special_tokens=False) == "</s></s><pad>"
+
+
+def test_out_of_vocabulary_and_impossible_ids_decode_to_nothing() -> None:
+    ids = ids_of("a") + [VOCAB, VOCAB + 300, -1, 2**40] + ids_of("b")
+    assert detokenize(TOKENIZER, ids) == "ab"
+
+
+def test_priming_with_the_prompt_keeps_the_first_token_as_vllm_does() -> None:
+    prompt = ids_of("hello the")
+    out = ids_of(" quick brown")
+    primed = detokenize(TOKENIZER, out, prompt_ids=prompt)
+    # the text of prompt + output, minus the prompt's text
+    assert primed == TOKENIZER.decode(prompt + out)[len(TOKENIZER.decode(prompt)) :]
+
+
+def test_prime_ids_picks_vllms_clean_suffix() -> None:
+    prompt = ids_of("the quick brown fox jumps over the lazy dog")
+    assert len(prompt) > 4
+    suffix = prime_ids(TOKENIZER, prompt)
+    assert list(suffix) == prompt[-4:]
+    short = prompt[:3]
+    assert list(prime_ids(TOKENIZER, short)) == short
+
+
+def test_prime_ids_skips_suffixes_that_split_a_character() -> None:
+    euro = [byte_token(b) for b in "€".encode()]
+    tail = [ids_of("x")[0], ids_of("y")[0]]
+    prompt = ids_of("abc") + euro + tail  # the last 4 ids start inside the €
+    assert "\ufffd" in TOKENIZER.decode(prompt[-4:])
+    suffix = list(prime_ids(TOKENIZER, prompt))
+    assert suffix == euro + tail
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    ids=st.lists(st.integers(min_value=0, max_value=VOCAB + 20), max_size=40),
+    cuts=st.lists(st.integers(min_value=0, max_value=40), max_size=6),
+    skip=st.booleans(),
+)
+def test_any_split_gives_the_same_text(ids: list[int], cuts: list[int], skip: bool) -> None:
+    whole = detokenize(TOKENIZER, ids, skip_special_tokens=skip)
+    d = IncrementalDetokenizer(TOKENIZER, skip_special_tokens=skip)
+    bounds = sorted({0, len(ids), *(c for c in cuts if c <= len(ids))})
+    parts = [d.push(ids[a:b]) for a, b in zip(bounds, bounds[1:])]
+    assert "".join(parts) == whole
+    for part in parts:  # never half a character: every delta is valid UTF-8 on its own
+        part.encode("utf-8")
