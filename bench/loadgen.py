@@ -55,6 +55,9 @@ class LoadSpec(msgspec.Struct, kw_only=True, frozen=True):
     drain_s: float = 10.0
     sessions: int = 100
     session_prefix: str = "bench"
+    #: request bodies (JSON text) to send instead of the default small completion, session i sending
+    #: ``bodies[i % len(bodies)]`` (e.g. chat requests for ``path`` ``/v1/chat/completions``)
+    bodies: list[str] = []
     #: group name -> PIDs whose summed CPU time is measured over the window
     cpu_groups: dict[str, list[int]] = {}
 
@@ -99,15 +102,19 @@ def percentile(sorted_values: Sequence[float], q: float) -> float:
 
 
 def build_requests(spec: LoadSpec, host: str) -> list[bytes]:
-    """The request bytes, one per session id (the body differs only in the prompt)."""
+    """The request bytes, one per session id (the body differs only in the prompt, or is taken from
+    ``spec.bodies``)."""
     out = []
     for i in range(spec.sessions):
-        body = msgspec.json.encode({
-            "model": spec.model,
-            "prompt": f"bench session {i}: say something short",
-            "max_tokens": spec.max_tokens,
-            "stream": spec.stream,
-        })
+        if spec.bodies:
+            body = spec.bodies[i % len(spec.bodies)].encode()
+        else:
+            body = msgspec.json.encode({
+                "model": spec.model,
+                "prompt": f"bench session {i}: say something short",
+                "max_tokens": spec.max_tokens,
+                "stream": spec.stream,
+            })
         head = (
             f"POST {spec.path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
             f"{SESSION_HEADER}: {spec.session_prefix}-{i}\r\nContent-Length: {len(body)}\r\n\r\n"

@@ -1,0 +1,64 @@
+"""Chat request bodies of a chosen size for the tokens-mode benchmarks: deterministic, one per
+session, each a small multi-turn conversation (system, user, assistant, user) whose message
+contents add up to about ``chars`` characters.
+
+    chat_bodies(100, chars=1000, model="tiny-llama", max_tokens=8, stream=False)
+
+Every body differs from the others from its first message on (the session number is in the
+system prompt), so no cache shared between sessions can answer one body from another's work.
+"""
+
+from __future__ import annotations
+
+import random
+
+import msgspec
+
+WORDS = (
+    "the router keeps every turn of a session on the engine that holds its cache while the render "
+    "server turns chat messages into token ids and the engine answers with new ids that the "
+    "coordinator turns back into text one delta at a time, trimming stop strings as it goes; "
+    "long agent conversations resend their whole history, so the prompt grows every turn and "
+    "tokenizing it again is where a frontend spends its time unless it remembers the last turn"
+).split()
+
+
+def _text(rng: random.Random, chars: int) -> str:
+    words: list[str] = []
+    size = 0
+    while size < chars:
+        word = rng.choice(WORDS)
+        words.append(word)
+        size += len(word) + 1
+    return " ".join(words)[:max(1, chars)].rstrip() + "."
+
+
+def chat_messages(index: int, chars: int) -> list[dict[str, str]]:
+    """Session ``index``'s conversation: four messages, ``chars`` characters of content in all."""
+    rng = random.Random(index)
+    system = f"You are assistant number {index}. Answer briefly."
+    rest = max(40, chars - len(system))
+    return [
+        {"role": "system", "content": system},
+        {"role": "user", "content": _text(rng, rest * 4 // 10)},
+        {"role": "assistant", "content": _text(rng, rest * 3 // 10)},
+        {"role": "user", "content": _text(rng, rest - rest * 4 // 10 - rest * 3 // 10)},
+    ]
+
+
+def chat_body(index: int, *, chars: int, model: str, max_tokens: int, stream: bool,
+              ignore_eos: bool = True) -> dict[str, object]:
+    """One ``/v1/chat/completions`` body. ``ignore_eos`` (vLLM's extension) makes every answer
+    exactly ``max_tokens`` long, so per-token figures divide by the right count."""
+    body: dict[str, object] = {"model": model, "messages": chat_messages(index, chars), "max_tokens": max_tokens,
+                               "stream": stream, "temperature": 0}
+    if ignore_eos:
+        body["ignore_eos"] = True
+    return body
+
+
+def chat_bodies(n: int, *, chars: int, model: str, max_tokens: int, stream: bool,
+                ignore_eos: bool = True) -> list[str]:
+    """``n`` bodies as JSON text (what ``bench.loadgen.LoadSpec.bodies`` takes)."""
+    return [msgspec.json.encode(chat_body(i, chars=chars, model=model, max_tokens=max_tokens, stream=stream,
+                                          ignore_eos=ignore_eos)).decode() for i in range(n)]
