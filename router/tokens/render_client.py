@@ -27,7 +27,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import msgspec
 
@@ -38,12 +39,14 @@ from contract.errors import (
     UpstreamConnectError,
     UpstreamError,
 )
-from rendering.generate_request import GenerateRequest
+from rendering.generate_request import GenerateRequest, decode_generate_request, decode_generate_requests
 from router.exchange import REQUEST_ID_HEADER
 from router.health import HealthChecker
 from router.membership import Backend, BackendPool
 from router.metrics import RenderMetrics
 from router.upstream import UpstreamPool, UpstreamTimeouts, render_headers, request_head
+
+T = TypeVar("T")
 
 POOL_RENDER = "render"
 CHAT_RENDER_PATH = "/v1/chat/completions/render"
@@ -52,8 +55,6 @@ TOKENIZE_PATH = "/tokenize"
 DETOKENIZE_PATH = "/detokenize"
 
 _JSON_HEADER = render_headers([("Content-Type", "application/json")])
-_one_decoder = msgspec.json.Decoder(GenerateRequest)
-_list_decoder = msgspec.json.Decoder(list[GenerateRequest])
 
 
 class RenderRejected(ClientError):
@@ -108,14 +109,14 @@ class RemoteRenderer:
     async def render_chat(self, body: bytes, *, request_id: str) -> GenerateRequest:
         """One ``GenerateRequest`` for a ``/v1/chat/completions`` body; its ``request_id`` is ours."""
         answer = await self.call(CHAT_RENDER_PATH, body, request_id)
-        request: GenerateRequest = self._decode(_one_decoder, answer, CHAT_RENDER_PATH)
+        request: GenerateRequest = self._decode(decode_generate_request, answer, CHAT_RENDER_PATH)
         return msgspec.structs.replace(request, request_id=request_id)
 
     async def render_completions(self, body: bytes, *, request_id: str) -> list[GenerateRequest]:
         """One ``GenerateRequest`` per prompt of a ``/v1/completions`` body; ids are ours, numbered
         ``{request_id}-{i}`` when there are several (as vLLM numbers them)."""
         answer = await self.call(COMPLETIONS_RENDER_PATH, body, request_id)
-        requests: list[GenerateRequest] = self._decode(_list_decoder, answer, COMPLETIONS_RENDER_PATH)
+        requests: list[GenerateRequest] = self._decode(decode_generate_requests, answer, COMPLETIONS_RENDER_PATH)
         if len(requests) == 1:
             return [msgspec.structs.replace(requests[0], request_id=request_id)]
         return [msgspec.structs.replace(request, request_id=f"{request_id}-{i}") for i, request in enumerate(requests)]
@@ -218,9 +219,9 @@ class RemoteRenderer:
         )
 
     @staticmethod
-    def _decode(decoder: msgspec.json.Decoder, answer: bytes, path: str):  # type: ignore[no-untyped-def]
+    def _decode(decode: Callable[[bytes], T], answer: bytes, path: str) -> T:
         try:
-            return decoder.decode(answer)
+            return decode(answer)
         except msgspec.DecodeError as exc:
             raise RenderAnswerError(
                 f"a render server's {path} answer is not a GenerateRequest this router reads ({exc}); "
