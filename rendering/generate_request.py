@@ -1,0 +1,120 @@
+"""``GenerateRequest``: what a render produces and ``/inference/v1/generate`` takes, byte for byte.
+
+The JSON is the one vLLM 0.32's render server answers (golden cases in tests/rendering/data): the
+same keys in the same order. ``GenerateRequest`` writes every field (vLLM's is a pydantic model
+dumped whole). ``SamplingParams`` is, as vLLM's own, a msgspec Struct with ``omit_defaults``: a
+field is left out when it holds its default *object* (msgspec compares by identity). That is why
+vLLM's answers always carry ``presence_penalty: 0.0`` (a float made per request) but never
+``top_k: 0`` (the cached small int) or ``n: 1``, and drop ``top_p``/``min_p`` under greedy sampling
+(reset to the defaults). ``rendering.sampling`` builds the values the same way, so our bytes match.
+
+``decode_generate_request`` reads one (the backends' generate route, the remote-render client).
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import msgspec
+
+#: ``output_kind`` values (vLLM's ``RequestOutputKind``)
+OUTPUT_CUMULATIVE = 0
+OUTPUT_DELTA = 1
+OUTPUT_FINAL_ONLY = 2
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """vLLM's ``SamplingParams`` as JSON: its field order and defaults (private fields are not sent)."""
+
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    flat_logprobs: bool = False
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    output_kind: int = OUTPUT_CUMULATIVE
+    stream_interval: int | None = None
+    skip_clone: bool = False
+    output_text_buffer_length: int = 0
+    structured_outputs: dict[str, Any] | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    extra_args: dict[str, Any] | None = None
+    bad_words: list[str] | None = None
+    skip_reading_prefix_cache: bool | None = None
+    thinking_token_budget: int | None = None
+    repetition_detection: dict[str, Any] | None = None
+
+    @property
+    def stop_strings(self) -> list[str]:
+        """``stop`` as a list (``None`` when a client sent none)."""
+        return self.stop or []
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    """vLLM's ``StreamOptions`` (both fields are always written)."""
+
+    include_usage: bool | None = True
+    continuous_usage_stats: bool | None = False
+
+
+def _random_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+class GenerateRequest(msgspec.Struct, kw_only=True):
+    """The body of ``POST /inference/v1/generate`` (and of a render server's chat answer)."""
+
+    request_id: str = msgspec.field(default_factory=_random_request_id)
+    token_ids: list[int]
+    token_offsets: Any = None
+    features: Any = None
+    content_parts: Any = None
+    sampling_params: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    model: str | None = None
+    reasoning_ended: bool | None = None
+    reasoning_parser_kwargs: dict[str, Any] | None = None
+    return_token_ids: bool | None = None
+    output_mode: str = "tokens"
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    cache_salt: str | None = None
+    priority: int = 0
+    kv_transfer_params: dict[str, Any] | None = None
+    ec_transfer_params: dict[str, Any] | None = None
+
+
+_request_decoder = msgspec.json.Decoder(GenerateRequest)
+_list_decoder = msgspec.json.Decoder(list[GenerateRequest])
+_encoder = msgspec.json.Encoder()
+
+
+def decode_generate_request(body: bytes | str) -> GenerateRequest:
+    """One ``GenerateRequest`` from JSON; ``msgspec.ValidationError``/``DecodeError`` when it is not one."""
+    return _request_decoder.decode(body)
+
+
+def decode_generate_requests(body: bytes | str) -> list[GenerateRequest]:
+    """A completions render answer: a JSON list of ``GenerateRequest``."""
+    return _list_decoder.decode(body)
+
+
+def encode_generate_request(request: GenerateRequest | list[GenerateRequest]) -> bytes:
+    """The JSON bytes vLLM's render server would answer for ``request`` (or a list of them)."""
+    return _encoder.encode(request)
