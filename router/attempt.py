@@ -6,6 +6,7 @@ accounting; it holds no behaviour.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from router.membership import Backend, BackendSet
@@ -21,7 +22,7 @@ class Attempt:
     """One request's journey: what it resolved to and where it went."""
 
     __slots__ = ("route", "request_id", "session_id", "entry", "started", "backend", "status", "pool", "home",
-                 "ttfb", "outcome", "usage")
+                 "ttfb", "outcome", "usage", "prompt_ids")
 
     def __init__(self, route: Route, request_id: str, started: float) -> None:
         self.route = route
@@ -41,3 +42,5 @@ class Attempt:
         self.outcome: Outcome | None = None
         #: the answer's token usage, when the router read it
         self.usage: Usage | None = None
+        #: tokens mode: the rendered prompt's token ids (known before placement; None in text mode)
+        self.prompt_ids: Sequence[int] | None = None

@@ -31,7 +31,7 @@ import asyncio
 import logging
 import random
 from collections import deque
-from typing import cast
+from typing import Protocol, cast
 
 from router.access_log import AccessLog
 from router.attempt import Attempt
@@ -88,6 +88,16 @@ _DROP_RESPONSE = frozenset(
 )
 
 
+class RouteHandler(Protocol):
+    """Serves a route in place of forwarding it (tokens mode): called by ``Proxy.handle`` after the
+    body was read, the session resolved and stamped and the model's candidate set found. It answers
+    through ``writer``; a ``SessionRouterError`` it raises is answered by the proxy (before a stream
+    started), and it records the answer's status on ``attempt``."""
+
+    async def __call__(self, request: RequestView, writer: ResponseWriter, route: Route, body: bytes,
+                       fields: OpenFields | None, attempt: Attempt) -> None: ...
+
+
 class Proxy:
     """The data path. Its collaborators are given by the app factory (``router.app``)."""
 
@@ -97,7 +107,7 @@ class Proxy:
                  pd: PDHandoff | None = None) -> None:
         """``pool``: where requests go (the decode pool in P/D mode: prefill legs are ``pd``'s
         business); ``pd``: the P/D hand-off (None: aggregated serving); ``access_log``: None when
-        ``access_log = "off"``."""
+        ``access_log = "off"``. Tokens mode sets ``tokens`` after construction (``router.app``)."""
         self.config = config
         self.pool = pool
         self.policy = policy
@@ -115,6 +125,9 @@ class Proxy:
         #: SESSION_HEADER, the name vLLM reads)
         self.session_header = config.sessions.header
         self._drop_response = _DROP_RESPONSE | {self.session_header.lower()}
+        #: tokens mode (``[tokens] upstream_api = "tokens"``): route name -> the handler that serves it
+        #: instead of forwarding (``router.tokens``); None in text mode, the only test on its path
+        self.tokens: dict[str, RouteHandler] | None = None
 
     def forwards(self, target: str) -> bool:
         """Whether a request for ``target`` that no route of the router matched goes to a backend
@@ -149,7 +162,11 @@ class Proxy:
                 if stripped is not None:  # a client's own P/D parameters reach no backend
                     body = stripped
                     self.metrics.kv_params_stripped.labels(route.name).inc()
-            await self._dispatch(request, writer, route, body, fields, attempt)
+            tokens = self.tokens
+            if tokens is not None and route.name in tokens:
+                await tokens[route.name](request, writer, route, body, fields, attempt)
+            else:
+                await self._dispatch(request, writer, route, body, fields, attempt)
         except SessionRouterError as exc:
             self._error(writer, exc.status, exc.body(), attempt)
         except asyncio.CancelledError:
@@ -237,7 +254,7 @@ class Proxy:
         return known[0] if known is not None else None
 
     # ------------------------------------------------------------------ placement + upstream
-    def _place(self, pool: BackendSet, attempt: Attempt, fields: OpenFields | None,
+    def place(self, pool: BackendSet, attempt: Attempt, fields: OpenFields | None,
                exclude: frozenset[str]) -> Placement:
         if not exclude:
             home = attempt.home
@@ -264,7 +281,7 @@ class Proxy:
         first: Placement | None = None
         handoff: Handoff | None = None
         if self.pd is not None and route.kind in PD_ROUTE_KINDS:
-            first = self._place(pool, attempt, fields, frozenset())  # decode first, then prefill
+            first = self.place(pool, attempt, fields, frozenset())  # decode first, then prefill
             handoff = await self.pd.prefill(route, body, attempt, headers, request.path_qs)
             body = handoff.body
         method = request.method
@@ -306,7 +323,7 @@ class Proxy:
         deadline = attempt.started + self.config.upstream.total_timeout_s
         timeouts: UpstreamTimeouts | None = None  # the pool's own on the first attempt
         while True:
-            placement = first if first is not None else self._place(pool, attempt, fields, frozenset(exclude))
+            placement = first if first is not None else self.place(pool, attempt, fields, frozenset(exclude))
             first = None
             backend = placement.backend
             attempt.backend = backend
@@ -320,7 +337,7 @@ class Proxy:
             except UpstreamError as exc:
                 backend.in_flight -= 1
                 reason = exc.reason
-                self._record_failure(backend, reason, connect_error=isinstance(exc, UpstreamConnectError))
+                self.record_failure(backend, reason, connect_error=isinstance(exc, UpstreamConnectError))
                 if retries_left <= 0 or not exc.retryable or loop.time() >= deadline:
                     raise
             except BaseException:  # cancelled (client gone): the pool closed the connection
@@ -336,7 +353,7 @@ class Proxy:
                 upstream.close()
                 backend.in_flight -= 1
                 reason = f"status_{upstream.status}"
-                self._record_failure(backend, reason, connect_error=False)
+                self.record_failure(backend, reason, connect_error=False)
             retries_left -= 1
             exclude.add(backend.url)
             self.metrics.retries.labels(reason).inc()
@@ -353,7 +370,7 @@ class Proxy:
             t = self.upstream.timeouts
             timeouts = UpstreamTimeouts(min(t.connect_s, remaining), min(t.first_byte_s, remaining), remaining)
 
-    def _record_failure(self, backend: Backend, reason: str, *, connect_error: bool) -> None:
+    def record_failure(self, backend: Backend, reason: str, *, connect_error: bool) -> None:
         self.metrics.upstream_errors.labels(backend.name, reason).inc()
         self.health.record_failure(backend, connect_error=connect_error)
 
@@ -366,11 +383,11 @@ class Proxy:
             data = await upstream.read()
             if upstream.status == 200 and (route.session_aware or attempt.entry is not None):
                 usage, response_id = usage_from_json(data)
-                self._account(attempt, usage)
+                self.account(attempt, usage)
                 if route.kind == "responses" and response_id is not None:
                     self.responses.remember(response_id, backend.url, attempt.session_id)
             elif upstream.status >= 400:
-                self._account_error(attempt)
+                self.account_error(attempt)
             writer.respond(upstream.status, headers, data)
             return
         await self._relay_stream(writer, route, fields, upstream, backend, attempt, headers)
@@ -399,9 +416,9 @@ class Proxy:
         except UpstreamError as exc:
             # bytes already reached the client: end the stream with an error event, never hang; the
             # event starts on an event boundary even when the backend broke off mid-event
-            self._record_failure(backend, exc.reason, connect_error=False)
+            self.record_failure(backend, exc.reason, connect_error=False)
             attempt.status = exc.status
-            self._account_error(attempt)
+            self.account_error(attempt)
             if (upstream.header("content-encoding") or "identity").lower() != "identity":
                 # an encoded (e.g. gzip) stream: plain text appended would be garbage to the decoder;
                 # the stream ends unfinished, which the client's decoder reports
@@ -411,9 +428,9 @@ class Proxy:
             await writer.end()
             return
         if track_usage:
-            self._account(attempt, usage_from_sse_tail(b"".join(last)))
+            self.account(attempt, usage_from_sse_tail(b"".join(last)))
         else:
-            self._account(attempt, None)
+            self.account(attempt, None)
         await writer.end()
 
     def _response_headers(self, upstream: UpstreamResponse, attempt: Attempt) -> list[tuple[str, str]]:
@@ -425,7 +442,7 @@ class Proxy:
         return headers
 
     # ------------------------------------------------------------------ accounting
-    def _account(self, attempt: Attempt, usage: Usage | None) -> None:
+    def account(self, attempt: Attempt, usage: Usage | None) -> None:
         entry = attempt.entry
         prompt = completion = cached = 0
         if usage is not None:
@@ -435,7 +452,7 @@ class Proxy:
         if entry is not None:
             entry.record_usage(prompt, completion, cached)
 
-    def _account_error(self, attempt: Attempt) -> None:
+    def account_error(self, attempt: Attempt) -> None:
         if attempt.entry is not None:
             attempt.entry.errors += 1
 
@@ -445,7 +462,7 @@ class Proxy:
         if attempt.session_id is not None:
             headers.append((self.session_header, attempt.session_id))
         if status >= 500 or attempt.backend is not None:
-            self._account_error(attempt)
+            self.account_error(attempt)
         writer.respond(status, headers, body)
 
     def _finish(self, attempt: Attempt, now: float, method: str) -> None:

@@ -1,0 +1,117 @@
+"""The engine side of tokens mode: what is POSTed to ``/inference/v1/generate`` and how an engine
+request is ended early (``/inference/v1/abort_requests``).
+
+``generate_payload`` turns the rendered ``GenerateRequest`` into the bytes for the engine: stop strings
+removed (a ``--tokens-only`` vLLM rejects them; the router applies them while derendering), and the
+stream flag and output kind as the router reads the answer (a client's non-stream request with stop
+strings is streamed from the engine, so that the router can stop it early), with usage asked for
+(the session's accounting needs the engine's cached-token count).
+
+``EngineAborts`` tells an engine, in the background, to drop a request the router no longer reads
+(every choice ended on a stop string, the client went away): ``POST /inference/v1/abort_requests
+{"request_ids": [...]}`` with the engine's own request id, which vLLM's generate route makes
+``generate-tokens-{X-Request-Id}``. Counted in the metrics by result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import msgspec
+
+from contract.errors import UpstreamError
+from contract.session import SESSION_HEADER
+from router.exchange import REQUEST_ID_HEADER
+from rendering.generate_request import OUTPUT_DELTA, OUTPUT_FINAL_ONLY, GenerateRequest, StreamOptions
+from router.membership import Backend
+from router.upstream import UpstreamPool, UpstreamTimeouts, render_headers, request_head
+
+log = logging.getLogger(__name__)
+
+GENERATE_PATH = "/inference/v1/generate"
+ABORT_PATH = "/inference/v1/abort_requests"
+#: vLLM's generate route names its engine request ``generate-tokens-{X-Request-Id, else request_id}``
+ENGINE_ID_PREFIX = "generate-tokens-"
+#: an abort is small and off the request's path: it gets this long at most
+ABORT_TIMEOUT_S = 10.0
+
+_encoder = msgspec.json.Encoder()
+_STREAM_USAGE = StreamOptions(include_usage=True, continuous_usage_stats=False)
+
+
+def engine_request_id(request_id: str) -> str:
+    """The engine's id of a request sent with ``X-Request-Id: request_id``."""
+    return ENGINE_ID_PREFIX + request_id
+
+
+def engine_headers(request_id: str, session_id: str | None) -> str:
+    """The header lines of a generate (or abort) call: JSON, the request id, the session (the only
+    session channel vLLM reads on this path)."""
+    own = [("Content-Type", "application/json"), (REQUEST_ID_HEADER, request_id)]
+    if session_id is not None:
+        own.append((SESSION_HEADER, session_id))
+    return render_headers(own)
+
+
+def generate_payload(request: GenerateRequest, *, stream: bool) -> bytes:
+    """The JSON the engine gets: ``request`` without stop strings, streamed or not as the router reads
+    it, with usage in the stream."""
+    sampling = request.sampling_params
+    changes: dict[str, Any] = {}
+    if sampling.stop is not None:
+        changes["stop"] = None
+        changes["output_text_buffer_length"] = 0
+    kind = OUTPUT_DELTA if stream else OUTPUT_FINAL_ONLY
+    if sampling.output_kind != kind:
+        changes["output_kind"] = kind
+    if changes:
+        sampling = msgspec.structs.replace(sampling, **changes)
+    request = msgspec.structs.replace(request, sampling_params=sampling, stream=stream,
+                                      stream_options=_STREAM_USAGE if stream else None)
+    return _encoder.encode(request)
+
+
+class EngineAborts:
+    """Background aborts of engine requests (kept referenced until done)."""
+
+    def __init__(self, upstream: UpstreamPool, *, on_result: Any = None) -> None:
+        """``on_result(result)`` is called with ``aborted`` / ``failed`` for each abort sent."""
+        self.upstream = upstream
+        self.on_result = on_result
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def abort(self, backend: Backend, request_ids: list[str], headers: str) -> None:
+        """Tell ``backend`` to drop ``request_ids`` (engine ids), in the background."""
+        task = asyncio.get_running_loop().create_task(self._abort(backend, request_ids, headers))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def wait(self) -> None:
+        """Until every abort under way is done (tests; shutdown)."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    async def _abort(self, backend: Backend, request_ids: list[str], headers: str) -> None:
+        payload = _encoder.encode({"request_ids": request_ids})
+        head = request_head("POST", ABORT_PATH, f"{backend.host}:{backend.port}", headers, len(payload))
+        t = self.upstream.timeouts
+        timeouts = UpstreamTimeouts(min(t.connect_s, ABORT_TIMEOUT_S), min(t.first_byte_s, ABORT_TIMEOUT_S),
+                                    ABORT_TIMEOUT_S)
+        upstream = None
+        status = 0
+        try:
+            upstream = await self.upstream.request(backend.host, backend.port, head, payload, timeouts=timeouts)
+            await upstream.read()
+            status = upstream.status
+        except UpstreamError as exc:
+            log.warning("tokens mode: could not abort %s on %s (%s); the engine runs it to its end",
+                        ", ".join(request_ids), backend.name, exc.reason)
+        finally:
+            if upstream is not None:
+                upstream.close()
+        if status and status != 200:
+            log.warning("tokens mode: aborting %s on %s answered %d", ", ".join(request_ids), backend.name, status)
+        if self.on_result is not None:
+            self.on_result("aborted" if status == 200 else "failed")
