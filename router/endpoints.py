@@ -1,4 +1,4 @@
-"""The router's own endpoints: /health, /v1/models, /metrics, /v1/sessions (the listing through router.admin).
+"""The router's own endpoints: /health, /v1/models (tokens mode: the rendered model, ``tokens_models``), /metrics, /v1/sessions (the listing through router.admin).
 
 Errors are raised (``contract.errors``); the app's ``error_middleware`` answers them."""
 
@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+import uuid
 from typing import Any
 
 import aiohttp
@@ -14,20 +16,31 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from contract.errors import BadRequestError, NotFoundError
-from router.state import ROUTER_STATE
+from rendering.model import RenderModel
+from router.state import ROUTER_STATE, RouterState
+from router.tokens.render_client import POOL_RENDER
 
 log = logging.getLogger(__name__)
 _json = msgspec.json.Encoder()
+#: the ``created`` of the router's own model card (vLLM's is its start time too)
+_STARTED = int(time.time())
 
 
 def json_response(payload: Any, status: int = 200) -> web.Response:
     return web.Response(body=_json.encode(payload), status=status, content_type="application/json")
 
 
+#: tokens mode: the model the router renders for (set by the app factory; absent in text mode)
+TOKENS_MODEL: web.AppKey[RenderModel] = web.AppKey("tokens_model", RenderModel)
+
+
 async def health(request: web.Request) -> web.Response:
+    """``ok`` (200) when the serving pool has a backend to take requests and, in tokens mode with render
+    servers, the render pool has one too; else ``unavailable`` (503). Every pool is listed."""
     state = request.app[ROUTER_STATE]
     pool = state.serving_pool
-    available = len(pool.available())
+    render = state.pools.get(POOL_RENDER)
+    available = len(pool.available()) > 0 and (render is None or len(render.available()) > 0)
     payload = {
         "status": "ok" if available else "unavailable",
         "pools": {name: {"healthy": len(p.available()), "total": len(p)} for name, p in state.pools.items()},
@@ -38,10 +51,13 @@ async def health(request: web.Request) -> web.Response:
 async def models(request: web.Request) -> web.Response:
     """The union of the healthy backends' model cards (the first card of each id): those the health
     checker learned (what the router routes by), and for a backend whose models are not known
-    yet, its ``GET /v1/models`` now."""
+    yet, its ``GET /v1/models`` now. Tokens mode: ``tokens_models``."""
     state = request.app[ROUTER_STATE]
     assert state.http is not None
-    available = [b for pool in state.pools.values() for b in pool.available()]
+    model = request.app.get(TOKENS_MODEL)
+    if model is not None:
+        return json_response(tokens_models(model, state, _STARTED))
+    available = [b for name, pool in state.pools.items() if name != POOL_RENDER for b in pool.available()]
     backends = [b for b in available if b.models is None]
     timeout = aiohttp.ClientTimeout(total=state.config.health.timeout_s * 2)
 
@@ -64,6 +80,32 @@ async def models(request: web.Request) -> web.Response:
             if isinstance(model_id, str) and model_id not in merged:
                 merged[model_id] = card
     return json_response({"object": "list", "data": list(merged.values())})
+
+
+def tokens_models(model: RenderModel, state: RouterState, created: int) -> dict[str, Any]:
+    """Tokens mode's model list: the one model the router renders for (any other name is render's 404).
+    Its card is an engine's when a healthy engine lists it (learned by the health checks, as in text
+    mode), else the router's own, built from the model folder: a ``--tokens-only`` vLLM serves no
+    ``/v1/models``, so the engines may list nothing, and the router is the one that knows the model
+    then. The engines are not asked per call (they would answer 404)."""
+    for name, pool in state.pools.items():
+        if name == POOL_RENDER:
+            continue
+        for backend in pool.available():
+            for card in backend.model_cards:
+                if card.get("id") == model.name:
+                    return {"object": "list", "data": [card]}
+    card = {
+        "id": model.name, "object": "model", "created": created, "owned_by": "vllm", "root": str(model.path),
+        "parent": None, "max_model_len": model.max_model_len,
+        "permission": [{
+            "id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": created,
+            "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+            "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False, "organization": "*",
+            "group": None, "is_blocking": False,
+        }],
+    }
+    return {"object": "list", "data": [card]}
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -1,0 +1,164 @@
+"""Tokens mode's side routes, unit level: the Responses request as a chat turn, the ``response`` object
+made of a ``chat.completion``, and tokens mode's ``/v1/models``. The end-to-end tests with real
+processes are in ``test_tokens_routes_e2e.py``."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from contract.errors import BadRequestError, InvalidJSONError
+from rendering.model import DEFAULT_MODEL_DIR, load_model
+from router.endpoints import tokens_models
+from router.membership import Backend, BackendPool
+from router.tokens.render_client import build_render_pool
+from router.tokens.render_routes import response_object, responses_turn
+
+MODEL = load_model(DEFAULT_MODEL_DIR)
+
+# vLLM's ResponsesResponse keys, in its order (pydantic dumps fields as declared)
+RESPONSE_KEYS = ["id", "created_at", "incomplete_details", "instructions", "metadata", "model", "object", "output",
+                 "parallel_tool_calls", "temperature", "tool_choice", "tools", "top_p", "background",
+                 "max_output_tokens", "max_tool_calls", "previous_response_id", "prompt", "reasoning", "service_tier",
+                 "status", "text", "top_logprobs", "truncation", "usage", "user", "input_messages", "output_messages"]
+
+
+def chat_of(body: dict[str, Any]) -> dict[str, Any]:
+    return json.loads(responses_turn(json.dumps(body).encode()).chat_body)
+
+
+def test_a_string_input_is_one_user_message_and_instructions_a_leading_system_message() -> None:
+    assert chat_of({"model": "tiny-llama", "input": "hi"}) == {
+        "model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "stream": False}
+    chat = chat_of({"input": "hi", "instructions": "be brief", "max_output_tokens": 7, "temperature": 0.5,
+                    "top_p": 0.9, "seed": 3, "stop": ["x"], "session_id": "s-1", "store": False})
+    assert chat["messages"] == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    assert (chat["max_tokens"], chat["temperature"], chat["top_p"], chat["seed"], chat["stop"]) == (7, 0.5, 0.9, 3, ["x"])
+    assert chat["session_id"] == "s-1" and chat["stream"] is False and "store" not in chat
+
+
+def test_message_items_become_chat_messages_as_vllm_builds_them() -> None:
+    chat = chat_of({"input": [
+        {"role": "developer", "content": "rules"},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "a"},
+                                                        {"type": "input_text", "text": "b"}]},
+        {"type": "message", "role": "assistant", "status": "completed",
+         "content": [{"type": "output_text", "text": "first", "annotations": []},
+                     {"type": "output_text", "text": "second", "annotations": []}]},
+        {"role": "user", "content": "again"},
+    ]})
+    assert chat["messages"] == [{"role": "developer", "content": "rules"}, {"role": "user", "content": "a\nb"},
+                                {"role": "assistant", "content": "first"}, {"role": "user", "content": "again"}]
+
+
+@pytest.mark.parametrize(("body", "param", "says"), [
+    ({"input": "x", "stream": True}, "stream", "stream is not supported"),
+    ({"input": "x", "store": True}, "store", "store is not supported"),
+    ({"input": "x", "background": True}, "background", "background is not supported"),
+    ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id", "nothing is stored"),
+    ({"input": "x", "tools": [{"type": "function", "name": "f"}]}, "tools", "tools are not supported"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "schema": {}}}}, "text", "structured output"),
+    ({"input": "x", "include": ["message.output_text.logprobs"]}, "include", "logprobs"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "o"}]}, "input", "only message items"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]}, "input", "only text parts"),
+    ({"model": "tiny-llama"}, "input", "Field required: input"),
+    ({"input": 5}, None, "invalid /v1/responses body"),
+])
+def test_what_tokens_mode_does_not_do_is_a_400_that_says_what_it_does(body: dict[str, Any], param: str | None,
+                                                                       says: str) -> None:
+    with pytest.raises(BadRequestError) as caught:
+        responses_turn(json.dumps(body).encode())
+    assert caught.value.status == 400 and caught.value.param == param and says in caught.value.message
+    if param in ("stream", "store", "previous_response_id"):
+        assert "tokens mode answers /v1/responses without streaming and without storing" in caught.value.message
+
+
+def test_a_body_that_is_not_json_is_a_400() -> None:
+    with pytest.raises(InvalidJSONError):
+        responses_turn(b"{not json")
+
+
+def chat_completion(text: str, finish: str, prompt: int = 20, completion: int = 5, cached: int | None = 3) -> bytes:
+    return json.dumps({
+        "id": "chatcmpl-x", "object": "chat.completion", "created": 1, "model": "tiny-llama",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None,
+                                             "annotations": None, "audio": None, "function_call": None,
+                                             "tool_calls": [], "reasoning": None},
+                     "logprobs": None, "finish_reason": finish, "stop_reason": None, "token_ids": None}],
+        "service_tier": None, "system_fingerprint": None,
+        "usage": {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion,
+                  "prompt_tokens_details": None if cached is None else {"cached_tokens": cached}},
+        "prompt_logprobs": None, "prompt_token_ids": None, "kv_transfer_params": None,
+    }).encode()
+
+
+def test_the_response_object_has_vllms_keys_in_vllms_order() -> None:
+    turn = responses_turn(json.dumps({"input": "hi", "instructions": "be brief", "metadata": {"k": "v"},
+                                      "user": "u1"}).encode())
+    answer = json.loads(response_object(turn, MODEL, chat_completion("hello there", "stop")))
+    assert list(answer) == RESPONSE_KEYS
+    assert answer["id"] == turn.response_id and answer["id"].startswith("resp_") and len(answer["id"]) == 37
+    assert answer["object"] == "response" and answer["status"] == "completed"
+    assert answer["incomplete_details"] is None and answer["model"] == "tiny-llama"
+    assert (answer["instructions"], answer["metadata"], answer["user"]) == ("be brief", {"k": "v"}, "u1")
+    (item,) = answer["output"]
+    assert list(item) == ["id", "content", "role", "status", "type"] and item["id"].startswith("msg_")
+    assert item["content"] == [{"annotations": [], "text": "hello there", "type": "output_text", "logprobs": None}]
+    assert (item["role"], item["status"], item["type"]) == ("assistant", "completed", "message")
+    assert answer["usage"] == {
+        "input_tokens": 20,
+        "input_tokens_details": {"cached_tokens": 3, "input_tokens_per_turn": [], "cached_tokens_per_turn": []},
+        "output_tokens": 5,
+        "output_tokens_details": {"reasoning_tokens": 0, "tool_output_tokens": 0, "output_tokens_per_turn": [],
+                                  "tool_output_tokens_per_turn": []},
+        "total_tokens": 25,
+    }
+    # the sampling parameters it ran with: the model's defaults, and the context left after the prompt
+    assert answer["temperature"] == MODEL.default_sampling.get("temperature", 1.0)
+    assert answer["max_output_tokens"] == MODEL.max_model_len - 20
+    assert (answer["tools"], answer["tool_choice"], answer["parallel_tool_calls"]) == ([], "auto", True)
+
+
+def test_max_output_tokens_ending_the_answer_is_an_incomplete_response() -> None:
+    turn = responses_turn(json.dumps({"input": "hi", "max_output_tokens": 5, "temperature": 0.25,
+                                      "request_id": "resp_mine"}).encode())
+    answer = json.loads(response_object(turn, MODEL, chat_completion("abc", "length", cached=None)))
+    assert answer["id"] == "resp_mine"
+    assert answer["status"] == "incomplete" and answer["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert answer["max_output_tokens"] == 5 and answer["temperature"] == 0.25
+    assert answer["usage"]["input_tokens_details"]["cached_tokens"] == 0
+
+
+def test_an_empty_answer_has_a_message_item_without_content() -> None:
+    turn = responses_turn(b'{"input": "hi"}')
+    answer = json.loads(response_object(turn, MODEL, chat_completion("", "stop")))
+    assert answer["output"][0]["content"] == []
+
+
+def state_with(pools: dict[str, BackendPool]) -> Any:
+    return SimpleNamespace(pools=pools)
+
+
+def test_tokens_models_is_the_routers_own_card_when_the_engines_list_none() -> None:
+    engines = BackendPool("default", [Backend("http://127.0.0.1:9001")])  # a --tokens-only vLLM: no /v1/models
+    render = build_render_pool(["http://127.0.0.1:9100"])
+    render.set_models(render.members[0], frozenset({"other"}), ({"id": "other"},))
+    answer = tokens_models(MODEL, state_with({"default": engines, "render": render}), 123)
+    (card,) = answer["data"]
+    assert answer["object"] == "list"
+    assert (card["id"], card["object"], card["owned_by"], card["created"]) == ("tiny-llama", "model", "vllm", 123)
+    assert card["max_model_len"] == MODEL.max_model_len and card["root"] == str(MODEL.path)
+    assert card["permission"][0]["object"] == "model_permission"
+
+
+def test_tokens_models_is_an_engines_card_when_one_lists_the_model() -> None:
+    engines = BackendPool("default", [Backend("http://127.0.0.1:9001"), Backend("http://127.0.0.1:9002")])
+    theirs = {"id": "tiny-llama", "object": "model", "created": 5, "owned_by": "vllm", "root": "/models/x",
+              "max_model_len": 2048}
+    engines.set_models(engines.members[1], frozenset({"tiny-llama", "lora"}), (theirs, {"id": "lora"}))
+    assert tokens_models(MODEL, state_with({"default": engines}), 123) == {"object": "list", "data": [theirs]}
+    engines.members[1].healthy = False
+    assert tokens_models(MODEL, state_with({"default": engines}), 123)["data"][0]["created"] == 123
