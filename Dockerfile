@@ -10,12 +10,12 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 WORKDIR /app
 COPY . /app
-# the packages (contract, router, backends) with uvloop; bench/ runs from /app (python -m bench.traffic)
+# the packages (contract, rendering, router, backends) with uvloop; models/ (the demo model) stays in /app; bench/ runs from /app (python -m bench.traffic)
 RUN pip install ".[fast]" \
-    && python -c "import contract.errors, router.app, backends.app, bench.traffic" \
+    && python -c "import contract.errors, rendering.model, router.app, backends.app, bench.traffic" \
     && useradd --system --uid 10001 --home-dir /app app
 USER app
 
-EXPOSE 8000 8001 8100 8101 8102 8110 8111 8112
+EXPOSE 8000 8001 8002 8100 8101 8102 8110 8111 8112 8120 8121 8122
 # overridden by every compose service
 CMD ["python", "-m", "router", "--help"]

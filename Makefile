@@ -5,6 +5,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # `make demo PD=1` runs the prefill/decode topology
 PD ?=
+# `make demo TOKENS=1` runs tokens mode (a render server, tokens-only engines, the router renders)
+TOKENS ?=
 
 .PHONY: demo test bench bench-backend install clean
 
@@ -23,7 +25,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m bench.demo $(if $(PD),--pd) $(DEMO_ARGS)
+	$(PY) -m bench.demo $(if $(PD),--pd) $(if $(TOKENS),--tokens) $(DEMO_ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)

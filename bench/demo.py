@@ -4,7 +4,8 @@ row per running conversation (session, backend, turns, tokens). Ctrl-C stops eve
 
     python -m bench.demo                 # runs until Ctrl-C
     python -m bench.demo --rounds 4      # a bounded run (CI smoke test)
-    python -m bench.demo --pd            # P/D: 1 prefill + 2 decode backends (make demo DEMO_ARGS=--pd)
+    python -m bench.demo --pd            # P/D: 1 prefill + 2 decode backends (make demo PD=1)
+    python -m bench.demo --tokens        # tokens mode: a render server, tokens-only engines (make demo TOKENS=1)
 
 Conversations end and new ones (new sessions) start: after ``--turns`` turns, or before a turn
 could take the context past ``--max-context-tokens`` (default: half the backends' context
@@ -15,6 +16,15 @@ With ``--pd`` the backends run ``--role prefill`` (port 8200 when free) and ``--
 (8201, 8202; each with ``--kv-allow`` naming the prefill), the router gets ``--prefill``/``--decode``,
 and the view adds each P/D backend's KV hand-off counters.
 
+With ``--tokens`` the demo runs vLLM's disaggregated layout with the shipped model
+(``models/tiny-llama``): a render server (``session-backend --role render``, port 8300 when free),
+``--backends`` engines that take only token ids (``session-backend --tokens-only``, 8301+), and the
+router in tokens mode (``--upstream-api tokens --model-dir ... --render URL``): it renders each
+chat request on the render server, places it by session, sends the token ids to an engine's
+``/inference/v1/generate`` with ``X-Session-ID``, and derenders the ids that come back. Before the
+traffic starts it shows one exchange: a chat answer, a stream (its deltas as they arrive), and the
+session id as the engine that served it recorded it (``GET /v1/sessions/{id}`` on the engine).
+
 The router runs with ``--access-log text`` when its ``--help`` lists that flag; the log is in the
 directory printed under "where to look".
 """
@@ -24,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import random
 import re
 import signal
@@ -39,12 +50,18 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from bench.procs import LOOPBACK, REPO, Proc, free_port, start_backend, start_router
+from bench.procs import LOOPBACK, REPO, Proc, free_port, start_backend, start_process, start_router
 from bench.traffic import (NEXT_MESSAGE_TOKENS, TOPICS, Conversation, Stats, TrafficConfig, conversation_over,
                            run_turn)
 
 #: the backends' context length when --max-model-len is not given (session-backend's default)
 BACKEND_CONTEXT_TOKENS = 8192
+#: tokens mode's model (shipped in the repository) and its context length (its config.json)
+TOKENS_MODEL_DIR = os.path.join(REPO, "models", "tiny-llama")
+TOKENS_MODEL = "tiny-llama"
+TOKENS_CONTEXT_TOKENS = 2048
+#: the session of the exchange shown before the traffic in tokens mode
+SHOWCASE_SESSION = "demo-tokens-hello"
 #: seconds of recent requests the view's rates and ratio are computed over
 WINDOW_S = 30.0
 RED, YELLOW, BOLD, RESET = "\x1b[1;37;41m", "\x1b[1;33m", "\x1b[1m", "\x1b[0m"
@@ -275,6 +292,80 @@ async def traffic(config: TrafficConfig, rounds: int | None, seed: int, urls: di
     return demo.stats
 
 
+# ------------------------------------------------------------------------------ tokens mode
+
+
+async def showcase(router_url: str, engine_urls: Sequence[str], model: str) -> list[str]:
+    """One visible exchange through the tokens-mode router: a chat answer, a stream's deltas, and the
+    session id as the engine that served both recorded it. Returns the lines it printed."""
+    lines: list[str] = []
+
+    def say(line: str) -> None:
+        lines.append(line)
+        print(line, flush=True)
+
+    headers = {"X-Session-ID": SHOWCASE_SESSION}
+    messages: list[dict[str, str]] = [{"role": "user", "content": "Hello! Who are you?"}]
+    timeout = aiohttp.ClientTimeout(total=60)
+    async with aiohttp.ClientSession(timeout=timeout) as http:
+        body = {"model": model, "messages": messages, "max_tokens": 16}
+        async with http.post(f"{router_url}/v1/chat/completions", json=body, headers=headers) as resp:
+            answer = await resp.json()
+            if resp.status != 200:
+                raise RuntimeError(f"the router answered the first chat turn with HTTP {resp.status}: {answer}")
+        choice, usage = answer["choices"][0], answer["usage"]
+        content = choice["message"]["content"] or ""
+        say(f"chat   {SHOWCASE_SESSION}: {content!r} (finish_reason {choice['finish_reason']}, "
+            f"{usage['prompt_tokens']} prompt + {usage['completion_tokens']} completion tokens)")
+        messages += [{"role": "assistant", "content": content}, {"role": "user", "content": "Tell me more."}]
+        body = {"model": model, "messages": messages, "max_tokens": 16, "stream": True,
+                "stream_options": {"include_usage": True}}
+        deltas: list[str] = []
+        finish = None
+        async with http.post(f"{router_url}/v1/chat/completions", json=body, headers=headers) as resp:
+            if resp.status != 200:
+                raise RuntimeError(f"the router answered the streamed turn with HTTP {resp.status}: "
+                                   f"{(await resp.read())[:300]!r}")
+            async for raw in resp.content:
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = msgspec.json.decode(line[len("data: "):])
+                for choice in event.get("choices") or []:
+                    delta = choice.get("delta", {}).get("content")
+                    if delta:
+                        deltas.append(delta)
+                    finish = choice.get("finish_reason") or finish
+        say(f"stream {SHOWCASE_SESSION}: {len(deltas)} deltas " + " ".join(repr(d) for d in deltas)
+            + f" (finish_reason {finish})")
+        for url in engine_urls:
+            async with http.get(f"{url}/v1/sessions/{SHOWCASE_SESSION}") as resp:
+                if resp.status != 200:
+                    continue
+                seen = await resp.json()
+            say(f"engine {url}: session {SHOWCASE_SESSION} arrived with both turns: {seen.get('requests')} "
+                f"requests, {seen.get('prompt_tokens')} prompt tokens, {seen.get('cached_tokens')} of them cached")
+    return lines
+
+
+def start_tokens_stack(log_dir: str, engines: int, speed: str, port_for: Any,
+                       max_model_len: int | None) -> tuple[list[Proc], list[str], dict[str, list[str]]]:
+    """The render server, ``engines`` tokens-only engines and the router's arguments for them."""
+    model_args = ["--model-dir", TOKENS_MODEL_DIR] + (["--max-model-len", str(max_model_len)] if max_model_len else [])
+    procs: list[Proc] = []
+    port = port_for(8300)
+    procs.append(start_process("backends", ["--host", LOOPBACK, "--port", str(port), "--role", "render", *model_args],
+                               port, log_dir, timeout=60))
+    for i in range(engines):
+        port = port_for(8301 + i)
+        procs.append(start_process("backends", ["--host", LOOPBACK, "--port", str(port), "--tokens-only",
+                                                "--speed", speed, *model_args], port, log_dir, timeout=60))
+    router_args = ["--upstream-api", "tokens", *model_args, "--render", procs[0].url]
+    for engine in procs[1:]:
+        router_args += ["--backend", engine.url]
+    return procs, router_args, {"render": [procs[0].url], "engines": [p.url for p in procs[1:]]}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="make demo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -293,13 +384,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="ephemeral loopback ports instead of the demo's 8000/8100+/8200+ (tests use this)")
     parser.add_argument("--pd", action="store_true",
                         help="prefill/decode topology: 1 prefill + 2 decode backends (ignores --backends)")
+    parser.add_argument("--tokens", action="store_true",
+                        help="tokens mode: a render server, --backends tokens-only engines and the router rendering "
+                             f"and derendering (model {TOKENS_MODEL}, context {TOKENS_CONTEXT_TOKENS} tokens)")
     args = parser.parse_args(argv)
-    context = args.max_model_len or BACKEND_CONTEXT_TOKENS
+    if args.tokens and args.pd:
+        parser.error("--tokens and --pd are separate demos: pick one")
+    context = args.max_model_len or (TOKENS_CONTEXT_TOKENS if args.tokens else BACKEND_CONTEXT_TOKENS)
     budget = args.max_context_tokens or context // 2
     if budget > context:
         parser.error(f"--max-context-tokens ({budget}) must not exceed the backends' context length ({context})")
     config = TrafficConfig(router="", sessions=args.sessions, turns=args.turns, seed=args.seed, stream_share=0.3,
-                           max_context_tokens=budget)
+                           max_context_tokens=budget, **({"model": TOKENS_MODEL} if args.tokens else {}))
     if budget <= NEXT_MESSAGE_TOKENS + config.max_tokens[1]:
         parser.error(f"--max-context-tokens must be more than {NEXT_MESSAGE_TOKENS + config.max_tokens[1]} "
                      "(room for one message and its answer)")
@@ -316,7 +412,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         router_args: list[str] = []
         pd: dict[str, list[str]] | None = None
-        if args.pd:
+        tokens: dict[str, list[str]] | None = None
+        if args.tokens:
+            started, router_args, tokens = start_tokens_stack(log_dir, args.backends, args.speed, port_for,
+                                                              args.max_model_len)
+            procs += started
+        elif args.pd:
             prefill = start_backend(log_dir, "--role", "prefill", *backend_args, port=port_for(8200), speed=args.speed)
             procs.append(prefill)
             allow = f"{LOOPBACK}:{prefill.port}"
@@ -341,9 +442,16 @@ def main(argv: list[str] | None = None) -> int:
                 ("access log" if access_log else "router log"): router.log_path}
         if pd is not None:
             urls["prefill"] = pd["prefill"][0] + "/metrics"
+        if tokens is not None:
+            urls["render server"] = tokens["render"][0]
         print("started: " + ", ".join(p.url for p in procs) + f" (logs in {log_dir})", flush=True)
         if not access_log:
             print("note: this router has no --access-log flag; its log has no per-request lines", flush=True)
+        if tokens is not None:
+            print(f"tokens mode: render server {tokens['render'][0]}, engines taking token ids "
+                  f"{', '.join(tokens['engines'])}; the router renders, places by session, generates and derenders",
+                  flush=True)
+            asyncio.run(showcase(router.url, tokens["engines"], TOKENS_MODEL))
         config = msgspec.structs.replace(config, router=router.url)
         asyncio.run(traffic(config, args.rounds, args.seed, urls, pd))
         return 0

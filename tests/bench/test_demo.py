@@ -242,6 +242,38 @@ def test_demo_conversations_end_before_the_backends_context_and_new_ones_start()
     assert any(re.fullmatch(r"demo-\d+-([1-9]\d*)", s) for s in sessions), sessions  # later conversations
 
 
+@pytest.mark.slow
+def test_tokens_demo_shows_chat_stream_and_the_session_on_the_engine_then_runs_traffic() -> None:
+    """``make demo TOKENS=1``: render server, tokens-only engines, the router rendering; the exchange
+    before the traffic is visible, and the traffic's sessions stick with rising cache hits."""
+    stdout = _demo("--tokens", "--rounds", "2")
+    assert re.search(r"^tokens mode: render server http://127\.0\.0\.1:\d+, engines taking token ids "
+                     r"http://127\.0\.0\.1:\d+, http://127\.0\.0\.1:\d+, http://127\.0\.0\.1:\d+;", stdout, re.M), stdout
+    chat = re.search(r"^chat   demo-tokens-hello: '(.+)' \(finish_reason (length|stop), (\d+) prompt \+ (\d+) "
+                     r"completion tokens\)$", stdout, re.M)
+    assert chat and int(chat[3]) > 0 and 0 < int(chat[4]) <= 16, stdout
+    stream = re.search(r"^stream demo-tokens-hello: (\d+) deltas .* \(finish_reason (length|stop)\)$", stdout, re.M)
+    assert stream and int(stream[1]) >= 1, stdout
+    # the session id reached the engine core of exactly one engine, with both turns (sticky)
+    engines = re.findall(r"^engine http://127\.0\.0\.1:\d+: session demo-tokens-hello arrived with both turns: "
+                         r"(\d+) requests, (\d+) prompt tokens, (\d+) of them cached$", stdout, re.M)
+    assert len(engines) == 1 and engines[0][0] == "2" and int(engines[0][2]) > 0, stdout
+    assert "round 2; traffic: 12 ok, 0 failed" in stdout
+    assert "ERRORS" not in stdout
+    rows = _last_rows(stdout)
+    assert len(rows) == 6
+    for row in rows:
+        backend, turns, prompt, cached = row[1], int(row[2]), int(row[4]), int(row[5])
+        assert turns == 2 and backend.startswith("http://127.0.0.1:"), row
+        assert 0 < cached < prompt, row
+
+
+def test_demo_runs_one_topology_at_a_time() -> None:
+    out = subprocess.run([sys.executable, "-m", "bench.demo", "--tokens", "--pd"], cwd=REPO, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 2 and "--tokens and --pd are separate demos" in out.stderr
+
+
 def test_demo_refuses_a_budget_over_the_context() -> None:
     out = subprocess.run([sys.executable, "-m", "bench.demo", "--max-model-len", "512", "--max-context-tokens",
                           "1000"], cwd=REPO, capture_output=True, text=True, timeout=60)

@@ -43,6 +43,14 @@ PROMETHEUS_CONFIG = REPO / "config" / "prometheus.yml"
 GRAFANA = REPO / "config" / "grafana"
 DASHBOARDS = GRAFANA / "dashboards"
 PD_PROFILE = "pd"
+TOKENS_PROFILE = "tokens"
+
+@pytest.fixture(autouse=True)
+def _in_the_repository(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Commands name the model folder relative to the image's working directory (/app, a copy of
+    the repository), so they are parsed from the repository's root."""
+    monkeypatch.chdir(REPO)
+
 
 try:
     import yaml
@@ -122,7 +130,7 @@ def compose_cli() -> list[str] | None:
     return [legacy] if legacy is not None else None
 
 
-@pytest.mark.parametrize("profiles", [[], [PD_PROFILE]], ids=["default", "pd"])
+@pytest.mark.parametrize("profiles", [[], [PD_PROFILE], [TOKENS_PROFILE]], ids=["default", "pd", "tokens"])
 def test_compose_file_validates_with_docker_compose(profiles: list[str], tmp_path: Path) -> None:
     cli = compose_cli()
     if cli is None:
@@ -147,10 +155,13 @@ def test_services_of_the_demo_stack() -> None:
     all_services = services()
     default = {n for n, s in all_services.items() if not s.profiles}
     pd = {n for n, s in all_services.items() if PD_PROFILE in s.profiles}
+    tokens = {n for n, s in all_services.items() if TOKENS_PROFILE in s.profiles}
     assert {"router", "backend-0", "backend-1", "backend-2", "traffic", "prometheus", "grafana"} <= default
     assert {"router-pd", "prefill-0", "decode-0", "decode-1"} <= pd
+    assert {"router-tokens", "render-0", "engine-0", "engine-1", "traffic-tokens"} <= tokens
     for service in all_services.values():
-        assert service.profiles in ([], [PD_PROFILE]), f"{service.name}: unexpected profiles {service.profiles}"
+        assert service.profiles in ([], [PD_PROFILE], [TOKENS_PROFILE]), (
+            f"{service.name}: unexpected profiles {service.profiles}")
         if service.ours:
             assert service.spec["build"] == ".", service.name
             assert service.command is not None and service.module, f"{service.name}: needs a python -m command"
@@ -171,10 +182,21 @@ def test_every_command_is_a_real_cli_of_the_project() -> None:
         # containers bind every interface of their own network namespace
         assert service.parsed.host == "0.0.0.0", service.name
 
+    def role(backend: Service) -> str:
+        """both / prefill / decode / render, and "tokens-only" for an engine that takes only token ids."""
+        if getattr(backend.parsed, "tokens_only", False):
+            return "tokens-only"
+        return str(backend.parsed.role)
+
     for backend in backends:
-        assert backend.parsed.role in ("both", "prefill", "decode")
-        assert (backend.parsed.role == "both") == (not backend.profiles), backend.name
-    roles = {b.name: b.parsed.role for b in backends}
+        if TOKENS_PROFILE in backend.profiles:
+            assert role(backend) in ("render", "tokens-only"), backend.name
+            # every tokens-mode service serves the image's copy of the shipped model
+            assert backend.parsed.model_dir == "models/tiny-llama" and (REPO / backend.parsed.model_dir).is_dir()
+        else:
+            assert role(backend) in ("both", "prefill", "decode")
+            assert (role(backend) == "both") == (not backend.profiles), backend.name
+    roles = {b.name: role(b) for b in backends}
     ports = {s.name: s.port for s in all_services.values() if s.port is not None}
 
     def check_url(url: str, who: str, want_role: str) -> None:
@@ -185,7 +207,15 @@ def test_every_command_is_a_real_cli_of_the_project() -> None:
 
     for router in routers:
         config: RouterConfig = router.parsed
-        if config.pd_mode:
+        if config.tokens.upstream_api == "tokens":
+            assert router.profiles == [TOKENS_PROFILE]
+            assert config.tokens.model_dir == "models/tiny-llama"
+            assert len(config.backends) >= 2 and config.tokens.render_urls
+            for b in config.backends:
+                check_url(b.url, router.name, "tokens-only")
+            for url in config.tokens.render_urls:
+                check_url(url, router.name, "render")
+        elif config.pd_mode:
             assert router.profiles == [PD_PROFILE]
             assert config.prefill and config.decode
             for b in config.prefill:
@@ -200,6 +230,7 @@ def test_every_command_is_a_real_cli_of_the_project() -> None:
     # every backend serves some router
     served = {urlsplit(b.url).hostname for r in routers for b in
               (*r.parsed.backends, *r.parsed.prefill, *r.parsed.decode)}
+    served |= {urlsplit(url).hostname for r in routers for url in r.parsed.tokens.render_urls}
     assert served == set(roles)
 
     for traffic in by_module(all_services, "bench.traffic"):
@@ -208,6 +239,9 @@ def test_every_command_is_a_real_cli_of_the_project() -> None:
         assert target.port == ports[target.hostname], traffic.name
         assert traffic.profiles == all_services[target.hostname].profiles, traffic.name
         assert target.hostname in (traffic.spec.get("depends_on") or {}), f"{traffic.name} should wait for its router"
+        tokens = all_services[target.hostname].parsed.tokens
+        if tokens.upstream_api == "tokens":  # the model the router serves, by its folder's name
+            assert traffic.parsed.model == (tokens.served_model_name or os.path.basename(tokens.model_dir)), traffic.name
 
 
 def test_routers_take_the_admin_token_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
