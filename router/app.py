@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING
 
 import aiohttp
 from aiohttp import web
@@ -32,19 +33,32 @@ from router.routes import OTHER, ROUTES
 from router.sessions.responses import ResponseIndex
 from router.sessions.table import SessionTable
 from router.state import ROUTER_STATE, RouterState
+from router.tokens.render_client import POOL_RENDER, build_render_pool
+
+if TYPE_CHECKING:
+    from router.tokens.mode import TokensMode
 from router.upstream import UpstreamLimits, UpstreamPool, UpstreamTimeouts
 
 #: the app's ``Proxy``: the raw front (``router.front``) serves the hot routes through the same one
 PROXY: web.AppKey[Proxy] = web.AppKey("proxy", Proxy)
+#: tokens mode's model, renderer and handlers (absent in text mode)
+TOKENS: web.AppKey[TokensMode] = web.AppKey("tokens")
 
 
 def build_pools(config: RouterConfig) -> dict[str, BackendPool]:
+    """The backend pools, and in tokens mode with render servers the ``render`` pool beside them (the
+    one health checker and the metrics see it as they see backends)."""
+    pools: dict[str, BackendPool]
     if config.pd_mode:
-        return {
+        pools = {
             POOL_PREFILL: BackendPool(POOL_PREFILL, [Backend(b.url, name=b.name) for b in config.prefill]),
             POOL_DECODE: BackendPool(POOL_DECODE, [Backend(b.url, name=b.name) for b in config.decode]),
         }
-    return {POOL_DEFAULT: BackendPool(POOL_DEFAULT, [Backend(b.url, name=b.name) for b in config.backends])}
+    else:
+        pools = {POOL_DEFAULT: BackendPool(POOL_DEFAULT, [Backend(b.url, name=b.name) for b in config.backends])}
+    if config.tokens.enabled and config.tokens.render_urls:
+        pools[POOL_RENDER] = build_render_pool(config.tokens.render_urls)
+    return pools
 
 
 def build_state(config: RouterConfig, registry: CollectorRegistry | None = None) -> RouterState:
@@ -85,9 +99,23 @@ def build_proxy(state: RouterState) -> Proxy:
     if config.pd_mode:
         pd = PDHandoff(state.pools[POOL_PREFILL], policy=state.policy, metrics=state.metrics,
                        upstream=state.upstream, health=state.health, fallback=config.pd.fallback)
-    return Proxy(config, pool=state.serving_pool, policy=state.policy, sessions=state.sessions,
-                 responses=state.responses, metrics=state.metrics, upstream=state.upstream, health=state.health,
-                 request_ids=state.request_ids, access_log=state.access_log, pd=pd)
+    proxy = Proxy(config, pool=state.serving_pool, policy=state.policy, sessions=state.sessions,
+                  responses=state.responses, metrics=state.metrics, upstream=state.upstream, health=state.health,
+                  request_ids=state.request_ids, access_log=state.access_log, pd=pd)
+    return proxy
+
+
+def build_tokens(state: RouterState, proxy: Proxy) -> TokensMode:
+    """Tokens mode (``[tokens] upstream_api = "tokens"``): the model, the renderer and the handlers the
+    proxy calls for chat and completions instead of forwarding (set on ``proxy.tokens``). Imported here:
+    text mode never loads the tokenizer and template libraries."""
+    from router.tokens.mode import build_tokens_mode
+
+    mode = build_tokens_mode(state.config, proxy, render_pool=state.pools.get(POOL_RENDER),
+                             upstream=state.upstream, health=state.health, sessions=state.sessions,
+                             render_metrics=state.metrics.render)
+    proxy.tokens = mode.handlers()
+    return mode
 
 
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
@@ -162,6 +190,8 @@ def create_app(config: RouterConfig, *, registry: CollectorRegistry | None = Non
     app.cleanup_ctx.append(_lifecycle)
     app.on_response_prepare.append(_stamp_request_id)
     proxy = app[PROXY] = build_proxy(state)
+    if config.tokens.enabled:
+        app[TOKENS] = build_tokens(state, proxy)
     for route in ROUTES:
         app.router.add_post(route.path, proxy_handler(proxy, route))
     app.router.add_get("/health", endpoints.health)

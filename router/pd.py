@@ -78,6 +78,8 @@ def prefill_body(kind: str, request: dict[str, Any]) -> bytes:
         sampling = dict(body.get("sampling_params") or {})
         sampling["max_tokens"] = 1
         sampling.pop("min_tokens", None)
+        if "output_kind" in sampling:  # one whole answer (vLLM's FINAL_ONLY), as the leg is not streamed
+            sampling["output_kind"] = 2
         body["sampling_params"] = sampling
     else:
         body["max_tokens"] = 1

@@ -1,0 +1,88 @@
+"""Tokens mode, assembled once at start-up from ``[tokens]``: the model, the renderer (local or
+remote), the per-session prompt cache, the engine aborts and the route handlers the proxy calls
+instead of forwarding (``Proxy.tokens``).
+
+The app factory (``router.app``) calls ``build_tokens_mode`` when ``upstream_api = "tokens"``; text
+mode builds none of it. A model folder that cannot be loaded stops start-up with a
+``ConfigError`` naming the file.
+"""
+
+from __future__ import annotations
+
+from contract.errors import ConfigError
+from rendering.model import RenderModel, load_model
+from rendering.render import Renderer
+from router.config import RouterConfig
+from router.health import HealthChecker
+from router.membership import BackendPool
+from router.metrics import RenderMetrics
+from router.proxy import Proxy, RouteHandler
+from router.sessions.table import EvictReason, SessionEntry, SessionTable
+from router.tokens.engine import EngineAborts
+from router.tokens.flow import TokensRoutes
+from router.tokens.prompt_cache import PromptCache
+from router.tokens.render_client import RemoteRenderer
+from router.tokens.renderers import LocalRenderer, RenderService
+from router.upstream import UpstreamPool
+
+
+class TokensMode:
+    """What tokens mode holds for the app's lifetime."""
+
+    def __init__(self, model: RenderModel, renderer: RenderService, local: LocalRenderer | None,
+                 prompts: PromptCache | None, aborts: EngineAborts, routes: TokensRoutes) -> None:
+        self.model = model
+        self.renderer = renderer
+        self.local = local
+        self.prompts = prompts
+        self.aborts = aborts
+        self.routes = routes
+
+    def handlers(self) -> dict[str, RouteHandler]:
+        """Route name -> handler for ``Proxy.tokens`` (chat and completions here)."""
+        return self.routes.handlers()
+
+
+def load_tokens_model(config: RouterConfig) -> RenderModel:
+    tokens = config.tokens
+    try:
+        return load_model(tokens.model_dir, served_model_name=tokens.served_model_name or None,
+                          max_model_len=tokens.max_model_len or None)
+    except ConfigError as exc:
+        raise ConfigError(f"tokens.model_dir: {exc.message}") from None
+
+
+def build_tokens_mode(config: RouterConfig, proxy: Proxy, *, render_pool: BackendPool | None,
+                      upstream: UpstreamPool, health: HealthChecker, sessions: SessionTable,
+                      render_metrics: RenderMetrics) -> TokensMode:
+    """Load the model and build the renderer, cache and handlers (``render_pool``: the render servers,
+    None to render locally)."""
+    model = load_tokens_model(config)
+    local: LocalRenderer | None = None
+    renderer: RenderService
+    if render_pool is None:
+        local = LocalRenderer(Renderer(model))
+        renderer = local
+    else:
+        renderer = RemoteRenderer(render_pool, upstream=upstream, health=health, metrics=render_metrics,
+                                  retries=config.upstream.retries, retry_backoff_s=config.upstream.retry_backoff_s,
+                                  total_timeout_s=config.upstream.total_timeout_s)
+    prompts: PromptCache | None = None
+    if local is not None and config.tokens.prompt_cache_bytes > 0:
+        prompts = PromptCache(config.tokens.prompt_cache_bytes)
+        _forget_with_sessions(sessions, prompts)
+    aborts = EngineAborts(upstream)
+    routes = TokensRoutes(proxy, model=model, renderer=renderer, local=local, prompts=prompts, aborts=aborts)
+    return TokensMode(model, renderer, local, prompts, aborts, routes)
+
+
+def _forget_with_sessions(sessions: SessionTable, prompts: PromptCache) -> None:
+    """A session the table forgets (TTL, capacity, DELETE) takes its prompt state with it."""
+    before = sessions.on_evict
+
+    def on_evict(entry: SessionEntry, reason: EvictReason) -> None:
+        prompts.drop(entry.session_id)
+        if before is not None:
+            before(entry, reason)
+
+    sessions.on_evict = on_evict
