@@ -14,12 +14,11 @@ import random
 
 import msgspec
 
+#: whole words of the shipped tiny tokenizer's vocabulary (about 5 characters per token, as ordinary
+#: English text with a real model's tokenizer), so a prompt's size in characters says its size in tokens
 WORDS = (
-    "the router keeps every turn of a session on the engine that holds its cache while the render "
-    "server turns chat messages into token ids and the engine answers with new ids that the "
-    "coordinator turns back into text one delta at a time, trimming stop strings as it goes; "
-    "long agent conversations resend their whole history, so the prompt grows every turn and "
-    "tokenizing it again is where a frontend spends its time unless it remembers the last turn"
+    "the quick brown fox jumps over the lazy dog one two three alpha beta gamma delta hello world chat "
+    "user assistant system model token prefix cache session router server request response"
 ).split()
 
 

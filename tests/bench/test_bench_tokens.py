@@ -1,0 +1,138 @@
+"""The tokens-mode benchmarks work: sized chat bodies, the load generator sending them, the report's
+arithmetic (added = tokens − bare against text, the per-token slope, TTFT added, local / server
+ratios), and ``--quick`` runs of ``bench.tokens_overhead`` and ``bench.render_server`` end to end
+(no timing assertions: the figures are the benchmark's, not the test's)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from bench import render_server, tokens_overhead
+from bench.chat_prompts import chat_bodies, chat_messages
+from bench.loadgen import LoadResult, LoadSpec, build_requests
+from bench.procs import REPO
+
+
+def test_chat_bodies_have_the_asked_size_and_differ_per_session() -> None:
+    for chars in (200, 1000, 3600):
+        messages = chat_messages(3, chars)
+        size = sum(len(m["content"]) for m in messages)
+        assert chars - 10 <= size <= chars + 60, (chars, size)
+        assert [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
+    bodies = chat_bodies(5, chars=500, model="tiny-llama", max_tokens=8, stream=True)
+    decoded = [msgspec.json.decode(b) for b in bodies]
+    assert len(set(bodies)) == 5 and chat_bodies(5, chars=500, model="tiny-llama", max_tokens=8, stream=True) == bodies
+    assert all(d["model"] == "tiny-llama" and d["max_tokens"] == 8 and d["stream"] is True and d["ignore_eos"]
+               for d in decoded)
+    assert len({d["messages"][1]["content"] for d in decoded}) == 5
+
+
+def test_loadgen_sends_the_given_bodies_one_per_session() -> None:
+    bodies = ['{"a": 1}', '{"b": 22}']
+    spec = LoadSpec(urls=["http://127.0.0.1:9"], path="/v1/chat/completions", sessions=3, bodies=bodies)
+    requests = build_requests(spec, "127.0.0.1:9")
+    assert [r.split(b"\r\n\r\n", 1)[1] for r in requests] == [b'{"a": 1}', b'{"b": 22}', b'{"a": 1}']
+    assert requests[1].startswith(b"POST /v1/chat/completions HTTP/1.1\r\n")
+    assert b"X-Session-ID: bench-1\r\n" in requests[1] and b"Content-Length: 9\r\n" in requests[1]
+    default = build_requests(LoadSpec(urls=["http://127.0.0.1:9"], sessions=1), "h")[0]
+    assert b'"prompt":"bench session 0' in default  # without bodies: the small completion, as before
+
+
+def _result(cpu: float, ttft: float = 0.0, render: float | None = None) -> LoadResult:
+    groups = {"proxy": cpu, "backends": 100.0} | ({"render": render} if render is not None else {})
+    return LoadResult(requests=100, errors=0, window_s=1.0, rps=100.0, p50_ms=2.0, p99_ms=3.0, ttft_p50_ms=ttft,
+                      cpu_us_per_req=groups)
+
+
+def test_tokens_report_compares_added_cost_with_the_text_path_round_by_round() -> None:
+    args = argparse.Namespace(sessions=10, chars=1000, concurrency=16, warmup=0.5, seconds=3.0, rounds=2)
+    modes = ["non-stream", "stream 16", "stream 128"]
+    targets = [tokens_overhead.Target("text", []), tokens_overhead.Target("tokens", [])]
+    # text 100/110 µs; tokens 400/430 µs; bare 320/300 µs: added 80 and 130 -> round 1 ok, round 2 not
+    cells = {
+        ("non-stream", "text"): tokens_overhead.Cell("non-stream", "text", [_result(100), _result(110)]),
+        ("non-stream", "tokens"): tokens_overhead.Cell("non-stream", "tokens", [_result(400), _result(430)]),
+        ("stream 16", "text"): tokens_overhead.Cell("stream 16", "text", [_result(150, 2.0), _result(150, 2.5)]),
+        ("stream 16", "tokens"): tokens_overhead.Cell("stream 16", "tokens", [_result(500, 3.0), _result(520, 3.0)]),
+        ("stream 128", "text"): tokens_overhead.Cell("stream 128", "text", [_result(374, 2.0), _result(374, 2.0)]),
+        ("stream 128", "tokens"): tokens_overhead.Cell("stream 128", "tokens", [_result(1620, 3), _result(1640, 3)]),
+    }
+    bare = {"non-stream": [320.0, 300.0], "stream 16": [330.0, 330.0], "stream 128": [442.0, 442.0]}
+    facts = {"date": "d", "nproc": "2", "cpu": "c", "kernel": "k", "loadavg": "0", "python": "3.11", "aiohttp": "a",
+             "uvloop": "u", "httptools": "h", "msgspec": "m", "tokenizers": "t", "command": "cmd", "prompt_tokens": "300"}
+    text = tokens_overhead.render_report(cells, targets, modes, bare, [700.0], facts, args)
+    row = next(line for line in text.splitlines() if line.startswith("| non-stream | 105 [100–110] | 415 [400–430]"))
+    assert "| 310 [300–320] | 105 [80–130] | ⚠️ 1/2 rounds; median 105 vs 105 |" in row
+    stream = next(line for line in text.splitlines() if line.startswith("| stream 16 | 150 "))
+    assert "| 180 [170–190] | ❌ 0/2 rounds; median 180 vs 150 |" in stream  # 500-330, 520-330 over 150
+    # per streamed token: text (374-150)/112 = 2.00; tokens (1620-500)/112 = 10.00 and (1640-520)/112 = 10.00
+    per_token = {line.split("|")[1].strip(): line for line in text.splitlines() if re.match(r"\| (text|tokens) \| \d", line)}
+    assert "| 2.00 [2.00–2.00] |" in per_token["text"] and "| 10.00 [10.00–10.00] |" in per_token["tokens"]
+    assert "| 1.00 [1.00–1.00] |" in per_token["tokens"]  # bare DecodeStream slope (442-330)/112
+    assert "| +0.75 [+0.50–+1.00] |" in per_token["tokens"]  # TTFT added: 3.0-2.0 and 3.0-2.5
+
+
+def test_render_report_ratio_and_target() -> None:
+    args = argparse.Namespace(sessions=5, chars=5500, concurrency=4, warmup=0.5, seconds=3.0, rounds=2)
+    facts = {"date": "d", "nproc": "2", "cpu": "c", "kernel": "k", "loadavg": "0", "python": "3.11", "tokenizers": "t",
+             "jinja2": "j", "vllm": "0.32.0", "command": "cmd", "prompt_tokens": "1000"}
+    server = lambda cpu: LoadResult(requests=10, errors=0, window_s=1.0, rps=10.0, p50_ms=3.0, p99_ms=4.0,  # noqa: E731
+                                    cpu_us_per_req={"server": cpu})
+    cells = {"ours": render_server.Cell("ours", [server(1000.0), server(1200.0)]),
+             "vllm": render_server.Cell("vllm", [server(3000.0), server(3300.0)])}
+    text = render_server.render_report([900.0, 1000.0], cells, {"ours": True, "vllm": True}, facts, args, "")
+    ours = next(line for line in text.splitlines() if line.startswith("| ours |"))
+    vllm = next(line for line in text.splitlines() if line.startswith("| vllm |"))
+    assert "| 0.87 [0.83–0.90] | ❌ 0/2 |" in ours
+    assert "| 0.30 [0.30–0.30] | ✅ 2/2 |" in vllm
+    assert "ours yes, vllm yes" in text
+
+
+# ---------------------------------------------------------------------- end to end (--quick)
+def _run(module: str, tmp_path: Path, *extra: str) -> tuple[str, str]:
+    out = tmp_path / "RESULTS.md"
+    out.write_text("# Benchmark results\n\nother results stay\n")
+    proc = subprocess.run([sys.executable, "-m", module, "--quick", "--out", str(out), "--jsonl",
+                           str(tmp_path / "runs.jsonl"), *extra], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    text = out.read_text()
+    assert "other results stay" in text
+    return text, (tmp_path / "runs.jsonl").read_text()
+
+
+@pytest.mark.slow
+def test_tokens_overhead_quick_run(tmp_path: Path) -> None:
+    text, jsonl = _run("bench.tokens_overhead", tmp_path)
+    assert "<!-- tokens_overhead:begin -->" in text and "python -m bench.tokens_overhead --quick" in text
+    rows = [line.split("|")[1:-1] for line in text.splitlines() if re.match(r"\| (non-stream|stream \d+) \| \w", line)]
+    seen = {(c[0].strip(), c[1].strip()) for c in rows if len(c) == 9}
+    modes = ("non-stream", "stream 4", "stream 12")
+    assert seen == {(m, t) for m in modes for t in ("direct", "text", "tokens", "tokens(remote)")}
+    for cols in rows:
+        if len(cols) == 9:
+            assert float(cols[2].split()[0]) > 0 and cols[-1].strip() == "0", cols  # req/s, errors
+    assert re.search(r"^\| non-stream \| \d+ \| \d+ \| \d+ \| -?\d+ \|", text, re.M)  # the added-cost row
+    assert re.search(r"^\| tokens \| -?\d+\.\d+ \| -?\d+\.\d+ \| \d+\.\d+ \| [+-]\d+\.\d+ \|$", text, re.M)
+    record: dict[str, Any] = msgspec.json.decode(jsonl.splitlines()[-1])
+    assert all(r["requests"] > 0 and r["errors"] == 0 for cell in record["cells"] for r in cell["rounds"])
+    assert all(v and v[0] > 0 for v in record["bare_us"].values())
+
+
+@pytest.mark.slow
+def test_render_server_quick_run(tmp_path: Path) -> None:
+    text, jsonl = _run("bench.render_server", tmp_path, "--vllm-python", "")
+    assert "<!-- render_server:begin -->" in text
+    assert "ours (`--role render`) yes" in text  # the same token ids as the local render
+    assert "The vllm row was not run" in text
+    assert re.search(r"^\| local \(`Renderer.render_chat`\) \| \d+ \|", text, re.M)
+    assert re.search(r"^\| ours \(`--role render`\) \| \d+ \| \d+ \| \d+\.\d+ \| \d+\.\d+ \| .* \| 0 \|$", text, re.M)
+    record: dict[str, Any] = msgspec.json.decode(jsonl.splitlines()[-1])
+    assert record["same_ids"] == {"ours (`--role render`)": True} and record["local_us"][0] > 0
