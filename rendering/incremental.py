@@ -1,0 +1,375 @@
+"""Incremental prompt encoding: a session's next prompt tokenized from where the last one can be reused.
+
+``encode_prompt(tokenizer, text, previous)`` returns exactly ``tokenizer.encode(text,
+add_special_tokens=False).ids`` and, when ``text`` shares a long prefix with ``previous.text``, tokenizes
+only the text after a *clean cut* inside that prefix and reuses the previous ids before it.
+
+Why a cut can be clean. A Hugging Face tokenizer encodes in fixed stages: added tokens are split out
+of the text first (leftmost-longest literal matches), the normalizer rewrites each remaining segment,
+the pre-tokenizer splits each segment into pieces, and the model (BPE, ...) tokenizes every piece on
+its own: nothing merges across pieces. So ``ids(x) == ids(x[:p]) + ids(x[p:])`` whenever ``p`` is a
+piece boundary of ``x`` that nothing in those stages can see across. This module proves that from the
+tokenizer's declared structure, for the families it can reason about (``_analyze``), and encodes in
+full whenever it cannot:
+
+- no normalizer (a normalizer may rewrite across the cut), no truncation or padding, a per-piece model
+  (BPE without dropout, WordPiece, WordLevel, Unigram), a post-processor that adds nothing when
+  ``add_special_tokens=False``; added tokens without ``lstrip``/``rstrip``/``single_word`` (their
+  match would depend on the text beside them);
+- no added token can straddle ``p``: the two characters around ``p`` never occur side by side inside
+  an added token;
+- and either ``x[p:]`` starts with an added token (a segment boundary: the match is selected because
+  nothing before ``p`` can reach over it), or the pre-tokenizer always splits between ``x[p-1]`` and
+  ``x[p]`` and decides the pieces before ``p`` without looking past ``p``:
+
+  * ``ByteLevel`` with GPT-2's regex (``use_regex``, or ``Split`` with that pattern + ``ByteLevel``),
+    no prefix space: ``x[p-1]`` is not whitespace and ``x[p]`` is ASCII whitespace. No alternative of
+    ``'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+`` holds a
+    non-space followed by a space (the optional space only leads), the whitespace alternatives hold
+    no non-space, and the regex has no look-behind: the scan from ``p`` is the scan of ``x[p:]``.
+  * ``Split`` with Llama 3's / Qwen2's pattern + ``ByteLevel``: as above but ``?[^\\s\\p{L}\\p{N}]+[\\r\\n]*``
+    takes newlines after punctuation, so ``x[p]`` must be a space or tab, or ``x[p-1]`` an ASCII
+    letter or digit.
+  * ``Metaspace`` with ``split``: ``x[p]`` is a space (or the replacement character), so the tail
+    starts with the replacement and no prefix is added to it; with no ``split`` only added-token cuts.
+
+  "Not whitespace" is taken conservatively (Python's ``isspace`` plus the characters some Unicode
+  versions count as spaces) so that the tokenizer's regex engine agrees with it.
+
+Every known clean cut of the text is remembered as a *mark* ``(position, number of tokens before it)``
+in ``PromptState``: every ~``chunk_chars`` characters (the text is encoded chunk by chunk between
+clean cuts, which is also faster than one ``encode`` of a long text), the last clean cut before the
+end, and the end. The next turn finds where its text departs from the previous one, takes the last
+mark at or before that point that is also a clean cut of the new text, checks on a window of a few
+tokens around it that the tokenizer itself does not merge across it (else: a plain full encode), and
+tokenizes from there. The answer's token ids are never reused: a template re-renders the assistant's
+turn as text, whose tokens need not be the ids the engine generated.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from array import array
+from bisect import bisect_right
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import tokenizers
+
+#: GPT-2's pre-tokenizer pattern (ByteLevel's ``use_regex``, also written out in ``Split``)
+GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+#: Llama 3's and Qwen2's patterns (``Split`` before a regex-less ``ByteLevel``)
+LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+                  r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
+                 r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+#: whitespace every regex engine agrees on
+_ASCII_SPACE = " \t\n\r\x0b\x0c"
+#: characters that are not ``isspace()`` but some engine or Unicode version may count as \s
+_MAYBE_SPACE = "\x1c\x1d\x1e\x1f\x85\xa0\u1680\u180e\u200b\u200c\u200d\u2028\u2029\u202f\u205f\u2060\u3000\ufeff"
+#: a character surely matched by \S: the class text used in the candidate regexes
+_SURE_NONSPACE_CLASS = r"[^\s" + re.escape(_MAYBE_SPACE) + "]"
+#: characters each side of a reused cut that are re-encoded to check it
+_WINDOW = 48
+_ASCII_ALNUM = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789")
+
+#: the models whose tokens depend only on the piece they are given
+_PER_PIECE_MODELS = {"BPE", "WordPiece", "WordLevel", "Unigram"}
+#: post-processors that add nothing and keep offsets when ``add_special_tokens=False``
+_QUIET_POST_PROCESSORS = {"TemplateProcessing", "BertProcessing", "RobertaProcessing", "ByteLevel"}
+
+
+def _sure_nonspace(char: str) -> bool:
+    return not char.isspace() and char not in _MAYBE_SPACE
+
+
+class CutRule:
+    """Where the pre-tokenizer of one tokenizer family provably splits, and where no added token can
+    reach across: ``is_cut(text, p)`` says whether ``ids(text) == ids(text[:p]) + ids(text[p:])``
+    holds by the rules in the module docstring."""
+
+    def __init__(self, family: str, *, split_between: Callable[[str, str], bool] | None,
+                 candidates: str, added: Sequence[str]) -> None:
+        #: a name for the family ("gpt2", "llama3", "metaspace", "metaspace-nosplit")
+        self.family = family
+        self._split_between = split_between
+        #: added tokens, longest first (``str.startswith`` takes a tuple)
+        self._added = tuple(sorted(set(added), key=len, reverse=True))
+        #: every two adjacent characters inside an added token: a cut there could split its match
+        self._inner_pairs = frozenset(tok[i:i + 2] for tok in self._added for i in range(len(tok) - 1))
+        firsts = "".join(sorted({tok[0] for tok in self._added}))
+        alternatives = [candidates] if candidates else []
+        if firsts:
+            alternatives.append(f"(?=[{re.escape(firsts)}])")
+        #: finds candidate positions (a superset of the cuts); ``is_cut`` decides
+        self._candidates = re.compile("|".join(alternatives)) if alternatives else None
+
+    def is_cut(self, text: str, p: int) -> bool:
+        """True when ``p`` is a clean cut of ``text`` (``p == len(text)`` always is; 0 is not used)."""
+        n = len(text)
+        if p >= n:
+            return p == n
+        if p <= 0:
+            return False
+        if text[p - 1:p + 1] in self._inner_pairs:
+            return False
+        if self._added and text.startswith(self._added, p):
+            return True
+        return self._split_between is not None and self._split_between(text[p - 1], text[p])
+
+    def next_cut(self, text: str, start: int) -> int:
+        """The first clean cut at or after ``start`` (``len(text)`` when there is none before the end)."""
+        pattern = self._candidates
+        n = len(text)
+        pos = max(start, 1)
+        while pattern is not None and pos < n:
+            found = pattern.search(text, pos)
+            if found is None:
+                break
+            p = found.start()
+            if self.is_cut(text, p):
+                return p
+            pos = p + 1
+        return n
+
+    def prev_cut(self, text: str, end: int, floor: int) -> int:
+        """The last clean cut ``p`` with ``floor < p < end``; ``floor`` when there is none."""
+        for p in range(end - 1, floor, -1):
+            if self.is_cut(text, p):
+                return p
+        return floor
+
+
+def _gpt2_split(before: str, after: str) -> bool:
+    return after in _ASCII_SPACE and _sure_nonspace(before)
+
+
+def _llama3_split(before: str, after: str) -> bool:
+    if after in " \t":
+        return _sure_nonspace(before)
+    return after in _ASCII_SPACE and before in _ASCII_ALNUM
+
+
+def _metaspace_split(replacement: str) -> Callable[[str, str], bool]:
+    def split(before: str, after: str) -> bool:
+        return after == " " or after == replacement
+    return split
+
+
+def _pre_tokenizer_rule(spec: Any, added: Sequence[str]) -> tuple[CutRule | None, str]:
+    """The cut rule for a pre-tokenizer's JSON, or None and why not."""
+    if not isinstance(spec, dict):
+        return None, "no pre-tokenizer: the model sees whole segments"
+    kind = spec.get("type")
+    if kind == "Sequence":
+        steps = spec.get("pretokenizers") or []
+        if (len(steps) == 2 and steps[0].get("type") == "Split" and steps[1].get("type") == "ByteLevel"
+                and steps[0].get("behavior") == "Isolated" and not steps[0].get("invert")
+                and not steps[1].get("add_prefix_space") and not steps[1].get("use_regex")):
+            pattern = (steps[0].get("pattern") or {}).get("Regex")
+            if pattern == GPT2_PATTERN:
+                return CutRule("gpt2", split_between=_gpt2_split,
+                               candidates=rf"(?<={_SURE_NONSPACE_CLASS})(?=[ \t\n\r\x0b\x0c])",
+                               added=added), ""
+            if pattern in (LLAMA3_PATTERN, QWEN2_PATTERN):
+                return CutRule("llama3", split_between=_llama3_split,
+                               candidates=rf"(?<={_SURE_NONSPACE_CLASS})(?=[ \t])|(?<=[A-Za-z0-9])(?=[\n\r\x0b\x0c])",
+                               added=added), ""
+            return None, "a Split pattern this module cannot reason about"
+        return None, "a pre-tokenizer sequence this module cannot reason about"
+    if kind == "ByteLevel":
+        if spec.get("add_prefix_space"):
+            return None, "ByteLevel adds a prefix space to every segment"
+        if not spec.get("use_regex", True):
+            return None, "ByteLevel without its regex does not split"
+        return CutRule("gpt2", split_between=_gpt2_split,
+                       candidates=rf"(?<={_SURE_NONSPACE_CLASS})(?=[ \t\n\r\x0b\x0c])", added=added), ""
+    if kind == "Metaspace":
+        replacement = spec.get("replacement", "\u2581")
+        if not isinstance(replacement, str) or len(replacement) != 1:
+            return None, "a Metaspace replacement that is not one character"
+        scheme = spec.get("prepend_scheme")
+        if scheme is None:  # older files: add_prefix_space
+            scheme = "always" if spec.get("add_prefix_space", True) else "never"
+        if scheme not in ("always", "first", "never"):
+            return None, f"Metaspace prepend_scheme {scheme!r}"
+        if spec.get("split", True):
+            return CutRule("metaspace", split_between=_metaspace_split(replacement),
+                           candidates=f"(?=[ {re.escape(replacement)}])", added=added), ""
+        return CutRule("metaspace-nosplit", split_between=None, candidates="", added=added), ""
+    return None, f"pre-tokenizer {kind!r} is not one this module can reason about"
+
+
+def _analyze(tokenizer: tokenizers.Tokenizer) -> tuple[CutRule | None, str]:
+    """Read the tokenizer's declared structure: the cut rule, or None and why every encode is full."""
+    if tokenizer.normalizer is not None:
+        return None, "the tokenizer has a normalizer"
+    if tokenizer.truncation is not None or tokenizer.padding is not None:
+        return None, "the tokenizer truncates or pads"
+    model = tokenizer.model
+    if type(model).__name__ not in _PER_PIECE_MODELS:
+        return None, f"model {type(model).__name__} is not known to tokenize piece by piece"
+    if getattr(model, "dropout", None) not in (None, 0.0):
+        return None, "BPE dropout makes encodes random"
+    post = tokenizer.post_processor
+    if post is not None:
+        spec = json.loads(post.__getstate__())
+        steps = spec.get("processors", []) if spec.get("type") == "Sequence" else [spec]
+        for step in steps:
+            if step.get("type") not in _QUIET_POST_PROCESSORS or step.get("trim_offsets"):
+                return None, f"post-processor {step.get('type')!r} may change what an encode returns"
+    added: list[str] = []
+    for token in tokenizer.get_added_tokens_decoder().values():
+        if token.lstrip or token.rstrip or token.single_word:
+            return None, f"added token {token.content!r} matches depending on the text beside it"
+        if token.normalized:
+            # matched after normalization, in a second pass: its segment boundaries are not the first
+            # pass's; without a normalizer the text is the same, but keep the proof simple
+            return None, f"added token {token.content!r} is matched on normalized text"
+        if token.content:
+            added.append(token.content)
+    pre = tokenizer.pre_tokenizer
+    spec = json.loads(pre.__getstate__()) if pre is not None else None
+    return _pre_tokenizer_rule(spec, added)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class PromptState:
+    """One session's last rendered prompt: its text, its ids (``encode(text).ids``, never to be mutated)
+    and the clean cuts the next turn may start from."""
+
+    text: str
+    token_ids: list[int]
+    #: known clean cuts of ``text``, ascending (the last one is ``len(text)``), and the number of
+    #: tokens before each; empty when the tokenizer is not one whose cuts can be proven
+    mark_pos: array = field(repr=False)
+    mark_count: array = field(repr=False)
+    #: how many leading ids were reused from the previous state (0: encoded in full)
+    reused_tokens: int = 0
+    #: the encoder that made it (its tokenizer and rule); shared, not counted in ``nbytes``
+    encoder: PromptEncoder | None = field(default=None, repr=False)
+
+    @property
+    def nbytes(self) -> int:
+        """An estimate of the memory this state holds (text, id list with its int objects, marks)."""
+        return (sys.getsizeof(self.text) + sys.getsizeof(self.token_ids) + 32 * len(self.token_ids)
+                + sys.getsizeof(self.mark_pos) + sys.getsizeof(self.mark_count) + 120)
+
+
+class PromptEncoder:
+    """Encodes prompts for one tokenizer, incrementally when ``_analyze`` proves it can. Built once per
+    tokenizer (``Renderer`` holds one); ``encode_prompt`` builds one when it is not given it."""
+
+    def __init__(self, tokenizer: tokenizers.Tokenizer, *, chunk_chars: int = 512,
+                 max_back_marks: int = 8) -> None:
+        self.tokenizer = tokenizer
+        rule, reason = _analyze(tokenizer)
+        #: None when every encode is a plain full one; ``reason`` says why
+        self.rule = rule
+        self.reason = reason
+        self.chunk_chars = chunk_chars
+        self.max_back_marks = max_back_marks
+
+    def encode(self, text: str, previous: PromptState | None = None) -> PromptState:
+        """``PromptState`` of ``text``: its ids are exactly ``tokenizer.encode(text, add_special_tokens=False).ids``."""
+        rule = self.rule
+        if rule is None:
+            return self._plain(text)
+        if previous is None or previous.encoder is not self or not previous.mark_pos:
+            return self._from_cut(text, 0, [], array("q"), array("q"))
+        old = previous.text
+        if text == old:
+            return previous
+        common = _common_prefix(old, text)
+        positions, counts = previous.mark_pos, previous.mark_count
+        index = bisect_right(positions, common)
+        for _ in range(self.max_back_marks):
+            if index <= 0:
+                break
+            index -= 1
+            p = positions[index]
+            if p > 0 and rule.is_cut(text, p):
+                if not self._window_agrees(text, p):
+                    return self._plain(text)
+                k = counts[index]
+                return self._from_cut(text, p, previous.token_ids[:k],
+                                      positions[:index + 1], counts[:index + 1], reused=k)
+        return self._from_cut(text, 0, [], array("q"), array("q"))
+
+    def _window_agrees(self, text: str, p: int) -> bool:
+        """The tokenizer itself splits the few dozen characters around ``p`` at ``p``: a cheap check of the
+        proof on the real tokenizer (a disagreement means the rule is wrong: encode in full)."""
+        start, end = max(0, p - _WINDOW), min(len(text), p + _WINDOW)
+        if end == p:
+            return True
+        encode = self.tokenizer.encode
+        whole = encode(text[start:end], add_special_tokens=False).ids
+        left = encode(text[start:p], add_special_tokens=False).ids
+        return whole[:len(left)] == left and whole[len(left):] == encode(text[p:end], add_special_tokens=False).ids
+
+    def _plain(self, text: str) -> PromptState:
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        return PromptState(text, ids, array("q"), array("q"), encoder=self)
+
+    def _from_cut(self, text: str, start: int, ids: list[int], mark_pos: array, mark_count: array,
+                  *, reused: int = 0) -> PromptState:
+        """Encode ``text[start:]`` (``start`` a clean cut, ``ids`` the ids of ``text[:start]``) chunk by
+        chunk between clean cuts, marking each cut and the last one before the end."""
+        rule = self.rule
+        assert rule is not None
+        encode = self.tokenizer.encode
+        n = len(text)
+        step = self.chunk_chars
+        a = start
+        while a < n:
+            b = rule.next_cut(text, a + step) if a + step < n else n
+            if b >= n:
+                # the last chunk: also mark its last clean cut, where the next turn most likely departs
+                c = rule.prev_cut(text, n, max(a, n - step))
+                if c > a:
+                    ids += encode(text[a:c], add_special_tokens=False).ids
+                    mark_pos.append(c)
+                    mark_count.append(len(ids))
+                    a = c
+                ids += encode(text[a:], add_special_tokens=False).ids
+                break
+            ids += encode(text[a:b], add_special_tokens=False).ids
+            mark_pos.append(b)
+            mark_count.append(len(ids))
+            a = b
+        if not mark_pos or mark_pos[-1] != n:
+            mark_pos.append(n)
+            mark_count.append(len(ids))
+        return PromptState(text, ids, mark_pos, mark_count, reused_tokens=reused, encoder=self)
+
+
+def encode_prompt(tokenizer: tokenizers.Tokenizer, text: str, previous: PromptState | None) -> PromptState:
+    """``PromptState`` of ``text`` (ids exactly ``tokenizer.encode(text, add_special_tokens=False).ids``),
+    reusing ``previous`` (the same session's last state) where that is provably the same."""
+    encoder = previous.encoder if previous is not None else None
+    if encoder is None or encoder.tokenizer is not tokenizer:
+        encoder = PromptEncoder(tokenizer)
+        previous = None
+    return encoder.encode(text, previous)
+
+
+def _common_prefix(a: str, b: str) -> int:
+    """Length of the longest common prefix of ``a`` and ``b`` (block compares, then a short scan)."""
+    if b.startswith(a):
+        return len(a)
+    if a.startswith(b):
+        return len(b)
+    limit = min(len(a), len(b))
+    lo = 0
+    block = 4096
+    while block >= 1:
+        while lo + block <= limit and a[lo:lo + block] == b[lo:lo + block]:
+            lo += block
+        block //= 8
+    while lo < limit and a[lo] == b[lo]:
+        lo += 1
+    return lo
