@@ -1,0 +1,593 @@
+"""Generate answers -> OpenAI answers: the coordinator's derender, as vLLM's own routes answer.
+
+One ``ChatDerender`` / ``CompletionDerender`` per client request. Each choice (``n > 1``, and
+per prompt for completions) has its own ``IncrementalDetokenizer`` and ``StopStrings``; ids are
+taken one at a time, so the text, the stop-string match and the token count do not depend on
+how the engine grouped ids into stream events (a whole answer and a stream give the same text).
+
+- ``whole(response)``: a non-stream generate answer -> the ``chat.completion`` JSON bytes.
+- ``chunk(event)``: one generate stream event -> the SSE bytes to send now (maybe ``b""``); the
+  role events go out before the first content (``start()`` sends them earlier if wanted).
+- ``finish()``: the usage event (``stream_options.include_usage``) and ``data: [DONE]``.
+- ``collect(event)`` + ``collected()``: a stream from the engine answered as one whole answer
+  (a non-stream client with stop strings: the router can abort the engine as soon as they hit).
+- ``stopped``: a stop string ended every choice still running: the engine must be aborted
+  (``POST /inference/v1/abort_requests``); later events are ignored.
+
+Usage: ``prompt_tokens`` from the engine's usage when it sends one (else the prompt's length);
+``completion_tokens`` counts the ids each choice consumed: every id up to and including the one
+that completed a stop string (as vLLM's engine, which stops there), none after it.
+
+An engine that ended a choice on a stop token (``finish_reason: "stop"`` with the id as
+``stop_reason``, or on EOS) has that last id left out of the text unless
+``include_stop_str_in_output``, as vLLM's detokenizer does. ``logprobs`` are not derendered
+(the answers carry ``logprobs: null``); tool calls and reasoning parsers are not applied.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from msgspec import UNSET as _UNSET_MARK  # the generate Structs' "not sent"
+
+from contract.errors import UpstreamProtocolError
+from rendering.detokenize import IncrementalDetokenizer
+from rendering.generate_response import GenerateResponse, GenerateStreamChunk, StreamError
+from rendering.model import RenderModel
+from rendering.openai_objects import (
+    DONE_EVENT,
+    ChatCompletionChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatMessage,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionResponse,
+    CompletionStreamChoice,
+    DeltaMessage,
+    StreamUsage,
+    UsageInfo,
+    encode,
+    sse_event,
+)
+from rendering.requests import ChatRequest, CompletionRequest
+from rendering.stop_strings import StopStrings, stop_list
+
+__all__ = ["ChatDerender", "CompletionDerender", "DerenderOptions"]
+
+
+@dataclass(frozen=True)
+class DerenderOptions:
+    """The request fields derender reads (``from_chat`` / ``from_completion`` take them)."""
+
+    n: int = 1
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    min_tokens: int = 0
+    include_usage: bool = False
+    continuous_usage: bool = False
+    return_token_ids: bool = False
+    #: chat: the role of the answer ("assistant", or the last message's role without a
+    #: generation prompt)
+    role: str = "assistant"
+    #: chat ``echo``: the text prepended to each answer (the last message when its role is the
+    #: answer's role); completions ``echo``: whether to prepend the prompt
+    echo_text: str | None = None
+    echo: bool = False
+    #: completions ``echo`` with ``max_tokens: 0``: the answer is the prompt alone
+    echo_only: bool = False
+
+    @classmethod
+    def from_chat(cls, chat: ChatRequest) -> DerenderOptions:
+        role = "assistant"
+        if not chat.add_generation_prompt and chat.messages:
+            role = chat.messages[-1].role
+        echo_text = None
+        if chat.echo and chat.messages and chat.messages[-1].role == role:
+            echo_text = _message_text(chat.messages[-1].content)
+        opts = chat.stream_options
+        stream = bool(chat.stream)
+        return cls(
+            n=chat.n or 1,
+            stop=stop_list(chat.stop),
+            include_stop_str_in_output=chat.include_stop_str_in_output,
+            skip_special_tokens=chat.skip_special_tokens,
+            spaces_between_special_tokens=chat.spaces_between_special_tokens,
+            min_tokens=chat.min_tokens,
+            include_usage=stream and opts is not None and bool(opts.include_usage),
+            continuous_usage=stream and opts is not None and bool(opts.include_usage) and bool(opts.continuous_usage_stats),
+            return_token_ids=bool(chat.return_token_ids),
+            role=role,
+            echo_text=echo_text or None,
+        )
+
+    @classmethod
+    def from_completion(cls, request: CompletionRequest) -> DerenderOptions:
+        opts = request.stream_options
+        stream = bool(request.stream)
+        return cls(
+            n=request.n or 1,
+            stop=stop_list(request.stop),
+            include_stop_str_in_output=request.include_stop_str_in_output,
+            skip_special_tokens=request.skip_special_tokens,
+            spaces_between_special_tokens=request.spaces_between_special_tokens,
+            min_tokens=request.min_tokens,
+            include_usage=stream and opts is not None and bool(opts.include_usage),
+            continuous_usage=stream and opts is not None and bool(opts.include_usage) and bool(opts.continuous_usage_stats),
+            return_token_ids=bool(request.return_token_ids),
+            echo=request.echo,
+            echo_only=request.echo and request.max_tokens == 0,
+        )
+
+
+def _message_text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "\n".join(part.text for part in content if getattr(part, "text", None) is not None)
+
+
+class _Choice:
+    """One choice's text: detokenizer, stop strings, token count, end."""
+
+    __slots__ = ("_detok", "_stops", "_min_tokens", "_include", "_eos", "tokens", "done", "finish_reason",
+                 "stop_reason", "by_stop_string", "parts")
+
+    def __init__(self, model: RenderModel, options: DerenderOptions, prompt_ids: Sequence[int] | None,
+                 keep_text: bool) -> None:
+        self._detok = IncrementalDetokenizer(
+            model.tokenizer,
+            prompt_ids=prompt_ids,
+            skip_special_tokens=options.skip_special_tokens,
+            spaces_between_special_tokens=options.spaces_between_special_tokens,
+        )
+        self._stops = (
+            StopStrings(options.stop, include_stop_str_in_output=options.include_stop_str_in_output)
+            if options.stop else None
+        )
+        self._min_tokens = options.min_tokens
+        self._include = options.include_stop_str_in_output
+        self._eos = model.eos_token_id
+        self.tokens = 0
+        self.done = False
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        #: ended by a stop string here (the engine may still be generating)
+        self.by_stop_string = False
+        #: the whole text so far, for whole answers (None while streaming)
+        self.parts: list[str] | None = [] if keep_text else None
+
+    def take(self, ids: list[int] | None, finish_reason: str | None,
+             stop_reason: Any) -> tuple[str, list[int]]:
+        """Consume one step's ids; answer the text to send and the ids consumed."""
+        ids = ids or []
+        decode = len(ids)
+        if (finish_reason == "stop" and ids and not self._include
+                and self._is_stop_token(ids[-1], stop_reason)):
+            decode -= 1  # vLLM leaves the stop token's own text out
+        stops = self._stops
+        if stops is None:
+            text = self._detok.push(ids[:decode] if decode < len(ids) else ids)
+            self.tokens += len(ids)
+            consumed = ids
+        else:
+            pieces: list[str] = []
+            push_one = self._detok.push_one
+            feed = stops.feed
+            count = 0
+            for token_id in ids:
+                count += 1
+                self.tokens += 1
+                if count > decode:
+                    break
+                piece = push_one(token_id)
+                if piece:
+                    out = feed(piece, check=self.tokens > self._min_tokens)
+                    if out:
+                        pieces.append(out)
+                    if stops.matched is not None:
+                        break
+            consumed = ids if count == len(ids) else ids[:count]
+            if stops.matched is not None:
+                self.done = True
+                self.by_stop_string = True
+                self.finish_reason = "stop"
+                self.stop_reason = stops.matched
+            elif finish_reason is not None:
+                pieces.append(stops.flush())
+            text = "".join(pieces)
+        if finish_reason is not None and not self.done:
+            self.done = True
+            self.finish_reason = finish_reason
+            self.stop_reason = None if stop_reason is _UNSET_MARK else stop_reason
+        if self.parts is not None and text:
+            self.parts.append(text)
+        return text, consumed
+
+    def _is_stop_token(self, last: int, stop_reason: Any) -> bool:
+        if isinstance(stop_reason, int) and not isinstance(stop_reason, bool):
+            return stop_reason == last
+        return stop_reason in (None, _UNSET_MARK) and self._eos is not None and last == self._eos
+
+    def text(self) -> str:
+        return "".join(self.parts) if self.parts else ""
+
+
+class _Base:
+    """What chat and completions derender share: choices, usage, the stream's life."""
+
+    def __init__(self, model: RenderModel, options: DerenderOptions, *, request_id: str, created: int | None,
+                 prompt_tokens: int) -> None:
+        self.model = model
+        self.options = options
+        self.request_id = request_id
+        self.created = int(time.time()) if created is None else created
+        self.prompt_tokens = prompt_tokens
+        self.failed = False
+        #: the engine's error event, when one arrived
+        self.error: StreamError | None = None
+        self._choices: dict[int, _Choice] = {}
+
+    # -- shared state ----------------------------------------------------------------------------
+
+    def _new_choice(self, prompt_ids: Sequence[int] | None, keep_text: bool) -> _Choice:
+        return _Choice(self.model, self.options, prompt_ids, keep_text)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.tokens for c in self._choices.values())
+
+    @property
+    def finished(self) -> bool:
+        """Every choice has ended (by the engine or by a stop string)."""
+        return bool(self._choices) and all(c.done for c in self._choices.values()) and len(self._choices) >= self._expected
+
+    @property
+    def stopped(self) -> bool:
+        """A stop string ended choices and none is left running: abort the engine request."""
+        return self.finished and any(c.by_stop_string for c in self._choices.values())
+
+    @property
+    def _expected(self) -> int:
+        return self.options.n
+
+    def _whole_usage(self) -> UsageInfo:
+        completion = self.completion_tokens
+        return UsageInfo(prompt_tokens=self.prompt_tokens, total_tokens=self.prompt_tokens + completion,
+                         completion_tokens=completion)
+
+    def _stream_usage(self, completion: int) -> bytes:
+        return encode(StreamUsage(prompt_tokens=self.prompt_tokens, total_tokens=self.prompt_tokens + completion,
+                                  completion_tokens=completion))
+
+    def _error_event(self, error: StreamError) -> bytes:
+        self.failed = True
+        self.error = error
+        return b'data: {"error":' + encode(error) + b"}\n\n"
+
+
+class ChatDerender(_Base):
+    """``chat.completion`` / ``chat.completion.chunk`` answers for one chat request."""
+
+    def __init__(self, model: RenderModel, chat: ChatRequest | DerenderOptions, *, request_id: str,
+                 created: int | None = None, prompt_ids: Sequence[int] | None = None,
+                 prompt_tokens: int | None = None) -> None:
+        options = chat if isinstance(chat, DerenderOptions) else DerenderOptions.from_chat(chat)
+        if prompt_tokens is None:
+            prompt_tokens = len(prompt_ids) if prompt_ids is not None else 0
+        super().__init__(model, options, request_id=request_id, created=created, prompt_tokens=prompt_tokens)
+        self._prompt_ids = list(prompt_ids) if prompt_ids is not None else None
+        self._role_sent = False
+        self._collecting = False
+        self._collected_ids: dict[int, list[int]] = {}
+        self._collected_kv: dict[str, Any] | None = None
+        enc_id = encode(request_id)
+        self._head = (b'data: {"id":' + enc_id + b',"object":"chat.completion.chunk","created":'
+                      + str(self.created).encode() + b',"model":' + encode(model.name) + b',"choices":[{"index":')
+
+    def _choice(self, index: int) -> _Choice:
+        choice = self._choices.get(index)
+        if choice is None:
+            choice = self._choices[index] = self._new_choice(self._prompt_ids, self._collecting)
+        return choice
+
+    # -- whole answers ---------------------------------------------------------------------------
+
+    def whole(self, response: GenerateResponse) -> bytes:
+        """The ``chat.completion`` for a non-stream generate answer."""
+        self._collecting = True
+        if response.usage is not None and response.usage.prompt_tokens:
+            self.prompt_tokens = response.usage.prompt_tokens
+        ids_of: dict[int, list[int]] = {}
+        for gc in sorted(response.choices, key=_index):
+            choice = self._choice(gc.index)
+            _, consumed = choice.take(gc.token_ids, gc.finish_reason or "stop", gc.stop_reason)
+            ids_of[gc.index] = consumed
+        return self._whole_bytes(ids_of, response.kv_transfer_params, _ec(response.ec_transfer_params))
+
+    def collect(self, chunk: GenerateStreamChunk) -> None:
+        """Take one generate stream event for a whole answer (see ``collected``)."""
+        self._collecting = True
+        if chunk.error is not _UNSET_MARK:
+            self.failed = True
+            self.error = chunk.error
+            return
+        if chunk.usage is not None and chunk.usage.prompt_tokens:
+            self.prompt_tokens = chunk.usage.prompt_tokens
+        for gc in chunk.choices:
+            choice = self._choice(gc.index)
+            if choice.done:
+                continue
+            _, consumed = choice.take(gc.token_ids, gc.finish_reason, gc.stop_reason)
+            self._collected_ids.setdefault(gc.index, []).extend(consumed)
+        if chunk.kv_transfer_params is not _UNSET_MARK:
+            self._collected_kv = chunk.kv_transfer_params
+
+    def collected(self) -> bytes:
+        """The ``chat.completion`` for the events ``collect`` took.
+
+        Raises ``UpstreamProtocolError`` when the engine sent an error event instead.
+        """
+        if self.error is not None:
+            raise UpstreamProtocolError(f"the engine failed while generating: {self.error.message}")
+        for choice in self._choices.values():
+            if not choice.done:  # the stream ended without a finish: send what was held back
+                choice.take(None, "stop", None)
+        return self._whole_bytes(self._collected_ids, self._collected_kv, None)
+
+    def _whole_bytes(self, ids_of: dict[int, list[int]], kv: dict[str, Any] | None,
+                     ec: dict[str, Any] | None) -> bytes:
+        opts = self.options
+        echo = opts.echo_text or ""
+        choices = []
+        for index in sorted(self._choices):
+            choice = self._choices[index]
+            choices.append(ChatCompletionChoice(
+                index=index,
+                message=ChatMessage(role=opts.role, content=echo + choice.text()),
+                finish_reason=choice.finish_reason if choice.finish_reason is not None else "stop",
+                stop_reason=choice.stop_reason,
+                token_ids=ids_of.get(index, []) if opts.return_token_ids else None,
+            ))
+        return encode(ChatCompletionResponse(
+            id=self.request_id,
+            created=self.created,
+            model=self.model.name,
+            choices=choices,
+            usage=self._whole_usage(),
+            prompt_token_ids=self._prompt_ids if opts.return_token_ids else None,
+            kv_transfer_params=kv,
+            ec_transfer_params=ec,
+        ))
+
+    # -- streams ---------------------------------------------------------------------------------
+
+    def start(self) -> bytes:
+        """The first events: one role event per choice (and the echo), once."""
+        if self._role_sent:
+            return b""
+        self._role_sent = True
+        opts = self.options
+        usage = StreamUsage(prompt_tokens=self.prompt_tokens, total_tokens=self.prompt_tokens,
+                            completion_tokens=0) if opts.continuous_usage else _UNSET_MARK
+        prompt_ids = self._prompt_ids if opts.return_token_ids else None
+        out = []
+        for i in range(opts.n):
+            out.append(sse_event(ChatCompletionChunk(
+                id=self.request_id, created=self.created, model=self.model.name,
+                choices=[ChatStreamChoice(index=i, delta=DeltaMessage(role=opts.role, content=""))],
+                usage=usage, prompt_token_ids=prompt_ids,
+            )))
+        if opts.echo_text:
+            for i in range(opts.n):
+                out.append(sse_event(ChatCompletionChunk(
+                    id=self.request_id, created=self.created, model=self.model.name,
+                    choices=[ChatStreamChoice(index=i, delta=DeltaMessage(content=opts.echo_text))],
+                    usage=usage,
+                )))
+        return b"".join(out)
+
+    def chunk(self, chunk: GenerateStreamChunk) -> bytes:
+        """The SSE bytes for one generate stream event (``b""`` when there is nothing to send)."""
+        if self.failed:
+            return b""
+        if chunk.error is not _UNSET_MARK:
+            return self._error_event(chunk.error)
+        if chunk.usage is not None and chunk.usage.prompt_tokens:
+            self.prompt_tokens = chunk.usage.prompt_tokens
+        if not chunk.choices:
+            return b""
+        out = [] if self._role_sent else [self.start()]
+        opts = self.options
+        head = self._head
+        for gc in chunk.choices:
+            choice = self._choice(gc.index)
+            if choice.done:
+                continue
+            text, consumed = choice.take(gc.token_ids, gc.finish_reason, gc.stop_reason)
+            if not text and not consumed and not choice.tokens and not choice.done:
+                continue
+            token_ids = encode(consumed) if opts.return_token_ids else b"null"
+            if choice.done:
+                tail = (b',"logprobs":null,"finish_reason":' + encode(choice.finish_reason)
+                        + b',"stop_reason":' + encode(choice.stop_reason) + b',"token_ids":' + token_ids + b"}]")
+            else:
+                tail = b',"logprobs":null,"finish_reason":null,"token_ids":' + token_ids + b"}]"
+            if opts.continuous_usage:
+                tail += b',"usage":' + self._stream_usage(choice.tokens)
+            out.append(head + str(gc.index).encode() + b',"delta":{"content":' + encode(text) + b"}" + tail + b"}\n\n")
+        return b"".join(out)
+
+    def finish(self) -> bytes:
+        """The usage event (if asked for) and ``data: [DONE]``."""
+        if self.options.include_usage and not self.failed:
+            completion = self.completion_tokens
+            usage = sse_event(ChatCompletionChunk(
+                id=self.request_id, created=self.created, model=self.model.name, choices=[],
+                usage=StreamUsage(prompt_tokens=self.prompt_tokens, total_tokens=self.prompt_tokens + completion,
+                                  completion_tokens=completion),
+            ))
+            return usage + DONE_EVENT
+        return DONE_EVENT
+
+
+class CompletionDerender(_Base):
+    """``text_completion`` answers (whole and streamed) for one completions request.
+
+    A completions request renders to one generate request per prompt; ``prompt_ids[p]`` and
+    ``prompt_texts[p]`` (for ``echo``) describe prompt ``p``, and its choice ``i`` is answered as
+    index ``p * n + i``, as vLLM numbers them.
+    """
+
+    def __init__(self, model: RenderModel, request: CompletionRequest | DerenderOptions, *, request_id: str,
+                 created: int | None = None, prompt_ids: Sequence[Sequence[int]] | None = None,
+                 prompt_texts: Sequence[str] | None = None, prompt_tokens: Sequence[int] | None = None) -> None:
+        options = request if isinstance(request, DerenderOptions) else DerenderOptions.from_completion(request)
+        self._prompt_ids = [list(p) for p in prompt_ids] if prompt_ids is not None else None
+        self._prompt_texts = list(prompt_texts) if prompt_texts is not None else None
+        self._num_prompts = max(len(self._prompt_ids or ()), len(self._prompt_texts or ()), 1)
+        if prompt_tokens is not None:
+            self._prompt_counts = list(prompt_tokens)
+        elif self._prompt_ids is not None:
+            self._prompt_counts = [len(p) for p in self._prompt_ids]
+        else:
+            self._prompt_counts = [0] * self._num_prompts
+        super().__init__(model, options, request_id=request_id, created=created,
+                         prompt_tokens=sum(self._prompt_counts))
+        self._echoed: set[int] = set()
+        self._collecting = False
+
+    @property
+    def _expected(self) -> int:
+        return self.options.n * self._num_prompts
+
+    def _choice_of(self, prompt: int, index: int) -> _Choice:
+        key = prompt * self.options.n + index
+        choice = self._choices.get(key)
+        if choice is None:
+            ids = self._prompt_ids[prompt] if self._prompt_ids is not None and prompt < len(self._prompt_ids) else None
+            choice = self._choices[key] = self._new_choice(ids, self._collecting)
+        return choice
+
+    def _set_prompt_tokens(self, prompt: int, count: int) -> None:
+        while len(self._prompt_counts) <= prompt:
+            self._prompt_counts.append(0)
+        self._prompt_counts[prompt] = count
+        self.prompt_tokens = sum(self._prompt_counts)
+
+    def _prompt_text(self, prompt: int) -> str:
+        if self.options.return_token_ids:  # vLLM echoes no prompt text with return_token_ids
+            return ""
+        texts = self._prompt_texts
+        return texts[prompt] if texts is not None and prompt < len(texts) else ""
+
+    def _prompt_id_list(self, prompt: int) -> list[int]:
+        ids = self._prompt_ids
+        return ids[prompt] if ids is not None and prompt < len(ids) else []
+
+    # -- whole answers ---------------------------------------------------------------------------
+
+    def whole(self, responses: Sequence[GenerateResponse]) -> bytes:
+        """The ``text_completion`` for the generate answers of every prompt, in prompt order."""
+        self._collecting = True
+        opts = self.options
+        choices: list[CompletionChoice] = []
+        kv = None
+        ec = None
+        for prompt, response in enumerate(responses):
+            if response.usage is not None and response.usage.prompt_tokens:
+                self._set_prompt_tokens(prompt, response.usage.prompt_tokens)
+            if prompt == 0:
+                kv = response.kv_transfer_params
+                ec = _ec(response.ec_transfer_params)
+            for gc in sorted(response.choices, key=_index):
+                choice = self._choice_of(prompt, gc.index)
+                _, consumed = choice.take(gc.token_ids, gc.finish_reason or "stop", gc.stop_reason)
+                prompt_ids = self._prompt_id_list(prompt)
+                if opts.echo_only:
+                    text, token_ids = self._prompt_text(prompt), prompt_ids
+                elif opts.echo:
+                    text, token_ids = self._prompt_text(prompt) + choice.text(), [*prompt_ids, *consumed]
+                else:
+                    text, token_ids = choice.text(), consumed
+                choices.append(CompletionChoice(
+                    index=len(choices),
+                    text=text,
+                    finish_reason=choice.finish_reason,
+                    stop_reason=choice.stop_reason,
+                    token_ids=token_ids if opts.return_token_ids else None,
+                    prompt_token_ids=prompt_ids if opts.return_token_ids else None,
+                ))
+        return encode(CompletionResponse(
+            id=self.request_id, created=self.created, model=self.model.name, choices=choices,
+            usage=self._whole_usage(), kv_transfer_params=kv, ec_transfer_params=ec,
+        ))
+
+    # -- streams ---------------------------------------------------------------------------------
+
+    def chunk(self, chunk: GenerateStreamChunk, prompt: int = 0) -> bytes:
+        """The SSE bytes for one generate stream event of prompt ``prompt``."""
+        if self.failed:
+            return b""
+        if chunk.error is not _UNSET_MARK:
+            return self._error_event(chunk.error)
+        if chunk.usage is not None and chunk.usage.prompt_tokens:
+            self._set_prompt_tokens(prompt, chunk.usage.prompt_tokens)
+        opts = self.options
+        out = []
+        for gc in chunk.choices:
+            key = prompt * opts.n + gc.index
+            choice = self._choice_of(prompt, gc.index)
+            if choice.done:
+                continue
+            text, consumed = choice.take(gc.token_ids, gc.finish_reason, gc.stop_reason)
+            prompt_ids_out = None
+            if key not in self._echoed and (opts.echo or opts.return_token_ids):
+                self._echoed.add(key)
+                prompt_ids_out = self._prompt_id_list(prompt)
+                if opts.echo:
+                    text = self._prompt_text(prompt) + ("" if opts.echo_only else text)
+            elif not text and not consumed and not choice.tokens and not choice.done:
+                continue
+            event = CompletionChunk(
+                id=self.request_id, created=self.created, model=self.model.name,
+                choices=[CompletionStreamChoice(
+                    index=key, text=text,
+                    finish_reason=choice.finish_reason if choice.done else None,
+                    stop_reason=choice.stop_reason if choice.done else None,
+                    prompt_token_ids=prompt_ids_out,
+                    token_ids=consumed if opts.return_token_ids else None,
+                )],
+            )
+            if opts.continuous_usage:
+                count = self._prompt_counts[prompt] if prompt < len(self._prompt_counts) else 0
+                event.usage = StreamUsage(prompt_tokens=count, total_tokens=count + choice.tokens,
+                                          completion_tokens=choice.tokens)
+            out.append(sse_event(event))
+        return b"".join(out)
+
+    def finish(self) -> bytes:
+        """The usage event (if asked for) and ``data: [DONE]``."""
+        if self.options.include_usage and not self.failed:
+            completion = self.completion_tokens
+            return sse_event(CompletionChunk(
+                id=self.request_id, created=self.created, model=self.model.name, choices=[],
+                usage=StreamUsage(prompt_tokens=self.prompt_tokens, total_tokens=self.prompt_tokens + completion,
+                                  completion_tokens=completion),
+            )) + DONE_EVENT
+        return DONE_EVENT
+
+
+def _index(choice: Any) -> int:
+    return choice.index
+
+
+def _ec(value: Any) -> Any:
+    return None if value is _UNSET_MARK else value
