@@ -8,7 +8,7 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import msgspec
@@ -16,9 +16,11 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from contract.errors import BadRequestError, NotFoundError
-from rendering.model import RenderModel
 from router.state import ROUTER_STATE, RouterState
 from router.tokens.render_client import POOL_RENDER
+
+if TYPE_CHECKING:
+    from rendering.model import RenderModel
 
 log = logging.getLogger(__name__)
 _json = msgspec.json.Encoder()
@@ -31,7 +33,7 @@ def json_response(payload: Any, status: int = 200) -> web.Response:
 
 
 #: tokens mode: the model the router renders for (set by the app factory; absent in text mode)
-TOKENS_MODEL: web.AppKey[RenderModel] = web.AppKey("tokens_model", RenderModel)
+TOKENS_MODEL: web.AppKey[RenderModel] = web.AppKey("tokens_model")
 
 
 async def health(request: web.Request) -> web.Response:
@@ -82,7 +84,7 @@ async def models(request: web.Request) -> web.Response:
     return json_response({"object": "list", "data": list(merged.values())})
 
 
-def tokens_models(model: RenderModel, state: RouterState, created: int) -> dict[str, Any]:
+def tokens_models(model: "RenderModel", state: RouterState, created: int) -> dict[str, Any]:
     """Tokens mode's model list: the one model the router renders for (any other name is render's 404).
     Its card is an engine's when a healthy engine lists it (learned by the health checks, as in text
     mode), else the router's own, built from the model folder: a ``--tokens-only`` vLLM serves no

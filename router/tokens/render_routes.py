@@ -68,7 +68,10 @@ class TokenizeHandler:
 class TokenizeRoutes:
     """``/tokenize`` and ``/detokenize``: the local renderer's answers, or a render server's."""
 
-    def __init__(self, renderer: Renderer, remote: RemoteRenderer | None = None) -> None:
+    def __init__(self, renderer: Renderer | None, remote: RemoteRenderer | None = None) -> None:
+        """``remote``: the render servers (they answer); else ``renderer``, the router's own."""
+        if renderer is None and remote is None:
+            raise ValueError("TokenizeRoutes needs the local renderer or the remote one")
         self.renderer = renderer
         self.remote = remote
 
@@ -76,12 +79,14 @@ class TokenizeRoutes:
         """The 200 answer's body (vLLM's ``/tokenize`` shape); errors are raised (vLLM's status and body)."""
         if self.remote is not None:
             return await self.remote.tokenize(body, request_id=request_id)
+        assert self.renderer is not None
         return self.renderer.tokenize(body)
 
     async def detokenize(self, body: bytes, *, request_id: str) -> bytes:
         """The 200 answer's body (vLLM's ``/detokenize`` shape); errors are raised."""
         if self.remote is not None:
             return await self.remote.detokenize(body, request_id=request_id)
+        assert self.renderer is not None
         return self.renderer.detokenize(body)
 
 
@@ -386,10 +391,11 @@ class ResponsesHandler:
         writer.respond(200, capture.headers, response_object(turn, self.model, capture.body))
 
 
-def side_handlers(chat: RouteHandler, model: RenderModel, renderer: Renderer, remote: RemoteRenderer | None,
+def side_handlers(chat: RouteHandler, model: RenderModel, renderer: Renderer | None, remote: RemoteRenderer | None,
                   session_header: str) -> dict[str, RouteHandler]:
     """The handlers of this module by route name, for ``Proxy.tokens`` (beside the chat and
-    completions handlers of ``router.tokens.flow``; ``chat`` is the chat route's)."""
+    completions handlers of ``router.tokens.flow``; ``chat`` is the chat route's). ``remote``: the
+    render servers when they render (they answer /tokenize and /detokenize too), else ``renderer``."""
     tokenize = TokenizeRoutes(renderer, remote)
     return {
         "responses": ResponsesHandler(chat, model),
