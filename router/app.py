@@ -33,7 +33,7 @@ from router.routes import OTHER, ROUTES
 from router.sessions.responses import ResponseIndex
 from router.sessions.table import SessionTable
 from router.state import ROUTER_STATE, RouterState
-from router.tokens.render_client import POOL_RENDER, build_render_pool
+from router.tokens.render_client import POOL_RENDER, RemoteRenderer, build_render_pool
 
 if TYPE_CHECKING:
     from router.tokens.mode import TokensMode
@@ -115,6 +115,12 @@ def build_tokens(state: RouterState, proxy: Proxy) -> TokensMode:
                              upstream=state.upstream, health=state.health, sessions=state.sessions,
                              render_metrics=state.metrics.render)
     proxy.tokens = mode.handlers()
+    from router.tokens.render_routes import side_handlers  # /v1/responses, /tokenize, /detokenize
+
+    remote = mode.renderer if isinstance(mode.renderer, RemoteRenderer) else None
+    proxy.tokens.update(side_handlers(proxy.tokens["chat"], mode.model,
+                                      mode.local.renderer if mode.local is not None else None, remote,
+                                      state.config.sessions.header))
     return mode
 
 
@@ -192,6 +198,7 @@ def create_app(config: RouterConfig, *, registry: CollectorRegistry | None = Non
     proxy = app[PROXY] = build_proxy(state)
     if config.tokens.enabled:
         app[TOKENS] = build_tokens(state, proxy)
+        app[endpoints.TOKENS_MODEL] = app[TOKENS].model
     for route in ROUTES:
         app.router.add_post(route.path, proxy_handler(proxy, route))
     app.router.add_get("/health", endpoints.health)
