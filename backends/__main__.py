@@ -1,6 +1,16 @@
 """``session-backend`` / ``python -m backends``: run one simulated vLLM-compatible backend.
 
-    session-backend --host 127.0.0.1 --port 8100 --role both --model session-sim --speed 1
+    session-backend --host 127.0.0.1 --port 8100 --role both --speed 1 [--model-dir models/tiny-llama]
+
+The model folder (``--model-dir``, default the shipped ``models/tiny-llama``) gives the tokenizer, the
+chat template, the context length (``--max-model-len`` overrides it) and the served name (the folder's
+name unless ``--served-model-name``); the engine generates ids of that vocabulary.
+
+vLLM 0.32's scale-out surface::
+
+    session-backend --enable-scale-out      # + render, derender, abort routes
+    session-backend --tokens-only           # only generate, abort, health, metrics, load, models
+    session-backend --role render           # a render server: no engine
 
 Prints one line when listening (``session-backend listening on http://HOST:PORT ...``; with
 ``--port 0`` it names the port the OS chose). SIGTERM / SIGINT stop it gracefully: no new
@@ -33,10 +43,13 @@ from aiohttp import web
 
 from backends import __version__
 from backends.app import create_app, create_side_channel_app
+from backends.render_routes import create_render_app
 from backends.engine.config import EngineConfig
 from backends.kv_transfer.allow_list import parse_allow_entry
 from backends.kv_transfer.pull_client import DEFAULT_PULL_TIMEOUT_S
 from contract.aiohttp_json_errors import JsonErrorAppRunner
+from contract.errors import ConfigError
+from rendering.model import DEFAULT_MODEL_DIR, RenderModel, load_model
 
 log = logging.getLogger("backends")
 
@@ -61,13 +74,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     p.add_argument("--host", default="127.0.0.1", help="address to bind")
     p.add_argument("--port", type=int, default=8100, help="port to bind; 0 = any free port")
-    p.add_argument("--role", choices=("both", "prefill", "decode"), default=d.role,
-                   help="both: a whole request; prefill/decode: one side of a P/D hand-off")
-    p.add_argument("--model", default=d.model, help="served model name")
+    p.add_argument("--role", choices=("both", "prefill", "decode", "render"), default=d.role,
+                   help="both: a whole request; prefill/decode: one side of a P/D hand-off; render: a render "
+                        "server with no engine (vllm launch render)")
+    p.add_argument("--model-dir", default=str(DEFAULT_MODEL_DIR), metavar="DIR",
+                   help="model folder: tokenizer.json, tokenizer_config.json, chat template, config.json "
+                        "(default: the shipped models/tiny-llama)")
+    p.add_argument("--served-model-name", "--model", dest="served_model_name", default=None, metavar="NAME",
+                   help="served model name (default: the model folder's name)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context length in tokens: longer prompts (+ max_tokens) get a 400 (default: the "
+                        "model's, config.json max_position_embeddings)")
+    p.add_argument("--enable-scale-out", action="store_true",
+                   help="also serve vLLM's scale-out routes: /v1/chat/completions/render, /v1/completions/render, "
+                        "the derender routes, /inference/v1/abort_requests")
+    p.add_argument("--tokens-only", action="store_true",
+                   help="serve only /inference/v1/generate, abort, /health, /metrics, /load, /v1/models "
+                        "(vllm serve --tokens-only: no detokenization, stop strings refused)")
     p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV-cache block")
     p.add_argument("--num-blocks", type=int, default=d.num_blocks, help="KV-cache capacity in blocks")
-    p.add_argument("--max-model-len", type=int, default=d.max_model_len,
-                   help="context length in tokens: longer prompts (+ max_tokens) get a 400")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="requests the scheduler runs at once")
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
                    help="tokens the scheduler processes per step")
@@ -111,10 +136,14 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = build_parser()
     args = p.parse_args(argv)
-    for name in ("block_size", "num_blocks", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+    for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens",
                  "max_tracked_sessions", "session_metrics_top_k"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.max_model_len is not None and args.max_model_len < 1:
+        p.error("--max-model-len must be at least 1")
+    if args.role == "render" and args.tokens_only:
+        p.error("--tokens-only is an engine's surface; a --role render server has no engine")
     if args.speed < 0:
         p.error("--speed must be >= 0")
     if not 0 <= args.port <= 65535:
@@ -144,13 +173,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def config_from_args(args: argparse.Namespace) -> EngineConfig:
+def model_from_args(args: argparse.Namespace) -> RenderModel:
+    """The model folder named by the flags (``ConfigError`` naming what is wrong)."""
+    return load_model(args.model_dir, served_model_name=args.served_model_name, max_model_len=args.max_model_len)
+
+
+def config_from_args(args: argparse.Namespace, model: RenderModel) -> EngineConfig:
     return EngineConfig(
-        model=args.model,
+        model=model.name,
         role=args.role,
         block_size=args.block_size,
         num_blocks=args.num_blocks,
-        max_model_len=args.max_model_len,
+        max_model_len=model.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         speed=args.speed,
@@ -178,10 +212,14 @@ def _kv_host(args: argparse.Namespace) -> str:
     return host
 
 
-async def serve(args: argparse.Namespace) -> None:
-    dedicated = args.kv_port is not None
-    app = create_app(config_from_args(args), kv_allow=args.kv_allow, kv_pull_timeout_s=args.kv_pull_timeout,
-                     kv_side_channel_on_data_port=not dedicated)
+async def serve(args: argparse.Namespace, model: RenderModel) -> None:
+    dedicated = args.kv_port is not None and args.role != "render"
+    if args.role == "render":
+        app = create_render_app(model)
+    else:
+        app = create_app(config_from_args(args, model), model=model, scale_out=args.enable_scale_out,
+                         tokens_only=args.tokens_only, kv_allow=args.kv_allow, kv_pull_timeout_s=args.kv_pull_timeout,
+                         kv_side_channel_on_data_port=not dedicated)
     runner = JsonErrorAppRunner(app, access_log=None, handler_cancellation=True,
                            shutdown_timeout=args.shutdown_timeout)
     await runner.setup()
@@ -201,7 +239,8 @@ async def serve(args: argparse.Namespace) -> None:
             kv_listen = args.kv_host if args.kv_host is not None else args.host
             await web.TCPSite(kv_runner, kv_listen, args.kv_port).start()
             kv_note = f", kv side channel on {kv_listen}:{args.kv_port}"
-        print(f"session-backend listening on http://{host}:{port} (model={args.model}, role={args.role}, "
+        surface = ", tokens-only" if args.tokens_only else ", scale-out" if args.enable_scale_out else ""
+        print(f"session-backend listening on http://{host}:{port} (model={model.name}, role={args.role}{surface}, "
               f"speed={args.speed:g}{kv_note})", flush=True)
         await stop.wait()
         log.info("stopping: draining in-flight requests for up to %gs", args.shutdown_timeout)
@@ -223,13 +262,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     try:
+        model = model_from_args(args)
+    except ConfigError as exc:
+        print(f"session-backend: {exc}", file=sys.stderr)
+        return 2
+    try:
         import uvloop
     except ImportError:  # optional dependency
         runner = asyncio.run
     else:
         runner = uvloop.run
     try:
-        runner(serve(args))
+        runner(serve(args, model))
     except OSError as exc:  # e.g. the port is taken
         print(f"session-backend: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 1

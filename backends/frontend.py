@@ -1,8 +1,9 @@
 """The per-application state of a session-backend HTTP app and its typed keys.
 
-``Frontend`` (under ``FRONTEND``) holds what every route shares: the engine config, tokenizer,
-engine, metrics registry, response store, request ids, the in-flight count and the P/D agent;
-``ENGINE`` is the engine again, for the app's lifecycle and tests.
+``Frontend`` (under ``FRONTEND``) holds what every route shares: the engine config, the model and its
+tokenizer, engine, metrics registry, response store, request ids, the in-flight count and the P/D
+agent; ``ENGINE`` is the engine again, for the app's lifecycle and tests; ``REQUEST_IDS`` the id
+generator every app of this package has (a render server has no ``Frontend``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from backends.responses_store import ResponseStore
 from backends.tokenizer import Tokenizer
 from contract.errors import NotFoundError
 from contract.ids import IdGenerator
+from rendering.model import RenderModel
 
 if TYPE_CHECKING:
     from backends.kv_transfer.agent import KVTransfer
@@ -41,6 +43,7 @@ class Frontend:
     """Per-application state of the HTTP frontend (stored under ``FRONTEND`` in the app)."""
 
     config: EngineConfig
+    model: RenderModel
     tokenizer: Tokenizer
     engine: AsyncEngine
     registry: CollectorRegistry
@@ -52,6 +55,8 @@ class Frontend:
     in_flight: int = 0
     #: P/D: the KV transfer agent (side channel, pulls, prompt-source counters); None in bare tests
     kv: "KVTransfer | None" = None
+    #: ``--tokens-only``: no detokenization, so stop strings and text output are refused
+    tokens_only: bool = False
 
     @property
     def fingerprint(self) -> str:
@@ -59,7 +64,8 @@ class Frontend:
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.config.model:
-            raise NotFoundError(f"The model `{model}` does not exist.", param="model")
+            raise NotFoundError(f"The model `{model}` does not exist. Valid aliases: {self.config.model}.",
+                                param="model")
 
     def check_engine(self) -> None:
         """Fail with a 503 before a stream starts when the engine loop is not running."""
@@ -81,7 +87,9 @@ class Frontend:
 REQUEST_ID_KEY = web.RequestKey("request_id", str)
 
 
-#: the frontend state: config, tokenizer, engine, response store, ids, in-flight count
+#: the frontend state: config, model, tokenizer, engine, response store, ids, in-flight count
 FRONTEND = web.AppKey("frontend", Frontend)
+#: the request id generator of any app of this package (the frontend's own, or a render server's)
+REQUEST_IDS = web.AppKey("request_ids", IdGenerator)
 #: the engine (also reachable as ``app[FRONTEND].engine``)
 ENGINE = web.AppKey("engine", AsyncEngine)

@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from backends.engine.errors import DuplicateRequestIdError, EngineDeadError, EngineError
-from backends.frontend import FRONTEND, REQUEST_ID_HEADER, REQUEST_ID_KEY
+from backends.frontend import REQUEST_ID_HEADER, REQUEST_ID_KEY, REQUEST_IDS
 from contract.errors import BadRequestError, SessionRouterError, error_body
 
 log = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     if not resp.prepared and REQUEST_ID_HEADER not in resp.headers:
         rid = request.get(REQUEST_ID_KEY) or request.headers.get(REQUEST_ID_HEADER)
         if rid is None:
-            rid = request.app[FRONTEND].ids.next()
+            rid = request.app[REQUEST_IDS].next()
         resp.headers[REQUEST_ID_HEADER] = rid
     return resp
 

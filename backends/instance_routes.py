@@ -1,8 +1,8 @@
-"""The routes of session-backend besides generation: what the instance says about itself and its
-tokenizer (vLLM's, where a client or router can see them).
+"""The routes of session-backend besides generation: what the instance says about itself
+(vLLM's, where a client or router can see them).
 
 ``GET /v1/models``, ``/health``, ``/load``, ``/version``, ``/metrics``, ``/v1/sessions``,
-``/v1/sessions/{id}``; ``POST /tokenize``, ``/detokenize``.
+``/v1/sessions/{id}``.
 """
 
 from __future__ import annotations
@@ -14,17 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from backends.frontend import ENGINE, FRONTEND
 from backends.generation import json_response
 from backends.json_body import read_json_body
-from backends.openai_routes import chat_prompt
-from backends.protocol import (
-    DetokenizeRequest,
-    DetokenizeResponse,
-    ModelCard,
-    ModelList,
-    SessionEntry,
-    SessionList,
-    TokenizeRequest,
-    TokenizeResponse,
-)
+from backends.protocol import ModelCard, ModelList, SessionEntry, SessionList
 from contract.errors import BadRequestError, NotFoundError
 
 DEFAULT_SESSIONS_LIMIT = 100
@@ -92,49 +82,16 @@ async def get_session(request: web.Request) -> web.Response:
     )
 
 
-_tokenize_decoder = msgspec.json.Decoder(TokenizeRequest)
-_detokenize_decoder = msgspec.json.Decoder(DetokenizeRequest)
-
-
-async def tokenize(request: web.Request) -> web.Response:
-    fe = request.app[FRONTEND]
-    body: TokenizeRequest = await read_json_body(request, _tokenize_decoder)
-    fe.check_model(body.model)
-    tok = fe.tokenizer
-    if body.messages is not None:
-        # the chat form's add_special_tokens is moot: the template itself starts with <s>
-        ids = chat_prompt(tok, body.messages, body.add_generation_prompt)
-    elif body.prompt is not None:
-        ids = tok.encode(body.prompt, add_bos=body.add_special_tokens is not False)
-    else:
-        raise BadRequestError("Send either prompt (a string) or messages (a chat).", param="prompt")
-    return json_response(
-        TokenizeResponse(
-            count=len(ids), max_model_len=fe.config.max_model_len, tokens=ids,
-            token_strs=[tok.token_str(i) for i in ids] if body.return_token_strs else msgspec.UNSET,
-        ),
-        {},
-    )
-
-
-async def detokenize(request: web.Request) -> web.Response:
-    fe = request.app[FRONTEND]
-    body: DetokenizeRequest = await read_json_body(request, _detokenize_decoder)
-    fe.check_model(body.model)
-    try:
-        text = fe.tokenizer.decode(body.tokens)
-    except ValueError as exc:
-        raise BadRequestError(f"tokens: {exc}.", param="tokens") from None
-    return json_response(DetokenizeResponse(prompt=text), {})
-
-
-def add_routes(app: web.Application) -> None:
-    app.router.add_post("/tokenize", tokenize)
-    app.router.add_post("/detokenize", detokenize)
+def add_instance_routes(app: web.Application) -> None:
+    """What every engine serves, ``--tokens-only`` included."""
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/load", load)
-    app.router.add_get("/version", version)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/sessions", list_sessions)
     app.router.add_get("/v1/sessions/{session_id}", get_session)
+
+
+def add_text_routes(app: web.Application) -> None:
+    """What a server with a tokenizer adds (not ``--tokens-only``; ``/tokenize`` is ``render_routes``')."""
+    app.router.add_get("/version", version)

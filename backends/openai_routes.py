@@ -1,4 +1,4 @@
-"""``POST /v1/completions``, ``/v1/chat/completions`` and ``/inference/v1/generate``.
+"""``POST /v1/completions`` and ``/v1/chat/completions`` (``/inference/v1/generate``: ``generate_route``).
 
 Each handler decodes its body Struct, resolves the session (the shared contract: body >
 ``X-Session-ID`` > ``vllm_xargs`` on the OpenAI routes; the header only on the tokens route),
@@ -33,20 +33,15 @@ from backends.protocol import (
     CompletionResponse,
     CompletionStreamResponse,
     DeltaMessage,
-    GenerateChoice,
-    GenerateRequest,
-    GenerateResponse,
-    GenerateStreamResponse,
 )
 from backends.sse import data_frame, open_stream
 from backends.tokenizer import Tokenizer
 from backends.validation import check_prompt_ids, engine_request, resolve_max_tokens, sampling_params, stop_list
 from contract.errors import BadRequestError
-from contract.session import SESSION_HEADER, resolve_session_id, session_from_headers
+from contract.session import SESSION_HEADER, resolve_session_id
 
 _completion_decoder = msgspec.json.Decoder(CompletionRequest)
 _chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)
-_generate_decoder = msgspec.json.Decoder(GenerateRequest)
 _enc = msgspec.json.Encoder()
 
 
@@ -170,7 +165,7 @@ def usage_flags(opts: Any) -> tuple[bool, bool]:
     return include_usage, include_usage and bool(opts.continuous_usage_stats)
 
 
-async def _stream(request: web.Request, fe: Frontend, body: Any, prompt_ids: list[int], ecr: EngineCoreRequest,
+async def stream_answer(request: web.Request, fe: Frontend, body: Any, prompt_ids: list[int], ecr: EngineCoreRequest,
                   run: GenerationRun, headers: dict[str, str], step: Any, tail: Any) -> web.StreamResponse:
     """A streamed answer: pull a remote prefill's blocks if the body names them, then relay the
     engine's steps as SSE frames."""
@@ -255,7 +250,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
                                          system_fingerprint=fe.fingerprint, usage=run.usage())
         return data_frame(_enc.encode(chunk))
 
-    return await _stream(request, fe, body, prompt_ids, ecr, run, headers, step, tail)
+    return await stream_answer(request, fe, body, prompt_ids, ecr, run, headers, step, tail)
 
 
 # ---- /v1/chat/completions ---------------------------------------------------------------------
@@ -337,101 +332,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     def tail() -> bytes:
         return chunk([], usage=True) if include_usage else b""
 
-    return await _stream(request, fe, body, prompt_ids, ecr, run, headers, step, tail)
-
-
-# ---- /inference/v1/generate (tokens in, tokens out) ----------------------------------------
-
-
-async def generate(request: web.Request) -> web.StreamResponse:
-    """vLLM's scale-out route. Always enabled here; real vLLM needs ``--enable-scale-out``.
-
-    The session comes from the ``X-Session-ID`` header ONLY: ``GenerateRequest`` has no body field
-    (a body ``session_id`` is ignored, as in vLLM).
-    """
-    fe = request.app[FRONTEND]
-    body: GenerateRequest = await read_json_body(request, _generate_decoder)
-    session = session_from_headers(request.headers.getall(SESSION_HEADER, ()))
-    fe.check_model(body.model)
-    base = fe.base_request_id(request, body.request_id)
-    prompt_ids = body.token_ids
-    check_prompt_ids(fe.tokenizer, prompt_ids, "token_ids")
-    if body.cache_salt is not None and not 1 <= len(body.cache_salt) <= 1024:
-        raise BadRequestError("cache_salt must be 1 to 1024 characters long.", param="cache_salt")
-    sp = body.sampling_params
-    max_tokens = resolve_max_tokens(fe.config, len(prompt_ids), sp.max_tokens, "sampling_params.max_tokens")
-    stops = stop_list(sp.stop)
-    params = sampling_params(
-        fe.config, n=sp.n, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, seed=sp.seed,
-        max_tokens=max_tokens, min_tokens=sp.min_tokens, stop=stops, stop_token_ids=sp.stop_token_ids,
-        ignore_eos=sp.ignore_eos, kv_transfer_params=body.kv_transfer_params, final_only=not body.stream,
-    )
-    request_id = f"generate-tokens-{base}"
-    ecr = engine_request(fe, external_id=request_id, prompt_ids=prompt_ids, params=params,
-                         session_id=session, cache_salt=body.cache_salt, priority=body.priority)
-    run = GenerationRun(fe.tokenizer, sp.n, stops)
-    headers = reply_headers(base, session)
-    text_mode = body.output_mode == "text"
-    want_prompt = bool(body.return_token_ids)
-
-    if not body.stream:
-        await pull_remote_prefill(fe, body.kv_transfer_params, prompt_ids, body.cache_salt, run, ecr.request_id)
-        await run_to_end(request, fe, ecr, run)
-        choices = [
-            GenerateChoice(
-                index=c.index, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                token_ids=c.token_ids,
-                text=run.final_text(c) if text_mode else msgspec.UNSET,
-            )
-            for c in run.choices
-        ]
-        return json_response(
-            GenerateResponse(request_id=request_id, model=fe.config.model, created=int(time.time()),
-                             usage=run.usage(), choices=choices, output_mode=body.output_mode,
-                             prompt_token_ids=prompt_ids if want_prompt else None,
-                             kv_transfer_params=returned_params(fe, run, request)),
-            headers,
-        )
-
-    include_usage, continuous = usage_flags(body.stream_options)
-    first = [True]
-
-    def step(out: RequestOutput, moved: list[Choice]) -> bytes:
-        choices = []
-        for c in moved:
-            text = run.stream_text(c) if text_mode else ""
-            if not c.last_ids and not c.done:
-                continue  # chunks with no new tokens are skipped
-            choices.append(GenerateChoice(
-                index=c.index, finish_reason=c.finish_reason if c.done else None,
-                stop_reason=c.stop_reason if c.done else None, token_ids=c.last_ids,
-                text=text if text_mode else msgspec.UNSET,
-            ))
-        if not choices:
-            return b""
-        obj = GenerateStreamResponse(
-            request_id=request_id, choices=choices, output_mode=body.output_mode,
-            usage=run.usage() if continuous else None,
-            prompt_token_ids=prompt_ids if (want_prompt and first[0]) else msgspec.UNSET,
-        )
-        first[0] = False
-        return data_frame(_enc.encode(obj))
-
-    def tail() -> bytes:
-        if not include_usage:
-            return b""
-        obj = GenerateStreamResponse(request_id=request_id, choices=[], output_mode=body.output_mode,
-                                     usage=run.usage())
-        return data_frame(_enc.encode(obj))
-
-    return await _stream(request, fe, body, prompt_ids, ecr, run, headers, step, tail)
+    return await stream_answer(request, fe, body, prompt_ids, ecr, run, headers, step, tail)
 
 
 def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_post("/inference/v1/generate", generate)
 
 
 __all__ = ["add_routes", "completion_prompt", "chat_prompt", "message_text", "pull_remote_prefill", "reply_headers",
-           "returned_params"]
+           "returned_params", "stream_answer"]

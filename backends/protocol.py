@@ -9,7 +9,7 @@ means (a 400 with its own message). Response structs mirror vLLM's JSON; fields 
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 from msgspec import UNSET, Struct, UnsetType
@@ -93,52 +93,6 @@ class ResponsesRequest(Struct):
     cache_salt: str | None = None
     priority: int = 0
     user: str | None = None
-
-
-class GenerateSampling(Struct):
-    """``sampling_params`` of the tokens-in route (a JSON object; unknown keys ignored)."""
-
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
-    max_tokens: int | None = None
-    min_tokens: int = 0
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    detokenize: bool = True
-
-
-class GenerateRequest(Struct):
-    token_ids: list[int]
-    sampling_params: GenerateSampling
-    model: str | None = None
-    request_id: str | None = None
-    stream: bool | None = False
-    stream_options: StreamOptions | None = None
-    output_mode: Literal["tokens", "text"] = "tokens"
-    return_token_ids: bool | None = None
-    cache_salt: str | None = None
-    priority: int = 0
-    kv_transfer_params: dict[str, Any] | None = None
-
-
-class TokenizeRequest(Struct):
-    """Completion form (``prompt``) or chat form (``messages``)."""
-
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_special_tokens: bool | None = None
-    add_generation_prompt: bool = True
-    return_token_strs: bool = False
-
-
-class DetokenizeRequest(Struct):
-    tokens: list[int]
-    model: str | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -302,49 +256,7 @@ class ResponseObject(Struct):
     error: Any = None
 
 
-# ---- tokens in / out -------------------------------------------------------------------------
-
-
-class GenerateChoice(Struct):
-    index: int
-    finish_reason: str | None
-    stop_reason: int | str | None
-    token_ids: list[int]
-    logprobs: None = None
-    text: str | UnsetType = UNSET
-
-
-class GenerateResponse(Struct):
-    request_id: str
-    model: str
-    created: int
-    usage: Usage
-    choices: list[GenerateChoice]
-    output_mode: str = "tokens"
-    prompt_token_ids: list[int] | None = None
-    kv_transfer_params: dict[str, Any] | None = None
-
-
-class GenerateStreamResponse(Struct):
-    request_id: str
-    choices: list[GenerateChoice]
-    output_mode: str = "tokens"
-    usage: Usage | None = None
-    prompt_token_ids: list[int] | UnsetType = UNSET
-
-
 # ---- misc -------------------------------------------------------------------------------------
-
-
-class TokenizeResponse(Struct):
-    count: int
-    max_model_len: int
-    tokens: list[int]
-    token_strs: list[str] | UnsetType = UNSET
-
-
-class DetokenizeResponse(Struct):
-    prompt: str
 
 
 class ModelCard(Struct):

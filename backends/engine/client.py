@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 
 from prometheus_client import CollectorRegistry
 
@@ -80,6 +80,8 @@ class AsyncEngine:
         self.metrics = EngineMetrics(registry, config.model, config.engine_index, config.session_metrics_top_k)
         self.core = EngineCore(config, self.metrics)
         self._streams: dict[str, _Stream] = {}
+        #: external request id (what clients abort by) -> the engine ids in flight that carry it
+        self._external: dict[str, set[str]] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._dead: BaseException | None = None
@@ -143,6 +145,9 @@ class AsyncEngine:
         data = encode_request(request)
         stream = _Stream()
         self._streams[rid] = stream
+        external = request.external_req_id
+        if external is not None:
+            self._external.setdefault(external, set()).add(rid)
         finished = False
         added = False
         try:
@@ -170,17 +175,37 @@ class AsyncEngine:
         finally:
             if self._streams.get(rid) is stream:
                 del self._streams[rid]
+            if external is not None:
+                ids = self._external.get(external)
+                if ids is not None:
+                    ids.discard(rid)
+                    if not ids:
+                        del self._external[external]
             if added and not finished and self.core.abort_request(rid) is not None:
                 self._wake.set()
 
-    def abort(self, request_id: str, reason: str = "abort") -> None:
-        """Abort a request; its consumer (if any) receives a final output with ``reason``."""
+    def abort(self, request_id: str, reason: str = "abort") -> bool:
+        """Abort a request; its consumer (if any) receives a final output with ``reason``.
+        False when the engine does not hold ``request_id`` (finished or unknown)."""
         out = self.core.abort_request(request_id, reason)
-        if out is not None:
-            stream = self._streams.get(request_id)
-            if stream is not None:
-                stream.put(out)
-            self._wake.set()
+        if out is None:
+            return False
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.put(out)
+        self._wake.set()
+        return True
+
+    def abort_external(self, external_ids: Iterable[str]) -> int:
+        """Abort every request in flight whose external id (vLLM's: the id the API server gave it,
+        e.g. ``generate-tokens-<X-Request-Id>``) is in ``external_ids``; unknown ids are ignored.
+        Returns how many engine requests were aborted."""
+        aborted = 0
+        for external in external_ids:
+            for rid in tuple(self._external.get(external, ())):
+                if self.abort(rid):
+                    aborted += 1
+        return aborted
 
     # -- P/D pass-throughs ------------------------------------------------------------------
     def get_held(self, request_id: str) -> HeldBlocks | None:

@@ -21,6 +21,9 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):
     #: generated ids are drawn from [gen_token_min, gen_token_max); eos ends a sequence early
     gen_token_min: int = 3
     gen_token_max: int = 1000
+    #: when set, generated ids are drawn from this list instead (the model's readable word ids,
+    #: ``backends.vocabulary``); the range above is then ignored
+    gen_token_ids: tuple[int, ...] | None = None
     eos_token_id: int = 2
     #: per-session accounting table bound (most recently active kept)
     max_tracked_sessions: int = 10000

@@ -192,6 +192,7 @@ class EngineCore:
             eos_probability=c.eos_probability,
             token_lo=c.gen_token_min,
             token_hi=c.gen_token_max,
+            token_pool=c.gen_token_ids,
         )
 
     def _finish_unscheduled(self, req: Request, reason: str) -> RequestOutput:

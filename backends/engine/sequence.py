@@ -6,7 +6,8 @@ inherits the parent's ``session_id`` and is scheduled on its own.
 
 Token generation is deterministic: a child's RNG is seeded from ``sampling_params.seed`` (and the
 child index) when given, else from a stable hash of the prompt token ids and the child index. Ids are
-drawn uniformly from ``[gen_token_min, gen_token_max)``; unless ``ignore_eos``, each token may be
+drawn uniformly from ``gen_token_ids`` when the config names them (the model's vocabulary), else from
+``[gen_token_min, gen_token_max)``; unless ``ignore_eos``, each token may be
 ``eos_token_id`` with probability ``eos_probability`` (not before ``min_tokens``).
 """
 
@@ -145,6 +146,7 @@ class Sequence:
         "eos_probability",
         "token_lo",
         "token_span",
+        "token_pool",
         "rng",
         "first_token_time",
         "last_token_time",
@@ -162,6 +164,7 @@ class Sequence:
         eos_probability: float,
         token_lo: int,
         token_hi: int,
+        token_pool: tuple[int, ...] | None = None,
     ) -> None:
         self.request = request
         self.index = index
@@ -185,7 +188,9 @@ class Sequence:
         self.eos_token_id = request.eos_token_id
         self.eos_probability = eos_probability if request.eos_token_id is not None else 0.0
         self.token_lo = token_lo
-        self.token_span = max(token_hi - token_lo, 1)
+        #: ids are ``token_pool[k]`` (or ``token_lo + k``) for k uniform in ``[0, token_span)``
+        self.token_pool = token_pool or None
+        self.token_span = len(token_pool) if token_pool else max(token_hi - token_lo, 1)
         self.rng = random.Random(_child_seed(request, index))
         self.first_token_time = 0.0
         self.last_token_time = 0.0
@@ -227,15 +232,17 @@ class Sequence:
         p_eos = self.eos_probability
         if p_eos and rand() < p_eos and len(self.output_token_ids) >= self.min_tokens:
             return self.eos_token_id  # type: ignore[return-value]
-        tok = self.token_lo + int(rand() * self.token_span)
+        pool = self.token_pool
+        k = int(rand() * self.token_span)
+        tok = pool[k] if pool is not None else self.token_lo + k
         stop = self.stop_token_ids
         if stop is not None and len(self.output_token_ids) < self.min_tokens:
-            rng = self.rng
             # min_tokens suppresses stop ids: redraw a few times (the range may be all stop ids)
             for _ in range(4):
                 if tok not in stop:
                     break
-                tok = self.token_lo + int(rng.random() * self.token_span)
+                k = int(rand() * self.token_span)
+                tok = pool[k] if pool is not None else self.token_lo + k
         return tok
 
 

@@ -32,7 +32,8 @@ def test_help_runs_and_shows_the_defaults() -> None:
     assert out.returncode == 0, out.stderr
     text = " ".join(out.stdout.split())  # undo argparse's wrapping
     for shown in ("--port PORT port to bind; 0 = any free port (default: 8100)", "(default: 127.0.0.1)",
-                  "(default: session-sim)", "(default: 8192)", "(default: INFO)", "--version"):
+                  "(default: the model folder's name)", "(default: the shipped models/tiny-llama)",
+                  "(default: the model's, config.json max_position_embeddings)", "(default: INFO)", "--version"):
         assert shown in text, shown
 
 

@@ -174,7 +174,7 @@ def test_real_disconnect_aborts_in_the_process(backends: list[Backend]) -> None:
     for stream in (False, True):
         before = b.metric("vllm:request_success_total", finished_reason="abort", **labels)
         sock = socket.create_connection(("127.0.0.1", b.port), timeout=5)
-        payload = json.dumps({"prompt": "long", "max_tokens": 4000, "ignore_eos": True, "stream": stream}).encode()
+        payload = json.dumps({"prompt": "long", "max_tokens": 2000, "ignore_eos": True, "stream": stream}).encode()
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
         wait_until(lambda: b.metric("vllm:num_requests_running", **labels) == 1, timeout=10,

@@ -1,26 +1,26 @@
-"""The built-in tokenizer: exact round trips, ids stable across processes, readable generated ids,
-and the chat template's prefix property (what makes multi-turn prefix caching work)."""
+"""The backends' tokenizer is the model's (the shipped tiny-llama): round trips, the ids the engine
+generates (readable whole words, never special ids), the chat template through rendering/, and the
+template's prefix property with generated answers (what makes multi-turn prefix caching work)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
+import tokenizers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from backends.tokenizer import BOS_ID, BYTE_BASE, EOS_ID, ROLES, WORDS, Tokenizer
+from backends.tokenizer import Tokenizer
+from backends.vocabulary import generation_ids
+from rendering.model import DEFAULT_MODEL_DIR, load_model
 
-TOK = Tokenizer()
+MODEL = load_model(DEFAULT_MODEL_DIR)
+TOK = Tokenizer(MODEL)
 
 
 @given(st.text())
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=200, deadline=None)
 def test_any_text_round_trips(text: str) -> None:
-    # lone surrogates are not Unicode text (they cannot be UTF-8 encoded): not our domain
-    try:
+    try:  # lone surrogates are not Unicode text (they cannot be UTF-8 encoded): not our domain
         text.encode("utf-8")
     except UnicodeEncodeError:
         return
@@ -29,87 +29,68 @@ def test_any_text_round_trips(text: str) -> None:
     assert TOK.decode(ids) == text
 
 
-@pytest.mark.parametrize("text", ["", " ", "the", " the", "Hello, world!\n", "na\u00efve caf\u00e9 \u65e5\u672c \U0001f600",
-                                  "tab\tand\r\nnewline", "the the  the", "unknownword of"])
-def test_round_trip_examples(text: str) -> None:
-    assert TOK.decode(TOK.encode(text)) == text
+def test_encode_is_the_model_tokenizers() -> None:
+    raw = tokenizers.Tokenizer.from_file(str(DEFAULT_MODEL_DIR / "tokenizer.json"))
+    text = "hello world, naïve 日本語"
+    assert TOK.encode(text) == raw.encode(text, add_special_tokens=False).ids
+    assert TOK.vocab_size == raw.get_vocab_size(with_added_tokens=True) == 393
+    assert TOK.eos_token_id == 2
 
 
-def test_words_use_word_ids_and_other_text_uses_bytes() -> None:
-    assert TOK.encode("the of") == [TOK.bare_base + WORDS.index("the"), TOK.spaced_base + WORDS.index("of")]
-    assert TOK.encode("\u00e9") == [BYTE_BASE + 0xC3, BYTE_BASE + 0xA9]
-    assert TOK.encode("x", add_bos=True) == [BOS_ID, BYTE_BASE + ord("x")]
+def test_generated_ids_are_readable_words_and_never_special() -> None:
+    ids = TOK.generation_ids
+    special = set(MODEL.tokenizer.get_added_tokens_decoder())
+    assert len(ids) >= 20 and not special & set(ids) and TOK.eos_token_id not in ids
+    for i in ids:
+        text = TOK.decode([i])
+        assert text.startswith(" ") and text[1:].isalpha(), (i, text)
+        assert TOK.encode(text) == [i]
+    # a sequence of them decodes to the concatenation of the single decodes (per-step decoding is exact)
+    seq = [ids[k % len(ids)] for k in range(0, 200, 7)]
+    assert TOK.decode(seq) == "".join(TOK.decode([i]) for i in seq)
 
 
-def test_every_generated_id_decodes_to_a_readable_word() -> None:
-    assert TOK.gen_token_max - TOK.gen_token_min == len(WORDS)
-    for i in range(TOK.gen_token_min, TOK.gen_token_max):
-        piece = TOK.decode([i])
-        assert piece.startswith(" ") and piece[1:].isalpha(), (i, piece)
-        # a generated word re-encodes to itself, so an answer's text gives back its ids
-        assert TOK.encode(piece) == [i]
+def test_generation_ids_fall_back_when_a_tokenizer_has_no_word_tokens() -> None:
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"<unk>": 0, "x": 1, "y": 2}, unk_token="<unk>"))
+    tok.add_special_tokens(["<unk>"])
+    assert generation_ids(tok) == (1, 2)
 
 
 def test_special_ids_decode_to_nothing_and_bad_ids_raise() -> None:
-    assert TOK.decode([BOS_ID, TOK.spaced_base, EOS_ID]) == " " + WORDS[0]
-    assert TOK.decode([BOS_ID], skip_special_tokens=False) == "<s>"
+    assert TOK.decode([1, 2]) == "" and TOK.decode([1, 2], skip_special_tokens=False) == "<s></s>"
     with pytest.raises(ValueError, match="out of vocabulary"):
-        TOK.decode([TOK.vocab_size])
-    with pytest.raises(ValueError):
+        TOK.decode([393])
+    with pytest.raises(ValueError, match="out of vocabulary"):
         TOK.decode([-1])
-    assert TOK.out_of_vocab([1, 2, TOK.vocab_size + 5]) == TOK.vocab_size + 5
-    assert TOK.out_of_vocab([1, 2]) is None
+    assert TOK.out_of_vocab([5, 393, -1]) == 393 and TOK.out_of_vocab([0, 392]) is None
+    assert TOK.token_str(1) == "<s>"
 
 
-_SNIPPET = (
-    "import json; from backends.tokenizer import Tokenizer; t = Tokenizer();"
-    "print(json.dumps([t.vocab_size, t.gen_token_min, t.gen_token_max,"
-    " t.encode('Stable ids: the quick brown fox \u00e9!', add_bos=True),"
-    " t.apply_chat_template([('system', 'be brief'), ('user', 'hello there')])]))"
-)
-
-
-def test_ids_are_stable_across_processes() -> None:
-    runs = [
-        subprocess.run([sys.executable, "-c", _SNIPPET], capture_output=True, text=True, check=True,
-                       env={"PYTHONHASHSEED": seed, "PATH": ""}, timeout=30).stdout
-        for seed in ("1", "2")
-    ]
-    assert runs[0] == runs[1]
-    here = [TOK.vocab_size, TOK.gen_token_min, TOK.gen_token_max,
-            TOK.encode("Stable ids: the quick brown fox \u00e9!", add_bos=True),
-            TOK.apply_chat_template([("system", "be brief"), ("user", "hello there")])]
-    assert json.loads(runs[0]) == here
-    # pinned: a change of the word list or the template changes every id after it
-    assert here[:3] == [2256, 259, 1255]
-
-
-def test_chat_template_shape() -> None:
+def test_chat_template_is_the_models() -> None:
     ids = TOK.apply_chat_template([("user", "hi")])
-    nl = BYTE_BASE + 10
-    assert ids == [BOS_ID, TOK.role_id("user"), nl, *TOK.encode("hi"), nl, TOK.role_id("assistant"), nl]
-    assert TOK.decode(ids) == "<|user|>\nhi\n<|assistant|>\n"
+    assert TOK.decode(ids, skip_special_tokens=False) == "<s><|user|>\nhi\n<|assistant|>\n"
+    assert ids[0] == 1  # the template writes bos itself; encoding adds nothing
     no_prompt = TOK.apply_chat_template([("user", "hi")], add_generation_prompt=False)
-    assert no_prompt == ids[:-2]
-    with pytest.raises(ValueError, match="unknown message role"):
-        TOK.apply_chat_template([("robot", "hi")])
-    assert set(ROLES) >= {"system", "user", "assistant"}
+    assert TOK.decode(no_prompt, skip_special_tokens=False) == "<s><|user|>\nhi\n"
 
 
 @given(
-    turns=st.lists(st.tuples(st.text(max_size=40), st.lists(st.integers(259, 1254), max_size=12)),
+    turns=st.lists(st.tuples(st.text(max_size=40), st.lists(st.integers(0, 10**6), max_size=12)),
                    min_size=1, max_size=5),
     system=st.text(max_size=30),
 )
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=150, deadline=None)
 def test_next_turn_starts_with_previous_prompt_plus_answer(turns: list[tuple[str, list[int]]], system: str) -> None:
-    """Turn N+1's ids == turn N's prompt ids + turn N's answer ids + the new message."""
+    """Turn N+1's ids == turn N's prompt ids + turn N's answer ids + the rest, when the answer is made of
+    generated ids (what the engine produces), whatever the users wrote."""
+    pool = TOK.generation_ids
     messages: list[tuple[str, str]] = [("system", system)]
-    for user_text, answer_ids in turns:
+    for user_text, picks in turns:
         try:
             user_text.encode("utf-8")
         except UnicodeEncodeError:
             return
+        answer_ids = [pool[p % len(pool)] for p in picks]
         messages.append(("user", user_text))
         prompt = TOK.apply_chat_template(messages)
         answer = TOK.decode(answer_ids)

@@ -17,7 +17,8 @@ import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from backends.__main__ import config_from_args, parse_args
+from backends.__main__ import config_from_args as cli_config
+from backends.__main__ import model_from_args, parse_args
 from backends.app import create_app, create_side_channel_app
 from backends.engine.config import EngineConfig
 from backends.frontend import ENGINE, FRONTEND
@@ -145,6 +146,9 @@ def test_allow_list() -> None:
 
 
 def test_cli_flags() -> None:
+    def config_from_args(args: Any) -> Any:
+        return cli_config(args, model_from_args(args))
+
     args = parse_args(["--role", "decode", "--kv-allow", "127.0.0.1:8200", "--kv-allow", "[::1]:8201",
                        "--kv-pull-timeout", "3"])
     assert args.kv_allow == ["127.0.0.1:8200", "[::1]:8201"] and args.kv_pull_timeout == 3
@@ -235,7 +239,7 @@ async def test_pulled_prompt_costs_no_prefill_time(aiohttp_client: Any) -> None:
     """At speed 1 a 2,000-token prompt takes >= 0.5 s to prefill; pulled, only its tail is computed."""
     prefill = await aiohttp_client(create_app(cfg("prefill")), server_kwargs={"host": "127.0.0.1"})
     decode = await aiohttp_client(create_app(cfg("decode", speed=1.0)), server_kwargs={"host": "127.0.0.1"})
-    tokens = [300 + (i * 7) % 500 for i in range(2000)]
+    tokens = [4 + (i * 7) % 389 for i in range(2000)]  # in the model's vocabulary (393 ids)
     body = {"token_ids": tokens, "sampling_params": {"max_tokens": 1}}
     status, data = await post(prefill, "/inference/v1/generate", {**body, "kv_transfer_params": PLACEHOLDER})
     assert status == 200
@@ -449,7 +453,7 @@ async def test_aborted_prefill_holds_nothing(aiohttp_client: Any) -> None:
     app = create_app(cfg("prefill", speed=20.0))
     prefill = await aiohttp_client(app, server_kwargs={"host": "127.0.0.1", "handler_cancellation": True})
     engine = app[ENGINE]
-    body = {"token_ids": [300 + i % 400 for i in range(1500)], "sampling_params": {"max_tokens": 1},
+    body = {"token_ids": [4 + i % 389 for i in range(1500)], "sampling_params": {"max_tokens": 1},
             "kv_transfer_params": PLACEHOLDER}
     task = asyncio.create_task(prefill.post("/inference/v1/generate", json=body))
 
@@ -529,7 +533,7 @@ async def test_all_holds_together_stay_within_their_fraction(aiohttp_client: Any
     core = app[ENGINE].core
     handed: list[dict[str, Any]] = []
     for i in range(8):
-        body = {"token_ids": [300 + (i * 97 + j) % 700 for j in range(110)], "sampling_params": {"max_tokens": 1},
+        body = {"token_ids": [4 + (i * 97 + j) % 389 for j in range(110)], "sampling_params": {"max_tokens": 1},
                 "kv_transfer_params": PLACEHOLDER}
         status, data = await post(backend, "/inference/v1/generate", body, f"attacker-{i}")
         assert status == 200 and data["kv_transfer_params"] is not None
@@ -542,7 +546,7 @@ async def test_all_holds_together_stay_within_their_fraction(aiohttp_client: Any
     held = [p["remote_request_id"] for p in handed if core.get_held(p["remote_request_id"]) is not None]
     assert held == [p["remote_request_id"] for p in handed[-len(held):]]
 
-    normal = {"token_ids": [1] + [150 + j % 800 for j in range(900)], "sampling_params": {"max_tokens": 8,
+    normal = {"token_ids": [1] + [4 + j % 389 for j in range(900)], "sampling_params": {"max_tokens": 8,
                                                                                         "ignore_eos": True}}
     resp = await asyncio.wait_for(backend.post("/inference/v1/generate", json=normal), 10)
     data = await resp.json()
