@@ -24,7 +24,7 @@ import random
 
 import msgspec
 
-from backends.tokenizer import WORDS
+from backends.words import WORDS
 
 
 class WorkloadSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
