@@ -59,6 +59,9 @@ from rendering.stop_strings import StopStrings, stop_list
 
 __all__ = ["ChatDerender", "CompletionDerender", "DerenderOptions"]
 
+#: the end of a chat event for a choice still running (no token ids, no usage)
+_RUNNING_TAIL = b'},"logprobs":null,"finish_reason":null,"token_ids":null}]}\n\n'
+
 
 @dataclass(frozen=True)
 class DerenderOptions:
@@ -167,12 +170,19 @@ class _Choice:
     def take(self, ids: list[int] | None, finish_reason: str | None,
              stop_reason: Any) -> tuple[str, list[int]]:
         """Consume one step's ids; answer the text to send and the ids consumed."""
-        ids = ids or []
+        if ids is None:
+            ids = []
+        stops = self._stops
+        if finish_reason is None and stops is None:  # the common step: no end, no stop strings
+            self.tokens += len(ids)
+            text = self._detok.push(ids)
+            if self.parts is not None and text:
+                self.parts.append(text)
+            return text, ids
         decode = len(ids)
         if (finish_reason == "stop" and ids and not self._include
                 and self._is_stop_token(ids[-1], stop_reason)):
             decode -= 1  # vLLM leaves the stop token's own text out
-        stops = self._stops
         if stops is None:
             text = self._detok.push(ids[:decode] if decode < len(ids) else ids)
             self.tokens += len(ids)
@@ -289,6 +299,9 @@ class ChatDerender(_Base):
         self._collected_ids: dict[int, list[int]] = {}
         self._collected_kv: dict[str, Any] | None = None
         enc_id = encode(request_id)
+        #: no token ids and no usage in running events: those are constant bytes around the text
+        self._plain = not self.options.return_token_ids and not self.options.continuous_usage
+        self._heads: dict[int, bytes] = {}
         self._head = (b'data: {"id":' + enc_id + b',"object":"chat.completion.chunk","created":'
                       + str(self.created).encode() + b',"model":' + encode(model.name) + b',"choices":[{"index":')
 
@@ -405,25 +418,35 @@ class ChatDerender(_Base):
         if not chunk.choices:
             return b""
         out = [] if self._role_sent else [self.start()]
-        opts = self.options
-        head = self._head
+        plain = self._plain
         for gc in chunk.choices:
-            choice = self._choice(gc.index)
-            if choice.done:
+            choice = self._choices.get(gc.index)
+            if choice is None:
+                choice = self._choice(gc.index)
+            elif choice.done:
                 continue
             text, consumed = choice.take(gc.token_ids, gc.finish_reason, gc.stop_reason)
             if not text and not consumed and not choice.tokens and not choice.done:
                 continue
-            token_ids = encode(consumed) if opts.return_token_ids else b"null"
+            if plain and not choice.done:  # the common event: pre-encoded around the text
+                out.append(self._content_head(gc.index) + encode(text) + _RUNNING_TAIL)
+                continue
+            token_ids = encode(consumed) if self.options.return_token_ids else b"null"
             if choice.done:
-                tail = (b',"logprobs":null,"finish_reason":' + encode(choice.finish_reason)
+                tail = (b'},"logprobs":null,"finish_reason":' + encode(choice.finish_reason)
                         + b',"stop_reason":' + encode(choice.stop_reason) + b',"token_ids":' + token_ids + b"}]")
             else:
-                tail = b',"logprobs":null,"finish_reason":null,"token_ids":' + token_ids + b"}]"
-            if opts.continuous_usage:
+                tail = b'},"logprobs":null,"finish_reason":null,"token_ids":' + token_ids + b"}]"
+            if self.options.continuous_usage:
                 tail += b',"usage":' + self._stream_usage(choice.tokens)
-            out.append(head + str(gc.index).encode() + b',"delta":{"content":' + encode(text) + b"}" + tail + b"}\n\n")
-        return b"".join(out)
+            out.append(self._content_head(gc.index) + encode(text) + tail + b"}\n\n")
+        return out[0] if len(out) == 1 else b"".join(out)
+
+    def _content_head(self, index: int) -> bytes:
+        head = self._heads.get(index)
+        if head is None:
+            head = self._heads[index] = self._head + str(index).encode() + b',"delta":{"content":'
+        return head
 
     def finish(self) -> bytes:
         """The usage event (if asked for) and ``data: [DONE]``."""
