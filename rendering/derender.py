@@ -293,7 +293,7 @@ class ChatDerender(_Base):
         if prompt_tokens is None:
             prompt_tokens = len(prompt_ids) if prompt_ids is not None else 0
         super().__init__(model, options, request_id=request_id, created=created, prompt_tokens=prompt_tokens)
-        self._prompt_ids = list(prompt_ids) if prompt_ids is not None else None
+        self._prompt_ids = prompt_ids  # not copied: a prompt can be 100k ids
         self._role_sent = False
         self._collecting = False
         self._collected_ids: dict[int, list[int]] = {}
@@ -375,7 +375,7 @@ class ChatDerender(_Base):
             model=self.model.name,
             choices=choices,
             usage=self._whole_usage(),
-            prompt_token_ids=self._prompt_ids if opts.return_token_ids else None,
+            prompt_token_ids=list(self._prompt_ids or ()) if opts.return_token_ids else None,
             kv_transfer_params=kv,
             ec_transfer_params=ec,
         ))
@@ -390,7 +390,7 @@ class ChatDerender(_Base):
         opts = self.options
         usage = StreamUsage(prompt_tokens=self.prompt_tokens, total_tokens=self.prompt_tokens,
                             completion_tokens=0) if opts.continuous_usage else _UNSET_MARK
-        prompt_ids = self._prompt_ids if opts.return_token_ids else None
+        prompt_ids = list(self._prompt_ids or ()) if opts.return_token_ids else None
         out = []
         for i in range(opts.n):
             out.append(sse_event(ChatCompletionChunk(
@@ -473,7 +473,7 @@ class CompletionDerender(_Base):
                  created: int | None = None, prompt_ids: Sequence[Sequence[int]] | None = None,
                  prompt_texts: Sequence[str] | None = None, prompt_tokens: Sequence[int] | None = None) -> None:
         options = request if isinstance(request, DerenderOptions) else DerenderOptions.from_completion(request)
-        self._prompt_ids = [list(p) for p in prompt_ids] if prompt_ids is not None else None
+        self._prompt_ids = list(prompt_ids) if prompt_ids is not None else None
         self._prompt_texts = list(prompt_texts) if prompt_texts is not None else None
         self._num_prompts = max(len(self._prompt_ids or ()), len(self._prompt_texts or ()), 1)
         if prompt_tokens is not None:
@@ -486,6 +486,8 @@ class CompletionDerender(_Base):
                          prompt_tokens=sum(self._prompt_counts))
         self._echoed: set[int] = set()
         self._collecting = False
+        self._collected_ids: dict[tuple[int, int], list[int]] = {}
+        self._collected_kv: dict[str, Any] | None = None
 
     @property
     def _expected(self) -> int:
@@ -511,17 +513,16 @@ class CompletionDerender(_Base):
         texts = self._prompt_texts
         return texts[prompt] if texts is not None and prompt < len(texts) else ""
 
-    def _prompt_id_list(self, prompt: int) -> list[int]:
+    def _prompt_id_list(self, prompt: int) -> Sequence[int]:
         ids = self._prompt_ids
-        return ids[prompt] if ids is not None and prompt < len(ids) else []
+        return ids[prompt] if ids is not None and prompt < len(ids) else ()
 
     # -- whole answers ---------------------------------------------------------------------------
 
     def whole(self, responses: Sequence[GenerateResponse]) -> bytes:
         """The ``text_completion`` for the generate answers of every prompt, in prompt order."""
         self._collecting = True
-        opts = self.options
-        choices: list[CompletionChoice] = []
+        taken: list[tuple[int, int, list[int]]] = []
         kv = None
         ec = None
         for prompt, response in enumerate(responses):
@@ -531,23 +532,65 @@ class CompletionDerender(_Base):
                 kv = response.kv_transfer_params
                 ec = _ec(response.ec_transfer_params)
             for gc in sorted(response.choices, key=_index):
-                choice = self._choice_of(prompt, gc.index)
-                _, consumed = choice.take(gc.token_ids, gc.finish_reason or "stop", gc.stop_reason)
-                prompt_ids = self._prompt_id_list(prompt)
-                if opts.echo_only:
-                    text, token_ids = self._prompt_text(prompt), prompt_ids
-                elif opts.echo:
-                    text, token_ids = self._prompt_text(prompt) + choice.text(), [*prompt_ids, *consumed]
-                else:
-                    text, token_ids = choice.text(), consumed
-                choices.append(CompletionChoice(
-                    index=len(choices),
-                    text=text,
-                    finish_reason=choice.finish_reason,
-                    stop_reason=choice.stop_reason,
-                    token_ids=token_ids if opts.return_token_ids else None,
-                    prompt_token_ids=prompt_ids if opts.return_token_ids else None,
-                ))
+                _, consumed = self._choice_of(prompt, gc.index).take(gc.token_ids, gc.finish_reason or "stop",
+                                                                     gc.stop_reason)
+                taken.append((prompt, gc.index, consumed))
+        return self._whole_bytes(taken, kv, ec)
+
+    def collect(self, chunk: GenerateStreamChunk, prompt: int = 0) -> None:
+        """Take one generate stream event of prompt ``prompt`` for a whole answer (``collected``)."""
+        self._collecting = True
+        if chunk.error is not _UNSET_MARK:
+            self.failed = True
+            self.error = chunk.error
+            return
+        if chunk.usage is not None and chunk.usage.prompt_tokens:
+            self._set_prompt_tokens(prompt, chunk.usage.prompt_tokens)
+        for gc in chunk.choices:
+            choice = self._choice_of(prompt, gc.index)
+            if choice.done:
+                continue
+            _, consumed = choice.take(gc.token_ids, gc.finish_reason, gc.stop_reason)
+            self._collected_ids.setdefault((prompt, gc.index), []).extend(consumed)
+        if prompt == 0 and chunk.kv_transfer_params is not _UNSET_MARK:
+            self._collected_kv = chunk.kv_transfer_params
+
+    def collected(self) -> bytes:
+        """The ``text_completion`` for the events ``collect`` took.
+
+        Raises ``UpstreamProtocolError`` when the engine sent an error event instead.
+        """
+        if self.error is not None:
+            raise UpstreamProtocolError(f"the engine failed while generating: {self.error.message}")
+        n = self.options.n
+        for key, choice in self._choices.items():
+            if not choice.done:  # the stream ended without a finish: send what was held back
+                choice.take(None, "stop", None)
+            self._collected_ids.setdefault((key // n, key % n), [])
+        taken = [(prompt, index, ids) for (prompt, index), ids in sorted(self._collected_ids.items())]
+        return self._whole_bytes(taken, self._collected_kv, None)
+
+    def _whole_bytes(self, taken: list[tuple[int, int, list[int]]], kv: dict[str, Any] | None,
+                     ec: dict[str, Any] | None) -> bytes:
+        opts = self.options
+        choices: list[CompletionChoice] = []
+        for prompt, index, consumed in taken:
+            choice = self._choices[prompt * opts.n + index]
+            prompt_ids = self._prompt_id_list(prompt)
+            if opts.echo_only:
+                text, token_ids = self._prompt_text(prompt), list(prompt_ids)
+            elif opts.echo:
+                text, token_ids = self._prompt_text(prompt) + choice.text(), [*prompt_ids, *consumed]
+            else:
+                text, token_ids = choice.text(), consumed
+            choices.append(CompletionChoice(
+                index=len(choices),
+                text=text,
+                finish_reason=choice.finish_reason,
+                stop_reason=choice.stop_reason,
+                token_ids=token_ids if opts.return_token_ids else None,
+                prompt_token_ids=list(prompt_ids) if opts.return_token_ids else None,
+            ))
         return encode(CompletionResponse(
             id=self.request_id, created=self.created, model=self.model.name, choices=choices,
             usage=self._whole_usage(), kv_transfer_params=kv, ec_transfer_params=ec,
@@ -574,7 +617,7 @@ class CompletionDerender(_Base):
             prompt_ids_out = None
             if key not in self._echoed and (opts.echo or opts.return_token_ids):
                 self._echoed.add(key)
-                prompt_ids_out = self._prompt_id_list(prompt)
+                prompt_ids_out = list(self._prompt_id_list(prompt))
                 if opts.echo:
                     text = self._prompt_text(prompt) + ("" if opts.echo_only else text)
             elif not text and not consumed and not choice.tokens and not choice.done:

@@ -388,3 +388,20 @@ def test_stream_deltas_concatenated_equal_the_whole_answer(data: st.DataObject, 
         assert len(ends) == 1
         assert (ends[0]["finish_reason"], ends[0]["stop_reason"]) == (choice["finish_reason"], choice["stop_reason"])
     assert got[-2]["usage"] == {k: whole["usage"][k] for k in ("prompt_tokens", "total_tokens", "completion_tokens")}
+
+
+def test_completion_collect_gives_the_whole_answer() -> None:
+    ids = ids_of(" the quick brown fox")
+    request = completion(stop=["brown"], return_token_ids=True)
+    whole = json.loads(CompletionDerender(MODEL, request, request_id="cmpl-1", created=7, prompt_ids=[[5, 6]]).whole(
+        [GenerateResponse(request_id="g", choices=[GenerateChoice(index=0, finish_reason="length", token_ids=ids)])]))
+    assert whole["choices"][0]["stop_reason"] == "brown"
+    d = CompletionDerender(MODEL, request, request_id="cmpl-1", created=7, prompt_ids=[[5, 6]])
+    for token in ids:
+        d.collect(step(0, [token]))
+        if d.stopped:
+            break
+    assert d.stopped
+    assert json.loads(d.collected()) == whole
+    assert whole["choices"][0]["prompt_token_ids"] == [5, 6]
+    assert whole["choices"][0]["token_ids"] == ids[: len(whole["choices"][0]["token_ids"])]
