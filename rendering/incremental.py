@@ -246,8 +246,8 @@ class PromptState:
     token_ids: list[int]
     #: known clean cuts of ``text``, ascending (the last one is ``len(text)``), and the number of
     #: tokens before each; empty when the tokenizer is not one whose cuts can be proven
-    mark_pos: array = field(repr=False)
-    mark_count: array = field(repr=False)
+    mark_pos: array = field(default_factory=lambda: array("q"), repr=False)
+    mark_count: array = field(default_factory=lambda: array("q"), repr=False)
     #: how many leading ids were reused from the previous state (0: encoded in full)
     reused_tokens: int = 0
     #: the encoder that made it (its tokenizer and rule); shared, not counted in ``nbytes``
@@ -329,8 +329,9 @@ class PromptEncoder:
             b = rule.next_cut(text, a + step) if a + step < n else n
             if b >= n:
                 # the last chunk: also mark its last clean cut, where the next turn most likely departs
-                c = rule.prev_cut(text, n, max(a, n - step))
-                if c > a:
+                floor = max(a, n - step)
+                c = rule.prev_cut(text, n, floor)
+                if c > floor:
                     ids += encode(text[a:c], add_special_tokens=False).ids
                     mark_pos.append(c)
                     mark_count.append(len(ids))

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-import tokenizers
 
 from contract.errors import BadRequestError, NotFoundError
 from rendering.generate_request import GenerateRequest, SamplingParams
+from rendering.incremental import PromptEncoder, PromptState
 from rendering.model import RenderModel
 from rendering.requests import (
     ChatRequest,
@@ -40,26 +40,6 @@ MAX_CHARS_PER_TOKEN = 128
 _APPLY_KWARGS = frozenset({"add_generation_prompt", "continue_final_message", "documents", "tools",
                            "reasoning_effort", "return_assistant_tokens_mask", "tokenizer_kwargs"})
 _TEXT_PART_TYPES = frozenset({"text", "input_text", "output_text"})
-
-
-# --- the session's prompt state -----------------------------------------------------------------
-# I's ``rendering.incremental`` (PromptState, encode_prompt) replaces these two: a full encode.
-@dataclass(frozen=True)
-class PromptState:
-    """One rendered prompt: its text and token ids (the next turn of the session starts from it)."""
-
-    text: str
-    token_ids: tuple[int, ...] | list[int]
-
-    @property
-    def nbytes(self) -> int:
-        return len(self.text) + 8 * len(self.token_ids)
-
-
-def encode_prompt(tokenizer: tokenizers.Tokenizer, text: str, previous: PromptState | None) -> PromptState:
-    """``text``'s ids, exactly ``tokenizer.encode(text, add_special_tokens=False).ids``."""
-    return PromptState(text=text, token_ids=tokenizer.encode(text, add_special_tokens=False).ids)
-# --------------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -116,6 +96,7 @@ class Renderer:
     def __init__(self, model: RenderModel) -> None:
         self.model = model
         self._tokenizer = model.tokenizer
+        self._prompts = PromptEncoder(model.tokenizer)  # incremental encode (rendering.incremental)
         specials = {"bos_token": model.bos_token, "eos_token": model.eos_token}
         self._template = ChatTemplate(model.chat_template, special_tokens=specials) if model.chat_template else None
         self._defaults = dict(model.default_sampling)
@@ -144,7 +125,7 @@ class Renderer:
         if chat.add_special_tokens:
             prompt = PromptState(text=text, token_ids=self._tokenizer.encode(text, add_special_tokens=True).ids)
         else:
-            prompt = encode_prompt(self._tokenizer, text, previous)
+            prompt = self._prompts.encode(text, previous)
         token_ids = list(prompt.token_ids)
         self._check_prompt_length(len(token_ids), max_input, requested)
         if not token_ids:
