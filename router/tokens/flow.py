@@ -18,9 +18,11 @@ the client's ``X-Request-Id``, else one it made), as vLLM names its answers afte
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from contract.errors import BadRequestError
 from rendering.derender import ChatDerender, CompletionDerender
+from rendering.generate_request import GenerateRequest
 from rendering.model import RenderModel
 from rendering.requests import decode_chat_request, decode_completion_request
 from router.attempt import Attempt
@@ -29,9 +31,12 @@ from router.exchange import RequestView, ResponseWriter
 from router.proxy import Proxy, RouteHandler
 from router.routes import Route
 from router.tokens.engine import EngineAborts, generate_payload
-from router.tokens.generate import EngineCall
-from router.tokens.prompt_cache import PromptCache
+from router.tokens.answers import CompletionAnswer
+from router.tokens.generate import COLLECT, STREAM, WHOLE, Derenderer, EngineCall
 from router.tokens.renderers import LocalRenderer, RenderService
+
+if TYPE_CHECKING:
+    from router.tokens.prompt_cache import PromptCache
 
 CHAT_ID_PREFIX = "chatcmpl-"
 COMPLETION_ID_PREFIX = "cmpl-"
@@ -71,20 +76,9 @@ class TokensRoutes:
             generate = await self.renderer.render_chat(body, request_id=request_id)
             chat = decode_chat_request(body)
         attempt.prompt_ids = generate.token_ids
-        stream = bool(chat.stream)
-        engine_stream = stream or bool(generate.sampling_params.stop)
-        prompt_len = len(generate.token_ids)
-        created = int(time.time())
-
-        def derenderer() -> ChatDerender:
-            return ChatDerender(self.model, chat, request_id=generate.request_id, created=created,
-                                prompt_token_ids=generate.token_ids)
-
-        derender = derenderer()
-        watch = derenderer() if engine_stream and not stream else None
-        call = EngineCall(self.proxy, self.aborts, writer, route, fields, attempt, derender, client_stream=stream,
-                          prompt_len=prompt_len, watch=watch)
-        await call.run(generate_payload(generate, stream=engine_stream), engine_stream=engine_stream)
+        derender = ChatDerender(self.model, chat, request_id=generate.request_id, created=int(time.time()),
+                                prompt_ids=generate.token_ids)
+        await self._generate(writer, route, fields, attempt, generate, derender, bool(chat.stream))
 
     async def completions(self, request: RequestView, writer: ResponseWriter, route: Route, body: bytes,
                           fields: OpenFields | None, attempt: Attempt) -> None:
@@ -97,16 +91,26 @@ class TokensRoutes:
         generate = generates[0]
         completion = decode_completion_request(body)
         attempt.prompt_ids = generate.token_ids
-        stream = bool(completion.stream)
-        engine_stream = stream or bool(generate.sampling_params.stop)
         created = int(time.time())
+        prompt = completion.prompt
+        texts = [prompt] if isinstance(prompt, str) else None
 
         def derenderer() -> CompletionDerender:
             return CompletionDerender(self.model, completion, request_id=generate.request_id, created=created,
-                                      prompt_token_ids=generate.token_ids)
+                                      prompt_ids=[generate.token_ids], prompt_texts=texts)
 
-        derender = derenderer()
-        watch = derenderer() if engine_stream and not stream else None
-        call = EngineCall(self.proxy, self.aborts, writer, route, fields, attempt, derender, client_stream=stream,
-                          prompt_len=len(generate.token_ids), watch=watch)
-        await call.run(generate_payload(generate, stream=engine_stream), engine_stream=engine_stream)
+        await self._generate(writer, route, fields, attempt, generate, CompletionAnswer(derenderer),
+                             bool(completion.stream))
+
+    async def _generate(self, writer: ResponseWriter, route: Route, fields: OpenFields | None, attempt: Attempt,
+                        generate: GenerateRequest, derender: Derenderer, stream: bool) -> None:
+        """The engine leg: streamed from the engine when the client streams, and when stop strings may
+        end it early (then collected into one answer); else one whole answer."""
+        if stream:
+            answer = STREAM
+        elif generate.sampling_params.stop:
+            answer = COLLECT
+        else:
+            answer = WHOLE
+        call = EngineCall(self.proxy, self.aborts, writer, route, fields, attempt, derender, answer)
+        await call.run(generate_payload(generate, stream=answer != WHOLE))

@@ -9,6 +9,8 @@ mode builds none of it. A model folder that cannot be loaded stops start-up with
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from contract.errors import ConfigError
 from rendering.model import RenderModel, load_model
 from rendering.render import Renderer
@@ -20,10 +22,12 @@ from router.proxy import Proxy, RouteHandler
 from router.sessions.table import EvictReason, SessionEntry, SessionTable
 from router.tokens.engine import EngineAborts
 from router.tokens.flow import TokensRoutes
-from router.tokens.prompt_cache import PromptCache
 from router.tokens.render_client import RemoteRenderer
 from router.tokens.renderers import LocalRenderer, RenderService
 from router.upstream import UpstreamPool
+
+if TYPE_CHECKING:
+    from router.tokens.prompt_cache import PromptCache
 
 
 class TokensMode:
@@ -69,6 +73,8 @@ def build_tokens_mode(config: RouterConfig, proxy: Proxy, *, render_pool: Backen
                                   total_timeout_s=config.upstream.total_timeout_s)
     prompts: PromptCache | None = None
     if local is not None and config.tokens.prompt_cache_bytes > 0:
+        from router.tokens.prompt_cache import PromptCache
+
         prompts = PromptCache(config.tokens.prompt_cache_bytes)
         _forget_with_sessions(sessions, prompts)
     aborts = EngineAborts(upstream)

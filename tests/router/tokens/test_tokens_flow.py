@@ -1,0 +1,244 @@
+"""Tokens mode end to end, in process: the OpenAI SDK -> the router (local render, both fronts) ->
+tokens-only engines (session-backend's app, the shipped model) -> derendered answers.
+
+Real HTTP over loopback sockets everywhere; the engines are checked directly (their session table,
+what is running) to show what reached them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+import openai
+import pytest
+
+from rendering.render import Renderer
+from tests.router.tokens.conftest import Engine, tokens_settings
+from tests.support import eventually, metric_sum
+
+FRONTS = ["raw", "aiohttp"]
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Count to ten."}]
+
+
+async def tokens_router(make_router: Any, tiny_model: Any, *, n: int = 1, speed: float = 0.0,
+                        front: str = "raw", **settings: Any) -> tuple[Any, list[Engine]]:
+    engines = [Engine(f"e{i}", tiny_model, speed=speed) for i in range(n)]
+    router = await make_router(front, fakes=engines, named=True, **tokens_settings(**settings))
+    return router, engines
+
+
+def client_of(router: Any, **headers: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0,
+                              default_headers=headers or None)
+
+
+def prompt_ids(model: Any, messages: list[dict[str, Any]]) -> list[int]:
+    body = json.dumps({"model": model.name, "messages": messages}).encode()
+    return list(Renderer(model).render_chat(body).request.token_ids)
+
+
+@pytest.mark.parametrize("front", FRONTS)
+async def test_chat_non_stream(make_router: Any, tiny_model: Any, front: str) -> None:
+    router, (engine,) = await tokens_router(make_router, tiny_model, front=front)
+    async with client_of(router, **{"X-Session-ID": "sess-chat"}) as client:
+        raw = await client.chat.completions.with_raw_response.create(
+            model="tiny-llama", messages=MESSAGES, max_tokens=12, seed=7)
+    answer = raw.parse()
+    request_id = raw.headers["x-request-id"]
+    assert answer.id == f"chatcmpl-{request_id}" and answer.model == "tiny-llama"
+    assert raw.headers["x-session-id"] == "sess-chat"
+    choice = answer.choices[0]
+    assert choice.finish_reason == "length" and choice.message.role == "assistant" and choice.message.content
+    assert answer.usage.prompt_tokens == len(prompt_ids(tiny_model, MESSAGES))
+    assert answer.usage.completion_tokens == 12
+    # the session reached the engine core with the request, and the router accounted the usage
+    stats = engine.engine.sessions.get("sess-chat")
+    assert stats is not None and stats.requests == 1 and stats.prompt_tokens == answer.usage.prompt_tokens
+    entry = router.state.sessions.get("sess-chat")
+    assert entry is not None and entry.completion_tokens == 12
+
+
+@pytest.mark.parametrize("front", FRONTS)
+async def test_chat_stream_n2_with_usage_matches_the_whole_answer(make_router: Any, tiny_model: Any,
+                                                                   front: str) -> None:
+    router, (engine,) = await tokens_router(make_router, tiny_model, front=front)
+    async with client_of(router, **{"X-Session-ID": "sess-stream"}) as client:
+        whole = await client.chat.completions.create(model="tiny-llama", messages=MESSAGES, max_tokens=10, seed=3,
+                                                     n=2)
+        stream = await client.chat.completions.create(model="tiny-llama", messages=MESSAGES, max_tokens=10, seed=3,
+                                                      n=2, stream=True, stream_options={"include_usage": True})
+        texts = {0: "", 1: ""}
+        finish: dict[int, str | None] = {}
+        roles = 0
+        usage = None
+        async for chunk in stream:
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for choice in chunk.choices:
+                roles += choice.delta.role == "assistant"
+                texts[choice.index] += choice.delta.content or ""
+                if choice.finish_reason is not None:
+                    finish[choice.index] = choice.finish_reason
+    assert texts == {c.index: c.message.content for c in whole.choices}
+    assert roles == 2 and finish == {0: "length", 1: "length"}
+    assert usage is not None and usage.completion_tokens == 20 and usage.prompt_tokens == whole.usage.prompt_tokens
+    assert engine.engine.sessions.get("sess-stream").requests == 2
+
+
+async def stop_word(client: openai.AsyncOpenAI, **kwargs: Any) -> tuple[str, str]:
+    """A seeded answer's text and a word from its middle, to stop on."""
+    answer = await client.chat.completions.create(model="tiny-llama", messages=MESSAGES, seed=11, **kwargs)
+    text = answer.choices[0].message.content
+    words = text.split(" ")
+    assert len(words) > 6, text
+    return text, " " + words[4]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_stop_strings_trim_the_text_and_abort_the_engine(make_router: Any, tiny_model: Any,
+                                                               stream: bool) -> None:
+    router, (engine,) = await tokens_router(make_router, tiny_model, speed=0.0)
+    async with client_of(router) as client:
+        text, stop = await stop_word(client, max_tokens=40)
+        expected = text[:text.index(stop)]
+        # a long answer, cut by the stop string: the engine's request is aborted, not run to the end
+        kwargs: dict[str, Any] = dict(model="tiny-llama", messages=MESSAGES, seed=11, max_tokens=40, stop=[stop])
+        if stream:
+            events = await client.chat.completions.create(stream=True, **kwargs)
+            got = ""
+            reasons = []
+            async for chunk in events:
+                for choice in chunk.choices:
+                    got += choice.delta.content or ""
+                    if choice.finish_reason:
+                        reasons.append((choice.finish_reason, getattr(choice, "stop_reason", None)))
+            assert got == expected and reasons == [("stop", stop)]
+        else:
+            answer = await client.chat.completions.create(**kwargs)
+            choice = answer.choices[0]
+            assert choice.message.content == expected and choice.finish_reason == "stop"
+            assert choice.model_extra["stop_reason"] == stop
+            assert answer.usage.completion_tokens < 40
+    await eventually(engine.idle, timeout=5, what="the engine has nothing running")
+
+
+async def test_a_stop_string_aborts_a_slow_engine_at_once(make_router: Any, tiny_model: Any) -> None:
+    """With a slow engine the abort is what ends its work: the request leaves the engine long before
+    max_tokens would have."""
+    router, (engine,) = await tokens_router(make_router, tiny_model, speed=0.0)
+    async with client_of(router) as client:
+        text, stop = await stop_word(client, max_tokens=40)
+    slow, (slow_engine,) = await tokens_router(make_router, tiny_model, speed=1.0)
+    aborted_before = await engine_aborts(slow)
+    async with client_of(slow) as client:
+        answer = await client.chat.completions.create(model="tiny-llama", messages=MESSAGES, seed=11,
+                                                      max_tokens=2000, stop=[stop])
+    assert answer.choices[0].message.content == text[:text.index(stop)]
+    await eventually(slow_engine.idle, timeout=5, what="the slow engine has nothing running")
+    assert await engine_aborts(slow) == aborted_before + 1
+
+
+async def engine_aborts(router: Any, index: int = 0) -> float:
+    """The engine's count of requests that finished aborted (its own /metrics, over HTTP)."""
+    server = router.servers[index]
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"http://127.0.0.1:{server.port}/metrics") as response:
+            text = await response.text()
+    return metric_sum(text, "vllm:request_success_total", finished_reason="abort")
+
+
+async def test_a_client_that_disconnects_aborts_the_engine_request(make_router: Any, tiny_model: Any) -> None:
+    router, (engine,) = await tokens_router(make_router, tiny_model, speed=1.0)
+    body = {"model": "tiny-llama", "messages": MESSAGES, "max_tokens": 2000, "stream": True}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(router.url + "/v1/chat/completions", json=body) as response:
+            assert response.status == 200
+            async for line in response.content:
+                if b'"content"' in line:
+                    break  # one content event seen: the engine is generating
+            assert not engine.idle()
+            response.close()  # the client goes away mid-stream
+    await eventually(engine.idle, timeout=5, what="the engine request aborted after the client left")
+    assert await engine_aborts(router) == 1
+
+
+async def test_completions_stream_and_not(make_router: Any, tiny_model: Any) -> None:
+    router, (engine,) = await tokens_router(make_router, tiny_model)
+    async with client_of(router, **{"X-Session-ID": "sess-cmpl"}) as client:
+        whole = await client.completions.create(model="tiny-llama", prompt="Once upon a time", max_tokens=8, seed=5)
+        stream = await client.completions.create(model="tiny-llama", prompt="Once upon a time", max_tokens=8, seed=5,
+                                                 stream=True)
+        text = ""
+        async for chunk in stream:
+            text += "".join(c.text for c in chunk.choices)
+    assert whole.id.startswith("cmpl-") and whole.object == "text_completion"
+    assert whole.choices[0].text == text and whole.choices[0].finish_reason == "length"
+    assert whole.usage.completion_tokens == 8
+    assert engine.engine.sessions.get("sess-cmpl").requests == 2
+
+
+async def test_render_errors_are_vllms_and_reach_no_engine(make_router: Any, tiny_model: Any) -> None:
+    router, (engine,) = await tokens_router(make_router, tiny_model)
+    async with client_of(router) as client:
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.chat.completions.create(model="tiny-llama", messages=[], max_tokens=3)
+        assert info.value.status_code == 400
+        assert info.value.body["message"] == ("Cannot apply chat template to an empty conversation. "
+                                              "Provide at least one message.")
+        with pytest.raises(openai.NotFoundError):
+            await client.chat.completions.create(model="other-model", messages=MESSAGES, max_tokens=3)
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.chat.completions.create(model="tiny-llama", messages=MESSAGES, max_tokens=-1)
+        assert info.value.body["param"] == "max_tokens"
+    assert engine.engine.sessions.recent(10) == []
+
+
+class DyingEngine:
+    """A generate route that streams two steps of ids, then drops the connection (an engine that dies)."""
+
+    name = "dying"
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/inference/v1/generate", self.generate)
+        app.router.add_post("/inference/v1/abort_requests", self.abort)
+        app.router.add_get("/health", self.health)
+        self.aborts = 0
+        return app
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response()
+
+    async def abort(self, request: web.Request) -> web.Response:
+        self.aborts += 1
+        return web.Response()
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for ids in ([277, 280], [68, 87]):  # " the cat" in the tiny tokenizer
+            step = {"request_id": "generate-tokens-x", "choices": [{"index": 0, "token_ids": ids}]}
+            await response.write(b"data: " + json.dumps(step).encode() + b"\n\n")
+        await response.write(b'data: {"request_id": "generate-tok')  # and dies mid-event
+        assert request.transport is not None
+        request.transport.close()
+        return response
+
+
+async def test_an_engine_that_dies_mid_stream_ends_the_stream_with_an_error_event(make_router: Any) -> None:
+    dying = DyingEngine()
+    router = await make_router("raw", fakes=[dying], **tokens_settings())
+    body = {"model": "tiny-llama", "messages": MESSAGES, "max_tokens": 20, "stream": True}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(router.url + "/v1/chat/completions", json=body) as response:
+            text = (await response.read()).decode()
+    events = [e[len("data: "):] for e in text.split("\n\n") if e]
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["code"] == 502
+    assert json.loads(events[0])["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "".join(json.loads(e)["choices"][0]["delta"].get("content", "") for e in events[1:-2]) == " the cat"
+    assert dying.aborts == 0  # nothing left to abort
