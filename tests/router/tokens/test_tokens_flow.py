@@ -15,6 +15,7 @@ import aiohttp
 from aiohttp import web
 import openai
 import pytest
+from prometheus_client import generate_latest
 
 from rendering.render import Renderer
 from tests.router.tokens.conftest import Engine, tokens_settings
@@ -242,3 +243,32 @@ async def test_an_engine_that_dies_mid_stream_ends_the_stream_with_an_error_even
     assert json.loads(events[0])["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert "".join(json.loads(e)["choices"][0]["delta"].get("content", "") for e in events[1:-2]) == " the cat"
     assert dying.aborts == 0  # nothing left to abort
+
+
+# ------------------------------------------------------------------------------------------- P/D
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_pd_both_legs_on_generate_with_the_session(make_router: Any, tiny_model: Any, stream: bool) -> None:
+    prefill = Engine("p0", tiny_model, role="prefill")
+    decode = Engine("d0", tiny_model, role="decode")
+    router = await make_router("raw", fakes=[], prefill=[prefill], decode=[decode], **tokens_settings())
+    async with client_of(router, **{"X-Session-ID": "sess-pd"}) as client:
+        kwargs: dict[str, Any] = dict(model="tiny-llama", messages=MESSAGES, max_tokens=6, seed=1)
+        if stream:
+            events = await client.chat.completions.create(stream=True, stream_options={"include_usage": True},
+                                                          **kwargs)
+            text, usage = "", None
+            async for chunk in events:
+                text += "".join(c.delta.content or "" for c in chunk.choices)
+                usage = chunk.usage or usage
+        else:
+            answer = await client.chat.completions.create(**kwargs)
+            text, usage = answer.choices[0].message.content, answer.usage
+    assert text and usage is not None and usage.completion_tokens == 6
+    # each leg reached its engine core with the session; the decode took the prefill's KV blocks
+    assert prefill.engine.sessions.get("sess-pd").requests == 1
+    assert decode.engine.sessions.get("sess-pd").requests == 1
+    metrics = generate_latest(router.state.metrics.registry).decode()
+    assert metric_sum(metrics, "session_router_pd_fallback_total") == 0
+    await eventually(lambda: prefill.idle() and decode.idle(), timeout=5, what="both engines idle")
