@@ -135,7 +135,8 @@ class ChatDerenderBody(msgspec.Struct, kw_only=True):
     generate_response: GenerateResponse
     prompt_tokens: int | None = None
     prompt_token_ids: list[int] | None = None
-    chat_request: msgspec.Raw | None = None
+    #: the client's chat body (raw; decoded as rendering.requests.ChatRequest); empty when not sent
+    chat_request: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw)
     model: str | None = None
     stream: bool = False
 
@@ -144,7 +145,7 @@ class CompletionDerenderBody(msgspec.Struct, kw_only=True):
     generate_responses: list[GenerateResponse]
     prompt_tokens: int | list[int] | None = None
     prompt_token_ids: list[list[int]] | None = None
-    completion_request: msgspec.Raw | None = None
+    completion_request: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw)
     model: str | None = None
     stream: bool = False
 
@@ -162,6 +163,10 @@ def _decode(decoder: msgspec.json.Decoder[Any], data: bytes) -> Any:
         raise BadRequestError(f"The request body is not valid JSON: {exc}") from None
 
 
+def _given(raw: msgspec.Raw) -> bool:
+    return len(raw) > 0 and bytes(raw) != b"null"
+
+
 def _no_stream(stream: bool) -> None:
     if stream:
         raise BadRequestError("Streaming derender (stream: true with a stream_state) is not served here; "
@@ -174,7 +179,7 @@ async def derender_chat(request: web.Request) -> web.Response:
     body: ChatDerenderBody = _decode(_chat_derender_decoder, await _body(request))
     _no_stream(body.stream)
     svc.renderer.check_model(body.model)
-    if body.chat_request is not None:
+    if _given(body.chat_request):
         chat = decode_chat_request(bytes(body.chat_request))
         svc.renderer.check_model(chat.model)
         options: Any = chat
@@ -194,7 +199,7 @@ async def derender_completions(request: web.Request) -> web.Response:
     if not body.generate_responses:
         raise BadRequestError("generate_responses must hold at least one generate answer.",
                               param="generate_responses")
-    if body.completion_request is not None:
+    if _given(body.completion_request):
         completion = decode_completion_request(bytes(body.completion_request))
         svc.renderer.check_model(completion.model)
         options: Any = completion
