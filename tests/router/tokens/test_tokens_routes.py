@@ -9,6 +9,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 
 from contract.errors import BadRequestError, InvalidJSONError
 from rendering.model import DEFAULT_MODEL_DIR, load_model
@@ -16,6 +18,7 @@ from router.endpoints import tokens_models
 from router.membership import Backend, BackendPool
 from router.tokens.render_client import build_render_pool
 from router.tokens.render_routes import response_object, responses_turn
+from tests.support import eventually, free_port, metric_sum
 
 MODEL = load_model(DEFAULT_MODEL_DIR)
 
@@ -162,3 +165,110 @@ def test_tokens_models_is_an_engines_card_when_one_lists_the_model() -> None:
     assert tokens_models(MODEL, state_with({"default": engines}), 123) == {"object": "list", "data": [theirs]}
     engines.members[1].healthy = False
     assert tokens_models(MODEL, state_with({"default": engines}), 123)["data"][0]["created"] == 123
+
+
+# ------------------------------------------------------------------ through an in-process router (both fronts)
+
+TOKENS = {"upstream_api": "tokens", "model_dir": str(DEFAULT_MODEL_DIR)}
+
+
+@pytest.fixture
+def renderer() -> Any:
+    from rendering.render import Renderer
+
+    return Renderer(MODEL)
+
+
+@pytest.mark.parametrize("front", ["raw", "aiohttp"])
+async def test_the_router_answers_tokenize_and_detokenize_with_the_local_renderer(make_router: Any, renderer: Any,
+                                                                                   front: str) -> None:
+    import aiohttp
+
+    from tests.router.routing_support import ModelBackend
+
+    # an engine like a --tokens-only vLLM: no /v1/models
+    router = await make_router(front, fakes=[ModelBackend("e0", None)], tokens=TOKENS)
+    await eventually(lambda: router.state.health.rounds >= 1, timeout=10, what="a health round")
+    async with aiohttp.ClientSession() as http:
+        for path, body, answer in (
+            ("/tokenize", {"model": "tiny-llama", "prompt": "hello café"}, renderer.tokenize),
+            ("/tokenize", {"messages": [{"role": "user", "content": "hi"}]}, renderer.tokenize),
+            ("/detokenize", {"model": "tiny-llama", "tokens": [1, 31, 95, 379]}, renderer.detokenize),
+        ):
+            raw = json.dumps(body).encode()
+            async with http.post(router.url + path, data=raw, headers={"X-Request-Id": "r-1"}) as resp:
+                assert resp.status == 200 and resp.headers["X-Request-Id"] == "r-1"
+                assert json.loads(await resp.read()) == json.loads(answer(raw))
+        async with http.post(router.url + "/tokenize", data=b'{"model": "other", "prompt": "x"}') as resp:
+            error = json.loads(await resp.read())["error"]
+            assert resp.status == 404 and error["type"] == "NotFoundError" and error["param"] == "model"
+        async with http.post(router.url + "/v1/responses", json={"input": "hi", "stream": True}) as resp:
+            error = json.loads(await resp.read())["error"]
+            assert resp.status == 400 and error["param"] == "stream"
+        assert router.fakes[0].hits == []  # the router answered all of it: no backend was asked
+        async with http.get(router.url + "/v1/models") as resp:  # the engine lists none
+            (card,) = json.loads(await resp.read())["data"]
+            assert card["id"] == "tiny-llama" and card["root"] == str(DEFAULT_MODEL_DIR)
+
+
+async def test_render_servers_are_listed_by_health_metrics_and_admin_as_backends_are(make_router: Any) -> None:
+    """The render pool beside the engines': health-checked (a dead one is down), in /health, in
+    /metrics with pool="render", in the admin API's backend list; a render server can be added there."""
+    import aiohttp
+
+    dead = f"http://127.0.0.9:{free_port()}"
+    router = await make_router("aiohttp", tokens={**TOKENS, "render": [dead]}, admin_token="t")
+    await eventually(lambda: router.state.health.rounds >= 1, timeout=10, what="a health round")
+    auth = {"Authorization": "Bearer t"}
+    async with aiohttp.ClientSession() as http:
+        async with http.get(router.url + "/health") as resp:
+            health = json.loads(await resp.read())
+            assert resp.status == 503 and health["status"] == "unavailable"  # nothing can render
+            assert health["pools"]["render"] == {"healthy": 0, "total": 1}
+        async with http.get(router.url + "/metrics") as resp:
+            text = (await resp.read()).decode()
+            assert metric_sum(text, "session_router_backend_healthy", pool="render", backend=dead) == 0
+        async with http.get(router.url + "/admin/backends", headers=auth) as resp:
+            listed = json.loads(await resp.read())["data"]
+            assert {"name": dead, "pool": "render", "healthy": False} == {k: v for k, v in listed[-1].items()
+                                                                          if k in ("name", "pool", "healthy")}
+        async with http.post(router.url + "/v1/chat/completions",
+                             json={"messages": [{"role": "user", "content": "hi"}]}) as resp:
+            error = json.loads(await resp.read())["error"]
+            assert resp.status == 503 and "render" in error["message"]
+        async with http.post(router.url + "/tokenize", json={"prompt": "hi"}) as resp:
+            assert resp.status == 503
+        # a render server added through the admin API joins the pool and is used
+        live = GoldenTokenizer()
+        server = TestServer(live.app, host="127.0.0.1")
+        await server.start_server()
+        try:
+            url = f"http://127.0.0.1:{server.port}"
+            async with http.post(router.url + "/admin/backends", headers=auth, json={"url": url, "pool": "render"}) as resp:
+                assert resp.status in (200, 201), await resp.read()
+            async with http.post(router.url + "/tokenize", json={"prompt": "hi"}) as resp:
+                assert resp.status == 200 and json.loads(await resp.read()) == {"tokens": [7]}
+            assert live.calls == 1
+            async with http.get(router.url + "/metrics") as resp:
+                text = (await resp.read()).decode()
+                assert metric_sum(text, "session_router_render_requests_total", render_server=url,
+                                  status_class="2xx") == 1
+        finally:
+            await server.close()
+
+
+class GoldenTokenizer:
+    """A render server's /health and /tokenize (a fixed answer), for the admin test."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.app = web.Application()
+        self.app.router.add_get("/health", self.health)
+        self.app.router.add_post("/tokenize", self.tokenize)
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        self.calls += 1
+        return web.json_response({"tokens": [7]})
