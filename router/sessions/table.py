@@ -127,6 +127,21 @@ class SessionTable:
         self.on_evict: EvictHook | None = on_evict
         self._entries: OrderedDict[str, SessionEntry] = OrderedDict()
 
+    def add_evict_hook(self, hook: EvictHook) -> None:
+        """Call ``hook`` too for every entry that leaves, after the hooks set before (``on_evict``
+        becomes one function calling each; with no hook set it is ``hook`` itself)."""
+        first = self.on_evict
+        if first is None:
+            self.on_evict = hook
+            return
+        earlier: EvictHook = first
+
+        def both(entry: SessionEntry, reason: EvictReason) -> None:
+            earlier(entry, reason)
+            hook(entry, reason)
+
+        self.on_evict = both
+
     def __len__(self) -> int:
         """Entries held, including expired ones that no call has noticed yet (see ``sweep``)."""
         return len(self._entries)
