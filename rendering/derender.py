@@ -20,8 +20,10 @@ that completed a stop string (as vLLM's engine, which stops there), none after i
 
 An engine that ended a choice on a stop token (``finish_reason: "stop"`` with the id as
 ``stop_reason``, or on EOS) has that last id left out of the text unless
-``include_stop_str_in_output``, as vLLM's detokenizer does. ``logprobs`` are not derendered
-(the answers carry ``logprobs: null``); tool calls and reasoning parsers are not applied.
+``include_stop_str_in_output``, as vLLM's detokenizer does. ``logprobs`` are named from the
+engine's token-id logprobs (``rendering.derender_logprobs``) for the ids each choice consumed;
+with completions ``echo`` they cover the generated tokens only (no prompt logprobs). Tool calls
+and reasoning parsers are not applied.
 """
 
 from __future__ import annotations
@@ -35,7 +37,14 @@ from msgspec import UNSET as _UNSET_MARK  # the generate Structs' "not sent"
 
 from contract.errors import UpstreamProtocolError
 from rendering.detokenize import IncrementalDetokenizer
-from rendering.generate_response import GenerateResponse, GenerateStreamChunk, StreamError
+from rendering.derender_logprobs import LogprobNamer
+from rendering.generate_response import (
+    GenerateLogProbs,
+    GenerateLogProbsContent,
+    GenerateResponse,
+    GenerateStreamChunk,
+    StreamError,
+)
 from rendering.model import RenderModel
 from rendering.openai_objects import (
     DONE_EVENT,
@@ -85,6 +94,12 @@ class DerenderOptions:
     echo: bool = False
     #: completions ``echo`` with ``max_tokens: 0``: the answer is the prompt alone
     echo_only: bool = False
+    #: answer logprobs (chat ``logprobs: true``; completions ``logprobs: k``)
+    logprobs: bool = False
+    #: chat: how many ``top_logprobs`` to list per token
+    top_logprobs: int = 0
+    #: ``return_tokens_as_token_ids``: name tokens ``token_id:<id>``
+    tokens_as_ids: bool = False
 
     @classmethod
     def from_chat(cls, chat: ChatRequest) -> DerenderOptions:
@@ -108,6 +123,9 @@ class DerenderOptions:
             return_token_ids=bool(chat.return_token_ids),
             role=role,
             echo_text=echo_text or None,
+            logprobs=bool(chat.logprobs),
+            top_logprobs=chat.top_logprobs or 0,
+            tokens_as_ids=bool(chat.return_tokens_as_token_ids),
         )
 
     @classmethod
@@ -126,6 +144,8 @@ class DerenderOptions:
             return_token_ids=bool(request.return_token_ids),
             echo=request.echo,
             echo_only=request.echo and request.max_tokens == 0,
+            logprobs=request.logprobs is not None,
+            tokens_as_ids=bool(request.return_tokens_as_token_ids),
         )
 
 
@@ -141,7 +161,7 @@ class _Choice:
     """One choice's text: detokenizer, stop strings, token count, end."""
 
     __slots__ = ("_detok", "_stops", "_min_tokens", "_include", "_eos", "tokens", "done", "finish_reason",
-                 "stop_reason", "by_stop_string", "parts")
+                 "stop_reason", "by_stop_string", "parts", "namer", "lp_entries", "sent_chars")
 
     def __init__(self, model: RenderModel, options: DerenderOptions, prompt_ids: Sequence[int] | None,
                  keep_text: bool) -> None:
@@ -166,6 +186,25 @@ class _Choice:
         self.by_stop_string = False
         #: the whole text so far, for whole answers (None while streaming)
         self.parts: list[str] | None = [] if keep_text else None
+        #: names the tokens of this choice's logprobs (None when not asked for)
+        self.namer = (LogprobNamer(model.tokenizer, as_token_ids=options.tokens_as_ids)
+                      if options.logprobs else None)
+        #: whole answers: the logprob entries of the consumed ids (None while none came)
+        self.lp_entries: list[GenerateLogProbsContent] | None = None
+        #: characters sent so far (completions' streamed ``text_offset``)
+        self.sent_chars = 0
+
+    def step_logprobs(self, logprobs: GenerateLogProbs | None,
+                      consumed: list[int]) -> list[GenerateLogProbsContent] | None:
+        """The logprob entries of the ids this step consumed (kept for a whole answer too)."""
+        if self.namer is None or logprobs is None or logprobs.content is None:
+            return None
+        entries = logprobs.content[: len(consumed)]
+        if self.parts is not None:
+            if self.lp_entries is None:
+                self.lp_entries = []
+            self.lp_entries.extend(entries)
+        return entries
 
     def take(self, ids: list[int] | None, finish_reason: str | None,
              stop_reason: Any) -> tuple[str, list[int]]:
@@ -300,7 +339,7 @@ class ChatDerender(_Base):
         self._collected_kv: dict[str, Any] | None = None
         enc_id = encode(request_id)
         #: no token ids and no usage in running events: those are constant bytes around the text
-        self._plain = not self.options.return_token_ids and not self.options.continuous_usage
+        self._plain = not (self.options.return_token_ids or self.options.continuous_usage or self.options.logprobs)
         self._heads: dict[int, bytes] = {}
         self._head = (b'data: {"id":' + enc_id + b',"object":"chat.completion.chunk","created":'
                       + str(self.created).encode() + b',"model":' + encode(model.name) + b',"choices":[{"index":')
@@ -322,6 +361,7 @@ class ChatDerender(_Base):
         for gc in sorted(response.choices, key=_index):
             choice = self._choice(gc.index)
             _, consumed = choice.take(gc.token_ids, gc.finish_reason or "stop", gc.stop_reason)
+            choice.step_logprobs(gc.logprobs, consumed)
             ids_of[gc.index] = consumed
         return self._whole_bytes(ids_of, response.kv_transfer_params, _ec(response.ec_transfer_params))
 
@@ -339,6 +379,7 @@ class ChatDerender(_Base):
             if choice.done:
                 continue
             _, consumed = choice.take(gc.token_ids, gc.finish_reason, gc.stop_reason)
+            choice.step_logprobs(gc.logprobs, consumed)
             self._collected_ids.setdefault(gc.index, []).extend(consumed)
         if chunk.kv_transfer_params is not _UNSET_MARK:
             self._collected_kv = chunk.kv_transfer_params
@@ -362,9 +403,13 @@ class ChatDerender(_Base):
         choices = []
         for index in sorted(self._choices):
             choice = self._choices[index]
+            logprobs = None
+            if choice.namer is not None and choice.lp_entries is not None:
+                logprobs = choice.namer.chat(choice.lp_entries, opts.top_logprobs)
             choices.append(ChatCompletionChoice(
                 index=index,
                 message=ChatMessage(role=opts.role, content=echo + choice.text()),
+                logprobs=logprobs,
                 finish_reason=choice.finish_reason if choice.finish_reason is not None else "stop",
                 stop_reason=choice.stop_reason,
                 token_ids=ids_of.get(index, []) if opts.return_token_ids else None,
@@ -432,11 +477,14 @@ class ChatDerender(_Base):
                 out.append(self._content_head(gc.index) + encode(text) + _RUNNING_TAIL)
                 continue
             token_ids = encode(consumed) if self.options.return_token_ids else b"null"
+            entries = choice.step_logprobs(gc.logprobs, consumed)
+            logprobs = (b"null" if entries is None or choice.namer is None
+                        else encode(choice.namer.chat(entries, self.options.top_logprobs)))
             if choice.done:
-                tail = (b'},"logprobs":null,"finish_reason":' + encode(choice.finish_reason)
+                tail = (b'},"logprobs":' + logprobs + b',"finish_reason":' + encode(choice.finish_reason)
                         + b',"stop_reason":' + encode(choice.stop_reason) + b',"token_ids":' + token_ids + b"}]")
             else:
-                tail = b'},"logprobs":null,"finish_reason":null,"token_ids":' + token_ids + b"}]"
+                tail = b'},"logprobs":' + logprobs + b',"finish_reason":null,"token_ids":' + token_ids + b"}]"
             if self.options.continuous_usage:
                 tail += b',"usage":' + self._stream_usage(choice.tokens)
             out.append(self._content_head(gc.index) + encode(text) + tail + b"}\n\n")
@@ -532,8 +580,9 @@ class CompletionDerender(_Base):
                 kv = response.kv_transfer_params
                 ec = _ec(response.ec_transfer_params)
             for gc in sorted(response.choices, key=_index):
-                _, consumed = self._choice_of(prompt, gc.index).take(gc.token_ids, gc.finish_reason or "stop",
-                                                                     gc.stop_reason)
+                choice = self._choice_of(prompt, gc.index)
+                _, consumed = choice.take(gc.token_ids, gc.finish_reason or "stop", gc.stop_reason)
+                choice.step_logprobs(gc.logprobs, consumed)
                 taken.append((prompt, gc.index, consumed))
         return self._whole_bytes(taken, kv, ec)
 
@@ -551,6 +600,7 @@ class CompletionDerender(_Base):
             if choice.done:
                 continue
             _, consumed = choice.take(gc.token_ids, gc.finish_reason, gc.stop_reason)
+            choice.step_logprobs(gc.logprobs, consumed)
             self._collected_ids.setdefault((prompt, gc.index), []).extend(consumed)
         if prompt == 0 and chunk.kv_transfer_params is not _UNSET_MARK:
             self._collected_kv = chunk.kv_transfer_params
@@ -583,9 +633,14 @@ class CompletionDerender(_Base):
                 text, token_ids = self._prompt_text(prompt) + choice.text(), [*prompt_ids, *consumed]
             else:
                 text, token_ids = choice.text(), consumed
+            logprobs = None
+            if choice.namer is not None and choice.lp_entries is not None and not opts.echo_only:
+                start = len(self._prompt_text(prompt)) if opts.echo else 0
+                logprobs = choice.namer.completion(choice.lp_entries, start)[0]
             choices.append(CompletionChoice(
                 index=len(choices),
                 text=text,
+                logprobs=logprobs,
                 finish_reason=choice.finish_reason,
                 stop_reason=choice.stop_reason,
                 token_ids=token_ids if opts.return_token_ids else None,
@@ -614,18 +669,26 @@ class CompletionDerender(_Base):
             if choice.done:
                 continue
             text, consumed = choice.take(gc.token_ids, gc.finish_reason, gc.stop_reason)
+            entries = choice.step_logprobs(gc.logprobs, consumed)
             prompt_ids_out = None
+            echoed = 0  # characters of prompt text in front of the generated text
             if key not in self._echoed and (opts.echo or opts.return_token_ids):
                 self._echoed.add(key)
                 prompt_ids_out = list(self._prompt_id_list(prompt))
                 if opts.echo:
-                    text = self._prompt_text(prompt) + ("" if opts.echo_only else text)
+                    prefix = self._prompt_text(prompt)
+                    echoed = len(prefix)
+                    text = prefix + ("" if opts.echo_only else text)
             elif not text and not consumed and not choice.tokens and not choice.done:
                 continue
+            logprobs = None
+            if entries is not None and choice.namer is not None and not opts.echo_only:
+                logprobs = choice.namer.completion(entries, choice.sent_chars + echoed)[0]
+            choice.sent_chars += len(text)
             event = CompletionChunk(
                 id=self.request_id, created=self.created, model=self.model.name,
                 choices=[CompletionStreamChoice(
-                    index=key, text=text,
+                    index=key, text=text, logprobs=logprobs,
                     finish_reason=choice.finish_reason if choice.done else None,
                     stop_reason=choice.stop_reason if choice.done else None,
                     prompt_token_ids=prompt_ids_out,
