@@ -32,17 +32,21 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     temperature: float = 1.0
+    watermarking: bool | None = None
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
     seed: int | None = None
-    stop: list[str] | None = None
+    stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    prompt_logprob_token_ids: list[int] | None = None
+    prompt_logprob_start: int | None = None
+    logprob_token_ids: list[int] | None = None
     flat_logprobs: bool = False
     detokenize: bool = True
     skip_special_tokens: bool = True
@@ -60,28 +64,34 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     skip_reading_prefix_cache: bool | None = None
     thinking_token_budget: int | None = None
     repetition_detection: dict[str, Any] | None = None
+    routed_experts_prompt_start: int = 0
+    trace_decode_token_ids: list[int] | None = None
 
     @property
     def stop_strings(self) -> list[str]:
-        """``stop`` as a list (``None`` when a client sent none)."""
-        return self.stop or []
+        """``stop`` as a list (a client of the generate route may send a string or nothing)."""
+        stop = self.stop
+        if stop is None:
+            return []
+        return [stop] if isinstance(stop, str) else stop
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
     """vLLM's ``StreamOptions`` (both fields are always written)."""
 
-    include_usage: bool | None = True
+    include_usage: bool | None = False
     continuous_usage_stats: bool | None = False
 
 
-def _random_request_id() -> str:
-    return uuid.uuid4().hex
+def random_id() -> str:
+    """16 hex digits, as vLLM 0.32's ``random_uuid`` (the low 64 bits of a uuid4)."""
+    return f"{uuid.uuid4().int & 0xFFFF_FFFF_FFFF_FFFF:016x}"
 
 
 class GenerateRequest(msgspec.Struct, kw_only=True):
     """The body of ``POST /inference/v1/generate`` (and of a render server's chat answer)."""
 
-    request_id: str = msgspec.field(default_factory=_random_request_id)
+    request_id: str = msgspec.field(default_factory=random_id)
     token_ids: list[int]
     token_offsets: Any = None
     features: Any = None

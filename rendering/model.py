@@ -29,12 +29,17 @@ DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "tiny-ll
 #: ``max_tokens``), as its ``ModelConfig.get_diff_sampling_param`` reads them
 _SAMPLING_KEYS = {
     "repetition_penalty": "repetition_penalty",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
     "temperature": "temperature",
     "top_k": "top_k",
     "top_p": "top_p",
     "min_p": "min_p",
     "max_new_tokens": "max_tokens",
 }
+
+#: tokenizer_config.json's special-token keys; the chat template sees each as a variable
+_SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
 @dataclass(frozen=True)
@@ -44,14 +49,24 @@ class RenderModel:
     name: str
     path: Path
     tokenizer: tokenizers.Tokenizer
+    #: ``tokenizer.get_vocab_size(with_added_tokens=True)``
     vocab_size: int
     max_model_len: int
     bos_token: str | None
     eos_token: str | None
+    #: the tokenizer's id of ``eos_token`` (else generation_config.json's / config.json's)
     eos_token_id: int | None
     chat_template: str | None
     #: sampling defaults from generation_config.json (vLLM's "diff" sampling params)
     default_sampling: dict[str, Any] = field(default_factory=dict)
+    #: the largest valid token id: the tokenizer's or config.json's ``vocab_size`` - 1, the larger
+    max_token_id: int = 0
+    #: the longest token's length in characters (vLLM bounds a text prompt by it before encoding)
+    max_chars_per_token: int = 1
+    #: every special token tokenizer_config.json names (``bos_token``, ``eos_token``, ``pad_token``, ...)
+    special_tokens: dict[str, str] = field(default_factory=dict)
+    #: ``truncation_side`` of tokenizer_config.json ("right" unless it says "left")
+    truncation_side: str = "right"
 
 
 def load_model(
@@ -80,7 +95,18 @@ def load_model(
     if context < 1:
         raise ConfigError(f"max_model_len must be at least 1, got {context}")
 
-    eos_token_id = _eos_token_id(gen_config, model_config)
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    if not vocab:
+        raise ConfigError(f"{tokenizer_file} has an empty vocabulary")
+    eos_token = _token_text(tok_config.get("eos_token"))
+    eos_token_id = tokenizer.token_to_id(eos_token) if eos_token is not None else None
+    if eos_token_id is None:
+        eos_token_id = _eos_token_id(gen_config, model_config)
+    config_vocab = model_config.get("vocab_size")
+    max_token_id = max(vocab.values())
+    if isinstance(config_vocab, int) and not isinstance(config_vocab, bool):
+        max_token_id = max(max_token_id, config_vocab - 1)
+    specials = {key: text for key in _SPECIAL_TOKEN_KEYS if (text := _token_text(tok_config.get(key))) is not None}
     name = served_model_name or folder.name
     if not name:
         raise ConfigError(f"cannot name the model of folder {str(folder)!r}; give --served-model-name")
@@ -91,12 +117,16 @@ def load_model(
         vocab_size=tokenizer.get_vocab_size(with_added_tokens=True),
         max_model_len=context,
         bos_token=_token_text(tok_config.get("bos_token")),
-        eos_token=_token_text(tok_config.get("eos_token")),
+        eos_token=eos_token,
         eos_token_id=eos_token_id,
         chat_template=template,
         default_sampling={
             ours: gen_config[theirs] for theirs, ours in _SAMPLING_KEYS.items() if gen_config.get(theirs) is not None
         },
+        max_token_id=max_token_id,
+        max_chars_per_token=max(len(token) for token in vocab),
+        special_tokens=specials,
+        truncation_side="left" if tok_config.get("truncation_side") == "left" else "right",
     )
 
 

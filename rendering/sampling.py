@@ -1,12 +1,13 @@
 """A client body's sampling fields -> the engine's ``SamplingParams``, with vLLM's defaults and checks.
 
-As vLLM's render builds them (``to_sampling_params`` + ``SamplingParams.__post_init__`` +
-``_verify_args``): unset fields take the model's generation_config defaults, then vLLM's; ``stop``
-becomes a list and, unless ``include_stop_str_in_output``, ``output_text_buffer_length`` is the
-longest stop string's length - 1 (what a streaming detokenizer holds back); greedy sampling
-(temperature < 1e-5) resets ``top_p``/``top_k``/``min_p`` and refuses ``n > 1``; ``output_kind`` is
-DELTA when streaming, FINAL_ONLY otherwise; ``skip_clone`` is set. Bad values raise
-``BadRequestError`` with vLLM's message (``... (parameter=x, value=y)``) and ``param``.
+As vLLM 0.32's render builds them (``to_sampling_params`` + ``SamplingParams.from_optional`` +
+``__post_init__`` + ``_verify_args``): unset fields take the model's generation_config defaults,
+then vLLM's; ``stop`` becomes a list and, unless ``include_stop_str_in_output``,
+``output_text_buffer_length`` is the longest stop string's length - 1 (what a streaming
+detokenizer holds back); greedy sampling (temperature < 1e-5) resets ``top_p``/``top_k``/``min_p``
+and refuses ``n > 1``; ``output_kind`` is DELTA when streaming, FINAL_ONLY otherwise;
+``skip_clone`` is set. Bad values raise ``BadRequestError`` with vLLM's message
+(``... (parameter=x, value=y)``) and ``param``.
 
 Which fields appear in the JSON follows from which values are passed (see ``generate_request``):
 the ones vLLM always writes are always passed here as values made per request; the others are
@@ -25,16 +26,25 @@ from rendering.requests import ChatRequest, CompletionRequest
 
 _SAMPLING_EPS = 1e-5
 _MAX_TEMP = 1e-2
-_INT64_MIN = -(2**63)
-_INT64_MAX = 2**63 - 1
+#: vLLM's VLLM_MAX_N_SEQUENCES default
+MAX_N_SEQUENCES = 16384
 
-#: vLLM's defaults for fields a client left unset (per request, before generation_config's)
-_DEFAULT_REPETITION_PENALTY = 1.0
-_DEFAULT_TEMPERATURE = 1.0
-_DEFAULT_TOP_P = 1.0
-_DEFAULT_TOP_K = 0
-_DEFAULT_MIN_P = 0.0
-_ZERO = 0.0
+#: vLLM's defaults for fields a client left unset (after generation_config's), in its order
+_DEFAULTS: dict[str, Any] = {
+    "repetition_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+}
+#: StructuredOutputsParams' public fields, in its order (vLLM writes them all)
+_STRUCTURED_FIELDS: dict[str, Any] = {
+    "json": None, "regex": None, "choice": None, "grammar": None, "json_object": None,
+    "disable_any_whitespace": False, "disable_additional_properties": False,
+    "whitespace_pattern": None, "structural_tag": None,
+}
 
 
 def validation_error(message: str, *, parameter: str | None = None, value: Any = None) -> BadRequestError:
@@ -53,8 +63,9 @@ def chat_sampling_params(chat: ChatRequest, *, max_tokens: int, defaults: Mappin
     prompt_logprobs = chat.prompt_logprobs
     if prompt_logprobs is None and chat.echo:
         prompt_logprobs = chat.top_logprobs
-    return _build(chat, max_tokens=max_tokens, defaults=defaults,
-                  logprobs=chat.top_logprobs if chat.logprobs else None, prompt_logprobs=prompt_logprobs)
+    logprobs = chat.top_logprobs if chat.logprobs and not chat.logprob_token_ids else None
+    return _build(chat, n=1 if chat.n is None else chat.n, max_tokens=max_tokens, defaults=defaults,
+                  logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
 
 def completion_sampling_params(
@@ -64,53 +75,53 @@ def completion_sampling_params(
     prompt_logprobs = request.prompt_logprobs
     if prompt_logprobs is None and request.echo:
         prompt_logprobs = request.logprobs
-    return _build(request, max_tokens=max_tokens, defaults=defaults,
-                  logprobs=request.logprobs, prompt_logprobs=prompt_logprobs)
+    if request.echo and request.max_tokens == 0:  # echo without generation still samples one token
+        max_tokens = 1
+    return _build(request, n=request.n, max_tokens=max_tokens, defaults=defaults,
+                  logprobs=None if request.logprob_token_ids else request.logprobs,
+                  prompt_logprobs=prompt_logprobs)
 
 
 def _build(
     req: ChatRequest | CompletionRequest,
     *,
+    n: int,
     max_tokens: int,
     defaults: Mapping[str, Any],
     logprobs: int | None,
     prompt_logprobs: int | None,
 ) -> SamplingParams:
-    n = 1 if req.n is None else req.n
-    presence_penalty = _ZERO if req.presence_penalty is None else req.presence_penalty
-    frequency_penalty = _ZERO if req.frequency_penalty is None else req.frequency_penalty
-    repetition_penalty = _pick(req.repetition_penalty, defaults, "repetition_penalty", _DEFAULT_REPETITION_PENALTY)
-    temperature = _pick(req.temperature, defaults, "temperature", _DEFAULT_TEMPERATURE)
-    top_p = _pick(req.top_p, defaults, "top_p", _DEFAULT_TOP_P)
-    top_k = _pick(req.top_k, defaults, "top_k", _DEFAULT_TOP_K)
-    min_p = _pick(req.min_p, defaults, "min_p", _DEFAULT_MIN_P)
-
-    seed = req.seed
-    if seed is not None and not _INT64_MIN <= seed <= _INT64_MAX:
-        raise BadRequestError(f"seed must be a 64-bit signed integer, got {seed}.", param="seed")
-    if seed == -1:
-        seed = None
-
+    picked = {name: value if (value := getattr(req, name)) is not None else defaults.get(name, fallback)
+              for name, fallback in _DEFAULTS.items()}
+    temperature = picked["temperature"]
     if 0 < temperature < _MAX_TEMP:
         temperature = _MAX_TEMP
+    seed = None if req.seed == -1 else req.seed
+    thinking_budget = _thinking_budget(req.thinking_token_budget)
 
     stop = [] if req.stop is None else [req.stop] if isinstance(req.stop, str) else list(req.stop)
-    stop_token_ids = [] if req.stop_token_ids is None else list(dict.fromkeys(req.stop_token_ids))
+    stop_token_ids = list(dict.fromkeys(_stop_token_ids(req.stop_token_ids, defaults)))
     bad_words = list(dict.fromkeys(req.bad_words))
+    logit_bias = _logit_bias(req.logit_bias) if req.logit_bias is not None else None
+    extra_args: dict[str, Any] = dict(req.vllm_xargs) if req.vllm_xargs else {}
+    if req.kv_transfer_params:
+        extra_args["kv_transfer_params"] = req.kv_transfer_params
+    if req.ec_transfer_params:
+        extra_args["ec_transfer_params"] = req.ec_transfer_params
 
-    _verify(n=n, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-            repetition_penalty=repetition_penalty, temperature=temperature, top_p=top_p, top_k=top_k,
-            min_p=min_p, max_tokens=max_tokens, min_tokens=req.min_tokens, logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs, stop=stop, bad_words=bad_words)
-
+    _verify(n=n, presence_penalty=picked["presence_penalty"], frequency_penalty=picked["frequency_penalty"],
+            repetition_penalty=picked["repetition_penalty"], temperature=temperature, top_p=picked["top_p"],
+            top_k=picked["top_k"], min_p=picked["min_p"], max_tokens=max_tokens, min_tokens=req.min_tokens,
+            stream_interval=req.stream_interval, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            stop=stop, bad_words=bad_words, extra_args=extra_args)
     greedy = temperature < _SAMPLING_EPS
     if greedy and n > 1:
         raise validation_error(f"n must be 1 when using greedy sampling, got {n}.")
 
     fields: dict[str, Any] = {
-        "presence_penalty": presence_penalty,
-        "frequency_penalty": frequency_penalty,
-        "repetition_penalty": repetition_penalty,
+        "presence_penalty": picked["presence_penalty"],
+        "frequency_penalty": picked["frequency_penalty"],
+        "repetition_penalty": picked["repetition_penalty"],
         "temperature": temperature,
         "stop": stop,
         "stop_token_ids": stop_token_ids,
@@ -122,11 +133,13 @@ def _build(
     # the rest only when it differs from vLLM's default (vLLM's JSON leaves the defaults out)
     if n != 1:
         fields["n"] = n
+    if req.watermarking is not None:
+        fields["watermarking"] = req.watermarking
     if not greedy:  # greedy sampling resets these to the defaults
-        fields["top_p"] = top_p
-        fields["min_p"] = min_p
-        if top_k != 0:
-            fields["top_k"] = top_k
+        fields["top_p"] = picked["top_p"]
+        fields["min_p"] = picked["min_p"]
+        if picked["top_k"] != 0:
+            fields["top_k"] = picked["top_k"]
     if seed is not None:
         fields["seed"] = seed
     if req.ignore_eos:
@@ -136,9 +149,11 @@ def _build(
     if req.min_tokens:
         fields["min_tokens"] = req.min_tokens
     if logprobs is not None:
-        fields["logprobs"] = logprobs
+        fields["logprobs"] = 1 if logprobs is True else logprobs
     if prompt_logprobs is not None:
-        fields["prompt_logprobs"] = prompt_logprobs
+        fields["prompt_logprobs"] = 1 if prompt_logprobs is True else prompt_logprobs
+    if req.logprob_token_ids:
+        fields["logprob_token_ids"] = list(req.logprob_token_ids)
     if not req.skip_special_tokens:
         fields["skip_special_tokens"] = False
     if not req.spaces_between_special_tokens:
@@ -149,35 +164,59 @@ def _build(
         buffer = max(len(s) for s in stop) - 1
         if buffer:
             fields["output_text_buffer_length"] = buffer
+    if req.stream_interval is not None:
+        fields["stream_interval"] = req.stream_interval
     structured = _structured_outputs(req)
     if structured is not None:
         fields["structured_outputs"] = structured
-    if req.logit_bias is not None:
-        fields["logit_bias"] = _logit_bias(req.logit_bias)
+    if logit_bias is not None:
+        fields["logit_bias"] = logit_bias
     if req.allowed_token_ids is not None:
         fields["allowed_token_ids"] = list(req.allowed_token_ids)
-    extra_args: dict[str, Any] = dict(req.vllm_xargs) if req.vllm_xargs else {}
-    if req.kv_transfer_params:
-        extra_args["kv_transfer_params"] = req.kv_transfer_params
     if extra_args:
         fields["extra_args"] = extra_args
+    if thinking_budget is not None:
+        fields["thinking_token_budget"] = thinking_budget
+    if req.repetition_detection is not None:
+        fields["repetition_detection"] = req.repetition_detection
+    if req.routed_experts_prompt_start:
+        fields["routed_experts_prompt_start"] = req.routed_experts_prompt_start
     return SamplingParams(**fields)
 
 
-def _pick(value: Any, defaults: Mapping[str, Any], key: str, fallback: Any) -> Any:
-    if value is not None:
-        return value
-    return defaults.get(key, fallback)
+def _stop_token_ids(requested: list[int] | None, defaults: Mapping[str, Any]) -> list[int]:
+    """The request's stop ids, merged with the server's default ones (vLLM's order)."""
+    default_ids = defaults.get("stop_token_ids")
+    if not default_ids:
+        return list(requested or [])
+    if not requested:
+        return list(default_ids)
+    return [*requested, *default_ids]
+
+
+def _thinking_budget(value: int | None) -> int | None:
+    if value is None or value == -1:
+        return None
+    if value < 0:
+        raise validation_error("`thinking_token_budget` must be a non-negative integer or -1 for unlimited.",
+                               parameter="thinking_token_budget", value=value)
+    return value
 
 
 def _verify(
     *, n: int, presence_penalty: float, frequency_penalty: float, repetition_penalty: float, temperature: float,
-    top_p: float, top_k: int, min_p: float, max_tokens: int | None, min_tokens: int, logprobs: int | None,
-    prompt_logprobs: int | None, stop: list[str], bad_words: list[str],
+    top_p: float, top_k: int, min_p: float, max_tokens: int | None, min_tokens: int, stream_interval: int | None,
+    logprobs: int | None, prompt_logprobs: int | None, stop: list[str], bad_words: list[str],
+    extra_args: dict[str, Any],
 ) -> None:
     """``SamplingParams._verify_args``: the same checks, order and messages."""
     if n < 1:
         raise validation_error(f"n must be at least 1, got {n}.")
+    if n > MAX_N_SEQUENCES:
+        raise validation_error(f"n must be at most {MAX_N_SEQUENCES}, got {n}. To increase this limit, set "
+                               "the VLLM_MAX_N_SEQUENCES environment variable.")
+    if extra_args:
+        _verify_extra_args(extra_args)
     if not -2.0 <= presence_penalty <= 2.0:
         raise validation_error(f"presence_penalty must be in [-2, 2], got {presence_penalty}.")
     if not -2.0 <= frequency_penalty <= 2.0:
@@ -208,6 +247,9 @@ def _verify(
         raise validation_error(f"min_tokens must be greater than or equal to 0, got {min_tokens}.")
     if max_tokens is not None and min_tokens > max_tokens:
         raise validation_error(f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}.")
+    if stream_interval is not None and stream_interval < 1:
+        raise validation_error(f"stream_interval must be at least 1, got {stream_interval}.",
+                               parameter="stream_interval", value=stream_interval)
     if logprobs is not None and logprobs != -1 and logprobs < 0:
         raise validation_error(f"logprobs must be non-negative or -1, got {logprobs}.",
                                parameter="logprobs", value=logprobs)
@@ -218,6 +260,21 @@ def _verify(
         raise validation_error("stop cannot contain an empty string.")
     if any(not w for w in bad_words):
         raise validation_error(f"bad_words cannot contain an empty string. Got bad_words={bad_words}")
+
+
+def _verify_extra_args(extra_args: dict[str, Any]) -> None:
+    """The engine's MessagePack transport carries 64-bit integers only."""
+    pending: list[Any] = [extra_args]
+    while pending:
+        value = pending.pop()
+        if isinstance(value, int) and not isinstance(value, bool) and not -(2**63) <= value < 2**64:
+            raise validation_error("extra_args integers must be between -2**63 and 2**64 - 1.",
+                                   parameter="extra_args")
+        if isinstance(value, dict):
+            pending.extend(value.keys())
+            pending.extend(value.values())
+        elif isinstance(value, (list, tuple)):
+            pending.extend(value)
 
 
 def _logit_bias(bias: Mapping[str, float]) -> dict[int, float]:
@@ -237,23 +294,21 @@ def _logit_bias(bias: Mapping[str, float]) -> dict[int, float]:
 
 def _structured_outputs(req: ChatRequest | CompletionRequest) -> dict[str, Any] | None:
     """``response_format`` folded into ``structured_outputs`` (json_object / json_schema), as vLLM does."""
-    structured = dict(req.structured_outputs) if req.structured_outputs is not None else None
+    given = req.structured_outputs
     fmt = req.response_format
-    if fmt is None:
-        return structured
-    kind = fmt.get("type")
-    extra: dict[str, Any] = {}
-    if kind == "json_object":
-        extra["json_object"] = True
-    elif kind == "json_schema":
-        schema = fmt.get("json_schema")
-        if not isinstance(schema, dict):
-            raise BadRequestError("response_format of type 'json_schema' needs a 'json_schema' object",
+    overrides: dict[str, Any] = {}
+    if fmt is not None:
+        kind = fmt.get("type")
+        if kind == "json_object":
+            overrides = {"json_object": True}
+        elif kind == "json_schema":
+            schema = fmt.get("json_schema")
+            overrides = {"json": schema.get("schema") if isinstance(schema, dict) else None}
+        elif kind not in ("text", None):
+            raise BadRequestError(f"response_format type {kind!r} is not supported by this renderer",
                                   param="response_format")
-        extra["json"] = schema.get("schema")
-    elif kind not in ("text", None):
-        raise BadRequestError(f"response_format type {kind!r} is not supported by this renderer",
-                              param="response_format")
-    if not extra:
-        return structured
-    return {**(structured or {}), **extra}
+    if given is None and not overrides:
+        return None
+    merged = {**_STRUCTURED_FIELDS, **{k: v for k, v in (given or {}).items() if k in _STRUCTURED_FIELDS},
+              **overrides}
+    return merged

@@ -106,22 +106,33 @@ class ChatTemplate:
         context["add_generation_prompt"] = add_generation_prompt
         try:
             return self._template.render(context)
-        except TemplateRaised as exc:
-            raise BadRequestError(str(exc)) from exc
-        except jinja2.TemplateError as exc:
-            raise BadRequestError(str(exc)) from exc
-        except (TypeError, ValueError, KeyError, IndexError, AttributeError, ZeroDivisionError) as exc:
-            raise BadRequestError(f"the chat template failed on this request: {exc}") from exc
+        except Exception as exc:  # noqa: BLE001 - a template failing on a request is the request's 400
+            raise BadRequestError(_reason(exc)) from exc
+
+
+def _reason(exc: BaseException) -> str:
+    """The most specific message in the error's chain (a template error's own), as vLLM reports it."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, (jinja2.TemplateError, TemplateRaised)):
+            return str(current)
+        current = current.__cause__ or current.__context__
+    return str(exc)
 
 
 def _detect_content_format(ast: jinja2.nodes.Template) -> str:
     """"openai" when the template loops over a message's content (a list of parts), else "string".
 
     vLLM decides the same way (``--chat-template-content-format auto``): it looks for a ``for``
-    loop whose iterable is ``<something>["content"]`` / ``<something>.content``.
+    loop whose iterable is ``<something>["content"]`` / ``<something>.content`` (or a variable
+    named ``content``).
     """
     for loop in ast.find_all(jinja2.nodes.For):
         if _is_content_access(loop.iter):
+            return OPENAI_FORMAT
+        if isinstance(loop.iter, jinja2.nodes.Name) and loop.iter.name == "content":
             return OPENAI_FORMAT
     return STRING_FORMAT
 
