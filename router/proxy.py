@@ -198,7 +198,10 @@ class Proxy:
         if fields is not None:
             candidates = self.pool.for_model(fields.model)
             if candidates is None:  # vLLM's answer, from the router: no backend of the pool serves it
-                raise NotFoundError(f"The model `{fields.model}` does not exist.", param="model")
+                if self.tokens is None:
+                    raise NotFoundError(f"The model `{fields.model}` does not exist.", param="model")
+                # tokens mode: the renderer judges the name (render's own 404), the engines take ids
+                candidates = self.pool
             attempt.pool = candidates
         if kind == "plain":
             return fields
