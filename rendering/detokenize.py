@@ -21,6 +21,9 @@ _PRIME_MIN = 4
 #: looking at suffixes shorter than this; with none clean it primes with the whole prompt.
 _PRIME_MAX = 24
 _REPLACEMENT = "\ufffd"
+#: what DecodeStream raises when a tokenizer's output stopped growing monotonically (vLLM then
+#: starts a new stream at the current token, and so do we)
+_INVALID_PREFIX = "Invalid prefix encountered"
 
 
 def prime_ids(tokenizer: tokenizers.Tokenizer, prompt_ids: Sequence[int]) -> Sequence[int]:
@@ -37,7 +40,7 @@ def prime_ids(tokenizer: tokenizers.Tokenizer, prompt_ids: Sequence[int]) -> Seq
 class IncrementalDetokenizer:
     """One output sequence's text, one token at a time (one instance per choice)."""
 
-    __slots__ = ("_tokenizer", "_stream", "_added", "_last_special")
+    __slots__ = ("_tokenizer", "_stream", "_skip", "_added", "_last_special")
 
     def __init__(
         self,
@@ -48,13 +51,14 @@ class IncrementalDetokenizer:
         spaces_between_special_tokens: bool = True,
     ) -> None:
         self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         if prompt_ids:
             step = self._stream.step
             for token_id in prime_ids(tokenizer, prompt_ids):
                 try:
                     step(tokenizer, token_id)
-                except (TypeError, OverflowError):
+                except Exception:  # priming only positions the stream; a bad prompt id is skipped
                     pass
         # vLLM writes consecutive special tokens without a separator only when they are kept
         # and the request turned spaces_between_special_tokens off.
@@ -64,12 +68,21 @@ class IncrementalDetokenizer:
             added = {tid: tok.content for tid, tok in tokenizer.get_added_tokens_decoder().items()}
             self._added = added or None
 
+    def _recover(self, token_id: int, exc: Exception) -> str | None:
+        """``step`` failed: an impossible id decodes to nothing; a broken prefix restarts."""
+        if isinstance(exc, (TypeError, OverflowError)):  # an id no tokenizer can hold (negative, > u32)
+            return None
+        if not str(exc).startswith(_INVALID_PREFIX):
+            raise exc
+        self._stream = DecodeStream(skip_special_tokens=self._skip)
+        return self._stream.step(self._tokenizer, token_id)
+
     def push_one(self, token_id: int) -> str:
         """The text ``token_id`` completes ("" while a character is still incomplete)."""
         try:
             text = self._stream.step(self._tokenizer, token_id)
-        except (TypeError, OverflowError):  # an id no tokenizer can hold (negative, > u32)
-            text = None
+        except Exception as exc:
+            text = self._recover(token_id, exc)
         if self._added is not None:
             special = self._added.get(token_id)
             if special is not None and self._last_special:
@@ -87,8 +100,9 @@ class IncrementalDetokenizer:
             for token_id in token_ids:
                 try:
                     text = stream_step(tokenizer, token_id)
-                except (TypeError, OverflowError):
-                    continue
+                except Exception as exc:
+                    text = self._recover(token_id, exc)
+                    stream_step = self._stream.step
                 if text:
                     parts.append(text)
             return "".join(parts) if len(parts) != 1 else parts[0]

@@ -158,3 +158,37 @@ def test_any_split_gives_the_same_text(ids: list[int], cuts: list[int], skip: bo
     assert "".join(parts) == whole
     for part in parts:  # never half a character: every delta is valid UTF-8 on its own
         part.encode("utf-8")
+
+
+class _BrokenOnce:
+    """A DecodeStream stand-in whose first stream fails as tokenizers does on a broken prefix."""
+
+    made = 0
+
+    def __init__(self, skip_special_tokens: bool = True) -> None:
+        type(self).made += 1
+        self.first = type(self).made == 1
+
+    def step(self, tokenizer: Tokenizer, token_id: int) -> str | None:
+        if self.first and token_id == 99:
+            raise Exception("Invalid prefix encountered while decoding")
+        if self.first and token_id == 98:
+            raise Exception("some other tokenizer failure")
+        return f"<{token_id}>"
+
+
+def test_a_broken_prefix_restarts_the_stream_at_that_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    import rendering.detokenize as module
+
+    _BrokenOnce.made = 0
+    monkeypatch.setattr(module, "DecodeStream", _BrokenOnce)
+    d = module.IncrementalDetokenizer(TOKENIZER)
+    assert d.push([1, 99, 2]) == "<1><99><2>"
+    assert _BrokenOnce.made == 2
+    _BrokenOnce.made = 0
+    d = module.IncrementalDetokenizer(TOKENIZER)
+    assert d.push_one(99) == "<99>"
+    _BrokenOnce.made = 0
+    d = module.IncrementalDetokenizer(TOKENIZER)
+    with pytest.raises(Exception, match="other"):
+        d.push([98])
