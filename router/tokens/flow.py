@@ -18,7 +18,6 @@ the client's ``X-Request-Id``, else one it made), as vLLM names its answers afte
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 from contract.errors import BadRequestError
 from rendering.derender import ChatDerender, CompletionDerender
@@ -33,13 +32,9 @@ from router.routes import Route
 from router.tokens.engine import EngineAborts, generate_payload
 from router.tokens.answers import CompletionAnswer
 from router.tokens.generate import COLLECT, STREAM, WHOLE, Derenderer, EngineCall
-from router.tokens.renderers import LocalRenderer, RenderService
+from router.tokens.prompt_cache import PromptCache
+from router.tokens.renderers import CHAT_PREFIX, COMPLETION_PREFIX, LocalRenderer, RenderService
 
-if TYPE_CHECKING:
-    from router.tokens.prompt_cache import PromptCache
-
-CHAT_ID_PREFIX = "chatcmpl-"
-COMPLETION_ID_PREFIX = "cmpl-"
 
 
 class TokensRoutes:
@@ -62,7 +57,7 @@ class TokensRoutes:
 
     async def chat(self, request: RequestView, writer: ResponseWriter, route: Route, body: bytes,
                    fields: OpenFields | None, attempt: Attempt) -> None:
-        request_id = CHAT_ID_PREFIX + attempt.request_id
+        request_id = CHAT_PREFIX + attempt.request_id
         local = self.local
         if local is not None:
             prompts = self.prompts
@@ -82,7 +77,7 @@ class TokensRoutes:
 
     async def completions(self, request: RequestView, writer: ResponseWriter, route: Route, body: bytes,
                           fields: OpenFields | None, attempt: Attempt) -> None:
-        request_id = COMPLETION_ID_PREFIX + attempt.request_id
+        request_id = COMPLETION_PREFIX + attempt.request_id
         generates = await self.renderer.render_completions(body, request_id=request_id)
         if len(generates) != 1:
             raise BadRequestError(

@@ -9,8 +9,6 @@ mode builds none of it. A model folder that cannot be loaded stops start-up with
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from contract.errors import ConfigError
 from rendering.model import RenderModel, load_model
 from rendering.render import Renderer
@@ -19,15 +17,13 @@ from router.health import HealthChecker
 from router.membership import BackendPool
 from router.metrics import RenderMetrics
 from router.proxy import Proxy, RouteHandler
-from router.sessions.table import EvictReason, SessionEntry, SessionTable
+from router.sessions.table import SessionTable
 from router.tokens.engine import EngineAborts
 from router.tokens.flow import TokensRoutes
+from router.tokens.prompt_cache import PromptCache
 from router.tokens.render_client import RemoteRenderer
 from router.tokens.renderers import LocalRenderer, RenderService
 from router.upstream import UpstreamPool
-
-if TYPE_CHECKING:
-    from router.tokens.prompt_cache import PromptCache
 
 
 class TokensMode:
@@ -73,22 +69,8 @@ def build_tokens_mode(config: RouterConfig, proxy: Proxy, *, render_pool: Backen
                                   total_timeout_s=config.upstream.total_timeout_s)
     prompts: PromptCache | None = None
     if local is not None and config.tokens.prompt_cache_bytes > 0:
-        from router.tokens.prompt_cache import PromptCache
-
         prompts = PromptCache(config.tokens.prompt_cache_bytes)
-        _forget_with_sessions(sessions, prompts)
+        prompts.attach(sessions)  # a session the table forgets takes its prompt state with it
     aborts = EngineAborts(upstream)
     routes = TokensRoutes(proxy, model=model, renderer=renderer, local=local, prompts=prompts, aborts=aborts)
     return TokensMode(model, renderer, local, prompts, aborts, routes)
-
-
-def _forget_with_sessions(sessions: SessionTable, prompts: PromptCache) -> None:
-    """A session the table forgets (TTL, capacity, DELETE) takes its prompt state with it."""
-    before = sessions.on_evict
-
-    def on_evict(entry: SessionEntry, reason: EvictReason) -> None:
-        prompts.drop(entry.session_id)
-        if before is not None:
-            before(entry, reason)
-
-    sessions.on_evict = on_evict

@@ -27,15 +27,22 @@ if TYPE_CHECKING:
     from rendering.render import RenderedChat, Renderer
 
 
+#: the answers' id prefixes (vLLM's): ``chatcmpl-<X-Request-Id>``, ``cmpl-<X-Request-Id>``
+CHAT_PREFIX = "chatcmpl-"
+COMPLETION_PREFIX = "cmpl-"
+
+
 class RenderService(Protocol):
     """Renders client bodies to generate requests (local or remote; same answers, same errors)."""
 
     async def render_chat(self, body: bytes, *, request_id: str) -> GenerateRequest:
-        """A ``/v1/chat/completions`` body -> its one ``GenerateRequest`` (``request_id`` set)."""
+        """A ``/v1/chat/completions`` body -> its one ``GenerateRequest``, whose ``request_id`` is
+        ``request_id`` (``chatcmpl-<X-Request-Id>``: the answer's id)."""
         ...
 
     async def render_completions(self, body: bytes, *, request_id: str) -> list[GenerateRequest]:
-        """A ``/v1/completions`` body -> one ``GenerateRequest`` per prompt."""
+        """A ``/v1/completions`` body -> one ``GenerateRequest`` per prompt, with ``request_id``
+        (``cmpl-<X-Request-Id>``), numbered ``{request_id}-{i}`` when there are several."""
         ...
 
 
@@ -54,8 +61,8 @@ class LocalRenderer:
     async def render_completions(self, body: bytes, *, request_id: str) -> list[GenerateRequest]:
         return self.renderer.render_completions(body, request_id=request_id)
 
-    def render_chat_state(self, body: bytes, *, request_id: str,
-                          previous: PromptState | None = None) -> RenderedChat:
-        """The whole local render: the request, the client's decoded fields and the prompt state for
-        the session's next turn (``previous``: this session's state from the turn before, or None)."""
+    def render_chat_state(self, body: bytes, *, request_id: str, previous: PromptState | None = None) -> RenderedChat:
+        """The whole local render: the request (with ``request_id``), the client's decoded fields and the
+        prompt state for the session's next turn (``previous``: this session's state from the turn
+        before, or None)."""
         return self.renderer.render_chat(body, request_id=request_id, previous=previous)

@@ -48,7 +48,7 @@ class Engine:
 
 
 def tokens_settings(**extra: Any) -> dict[str, Any]:
-    return {"tokens": {"upstream_api": "tokens", "model_dir": MODEL_DIR, "prompt_cache_bytes": 0, **extra}}
+    return {"tokens": {"upstream_api": "tokens", "model_dir": MODEL_DIR, **extra}}
 
 
 MakeTokensRouter = Callable[..., Awaitable[Any]]

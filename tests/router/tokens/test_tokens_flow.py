@@ -18,6 +18,7 @@ import pytest
 from prometheus_client import generate_latest
 
 from rendering.render import Renderer
+from router.app import TOKENS
 from tests.router.tokens.conftest import Engine, tokens_settings
 from tests.support import eventually, metric_sum
 
@@ -272,3 +273,46 @@ async def test_pd_both_legs_on_generate_with_the_session(make_router: Any, tiny_
     metrics = generate_latest(router.state.metrics.registry).decode()
     assert metric_sum(metrics, "session_router_pd_fallback_total") == 0
     await eventually(lambda: prefill.idle() and decode.idle(), timeout=5, what="both engines idle")
+
+
+# ---------------------------------------------------------------------------- incremental render
+
+
+async def test_a_sessions_next_turn_renders_from_its_previous_prompt(make_router: Any, tiny_model: Any) -> None:
+    """The router keeps each session's last prompt; the next turn renders from it (``previous``), and
+    the engine gets exactly the ids of a full render. Deleting the session drops the state."""
+    router, (engine,) = await tokens_router(make_router, tiny_model)
+    mode = router.app[TOKENS]
+    assert mode.prompts is not None
+    seen: list[Any] = []
+    render = mode.local.renderer.render_chat
+
+    def spy(body: bytes, **kwargs: Any) -> Any:
+        seen.append(kwargs.get("previous"))
+        return render(body, **kwargs)
+
+    mode.local.renderer.render_chat = spy  # type: ignore[method-assign]
+    messages = list(MESSAGES)
+    async with client_of(router, **{"X-Session-ID": "sess-turns"}) as client:
+        for turn in range(3):
+            answer = await client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=5,
+                                                          seed=turn)
+            assert answer.usage.prompt_tokens == len(prompt_ids(tiny_model, messages))
+            messages += [{"role": "assistant", "content": answer.choices[0].message.content},
+                         {"role": "user", "content": f"and then {turn}?"}]
+    assert seen[0] is None and seen[1] is not None and seen[2] is not None
+    assert seen[2].text.startswith(seen[1].text)
+    assert engine.engine.sessions.get("sess-turns").requests == 3
+    assert "sess-turns" in mode.prompts
+    async with aiohttp.ClientSession() as http:
+        async with http.delete(router.url + "/v1/sessions/sess-turns") as response:
+            assert response.status in (200, 204)
+    assert "sess-turns" not in mode.prompts
+
+
+async def test_no_prompt_cache_when_its_bound_is_zero(make_router: Any, tiny_model: Any) -> None:
+    router, _ = await tokens_router(make_router, tiny_model, prompt_cache_bytes=0)
+    assert router.app[TOKENS].prompts is None
+    async with client_of(router, **{"X-Session-ID": "s"}) as client:
+        answer = await client.chat.completions.create(model="tiny-llama", messages=MESSAGES, max_tokens=2)
+    assert answer.usage.completion_tokens == 2
