@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-import tokenizers
 
 from contract.errors import BadRequestError, NotFoundError
 from rendering.generate_request import GenerateRequest, SamplingParams, random_id
+from rendering.incremental import PromptEncoder, PromptState
 from rendering.model import RenderModel
 from rendering.requests import (
     ChatRequest,
@@ -60,26 +60,6 @@ _UNTRUSTED_TEMPLATE = ("Chat template is passed with request, but --trust-reques
                        "Refused request with untrusted chat template.")
 _NO_TEMPLATE = ("As of transformers v4.44, default chat template is no longer allowed, so you must provide a "
                 "chat template if the tokenizer does not define one.")
-
-
-# --- the session's prompt state -----------------------------------------------------------------
-# I's ``rendering.incremental`` (PromptState, encode_prompt) replaces these two: a full encode.
-@dataclass(frozen=True)
-class PromptState:
-    """One rendered prompt: its text and token ids (the next turn of the session starts from it)."""
-
-    text: str
-    token_ids: tuple[int, ...] | list[int]
-
-    @property
-    def nbytes(self) -> int:
-        return len(self.text) + 8 * len(self.token_ids)
-
-
-def encode_prompt(tokenizer: tokenizers.Tokenizer, text: str, previous: PromptState | None) -> PromptState:
-    """``text``'s ids, exactly ``tokenizer.encode(text, add_special_tokens=False).ids``."""
-    return PromptState(text=text, token_ids=tokenizer.encode(text, add_special_tokens=False).ids)
-# --------------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -160,6 +140,7 @@ class Renderer:
     def __init__(self, model: RenderModel) -> None:
         self.model = model
         self._tokenizer = model.tokenizer
+        self._prompts = PromptEncoder(model.tokenizer)  # incremental encode (rendering.incremental)
         self._template = (ChatTemplate(model.chat_template, special_tokens=model.special_tokens)
                           if model.chat_template else None)
         self._knows_developer = bool(model.chat_template) and (
@@ -192,7 +173,7 @@ class Renderer:
         reused = self._reused_ids(chat)
         if reused is not None:
             token_ids = reused
-            prompt = encode_prompt(self._tokenizer, "", None)
+            prompt = PromptState(text="", token_ids=[])  # nothing rendered: the next turn starts afresh
             if len(token_ids) > self.model.max_model_len:
                 raise BadRequestError(f"Input length ({len(token_ids)}) exceeds model's maximum context length "
                                       f"({self.model.max_model_len}).")
@@ -207,7 +188,7 @@ class Renderer:
                 ids = self._tokenizer.encode(text, add_special_tokens=chat.add_special_tokens).ids
                 prompt = PromptState(text=text, token_ids=ids)
             else:
-                prompt = encode_prompt(self._tokenizer, text, previous)
+                prompt = self._prompts.encode(text, previous)
             token_ids = self._check_ids(list(prompt.token_ids), limits)
         if not token_ids:
             raise BadRequestError("No token_ids rendered")
