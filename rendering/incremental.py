@@ -79,7 +79,7 @@ _ASCII_ALNUM = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ01
 
 #: the models whose tokens depend only on the piece they are given
 _PER_PIECE_MODELS = {"BPE", "WordPiece", "WordLevel", "Unigram"}
-#: post-processors that add nothing and keep offsets when ``add_special_tokens=False``
+#: post-processors that add no ids when ``add_special_tokens=False`` (ByteLevel's only trims offsets)
 _QUIET_POST_PROCESSORS = {"TemplateProcessing", "BertProcessing", "RobertaProcessing", "ByteLevel"}
 
 
@@ -220,7 +220,7 @@ def _analyze(tokenizer: tokenizers.Tokenizer) -> tuple[CutRule | None, str]:
         spec = json.loads(post.__getstate__())
         steps = spec.get("processors", []) if spec.get("type") == "Sequence" else [spec]
         for step in steps:
-            if step.get("type") not in _QUIET_POST_PROCESSORS or step.get("trim_offsets"):
+            if step.get("type") not in _QUIET_POST_PROCESSORS:
                 return None, f"post-processor {step.get('type')!r} may change what an encode returns"
     added: list[str] = []
     for token in tokenizer.get_added_tokens_decoder().values():

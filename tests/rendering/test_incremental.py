@@ -7,6 +7,7 @@ import json
 import pytest
 from tokenizers import AddedToken, Regex, Tokenizer, models, pre_tokenizers
 
+from rendering import incremental
 from rendering.incremental import GPT2_PATTERN, QWEN2_PATTERN, PromptEncoder, PromptState, encode_prompt
 from rendering.model import DEFAULT_MODEL_DIR
 
@@ -127,8 +128,6 @@ def test_normalizer_means_full_encodes(tokenizer: Tokenizer) -> None:
      "prefix space"),
     ({"pre_tokenizer": {"type": "Whitespace"}}, "Whitespace"),
     ({"pre_tokenizer": None}, "no pre-tokenizer"),
-    ({"post_processor": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}},
-     "post-processor"),
     ({"truncation": {"direction": "Right", "max_length": 8, "strategy": "LongestFirst", "stride": 0}},
      "truncates"),
 ])
@@ -138,6 +137,21 @@ def test_structures_the_rules_refuse(tokenizer: Tokenizer, changes: dict[str, ob
     assert encoder.rule is None and reason in encoder.reason
     state = encoder.encode(TURN2, encoder.encode(TURN1))
     assert state.token_ids == _ids(variant, TURN2) and state.reused_tokens == 0
+
+
+def test_post_processors_that_add_no_ids_are_accepted(tokenizer: Tokenizer) -> None:
+    trims = _variant(tokenizer, post_processor={"type": "ByteLevel", "add_prefix_space": False,
+                                                "trim_offsets": True, "use_regex": True})
+    encoder = PromptEncoder(trims)
+    assert encoder.rule is not None, encoder.reason
+    state = encoder.encode(TURN2, encoder.encode(TURN1))
+    assert state.token_ids == _ids(trims, TURN2) and state.reused_tokens > 0
+
+
+def test_unknown_post_processor_is_refused(tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(incremental, "_QUIET_POST_PROCESSORS", frozenset({"BertProcessing"}))
+    encoder = PromptEncoder(tokenizer)
+    assert encoder.rule is None and "TemplateProcessing" in encoder.reason
 
 
 def test_added_token_with_rstrip_is_refused(tokenizer: Tokenizer) -> None:
