@@ -210,6 +210,8 @@ def _analyze(tokenizer: tokenizers.Tokenizer) -> tuple[CutRule | None, str]:
         return None, "the tokenizer has a normalizer"
     if tokenizer.truncation is not None or tokenizer.padding is not None:
         return None, "the tokenizer truncates or pads"
+    if getattr(tokenizer, "encode_special_tokens", False):
+        return None, "the tokenizer encodes special tokens as text (encode_special_tokens)"
     model = tokenizer.model
     if type(model).__name__ not in _PER_PIECE_MODELS:
         return None, f"model {type(model).__name__} is not known to tokenize piece by piece"

@@ -161,6 +161,15 @@ def test_added_token_with_rstrip_is_refused(tokenizer: Tokenizer) -> None:
     assert encoder.rule is None and "<|eot|>" in encoder.reason
 
 
+def test_special_tokens_encoded_as_text_is_refused(tokenizer: Tokenizer) -> None:
+    variant = Tokenizer.from_str(tokenizer.to_str())
+    variant.encode_special_tokens = True
+    encoder = PromptEncoder(variant)
+    assert encoder.rule is None and "encode_special_tokens" in encoder.reason
+    state = encoder.encode("<s>hello</s><s>x", encoder.encode("<s>hello"))
+    assert state.token_ids == _ids(variant, "<s>hello</s><s>x") and state.reused_tokens == 0
+
+
 def test_bpe_dropout_is_refused(tokenizer: Tokenizer) -> None:
     spec = json.loads(tokenizer.to_str())
     spec["model"]["dropout"] = 0.5
