@@ -13,9 +13,10 @@ tokenizer's declared structure, for the families it can reason about (``_analyze
 full whenever it cannot:
 
 - no normalizer (a normalizer may rewrite across the cut), no truncation or padding, a per-piece model
-  (BPE without dropout, WordPiece, WordLevel, Unigram), a post-processor that adds nothing when
-  ``add_special_tokens=False``; added tokens without ``lstrip``/``rstrip``/``single_word`` (their
-  match would depend on the text beside them);
+  (BPE without dropout, WordPiece, WordLevel, Unigram), a post-processor that adds no ids when
+  ``add_special_tokens=False``; added tokens matched on the raw text (not ``normalized``, and not
+  ``encode_special_tokens``) without ``lstrip``/``rstrip``/``single_word`` (their match would depend
+  on the text beside them);
 - no added token can straddle ``p``: the two characters around ``p`` never occur side by side inside
   an added token;
 - and either ``x[p:]`` starts with an added token (a segment boundary: the match is selected because
@@ -25,8 +26,10 @@ full whenever it cannot:
   * ``ByteLevel`` with GPT-2's regex (``use_regex``, or ``Split`` with that pattern + ``ByteLevel``),
     no prefix space: ``x[p-1]`` is not whitespace and ``x[p]`` is ASCII whitespace. No alternative of
     ``'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+`` holds a
-    non-space followed by a space (the optional space only leads), the whitespace alternatives hold
-    no non-space, and the regex has no look-behind: the scan from ``p`` is the scan of ``x[p:]``.
+    non-space followed by a space (the optional space only leads) and the whitespace alternatives hold
+    no non-space, so the match that covers ``x[p-1]`` ends at ``p`` whatever follows the space (the
+    pieces before ``p`` are those of ``x[:p]`` alone; no look-ahead reaches past ``p``: a whitespace
+    match cannot end at ``p``), and the regex has no look-behind: the scan from ``p`` is that of ``x[p:]``.
   * ``Split`` with Llama 3's / Qwen2's pattern + ``ByteLevel``: as above but ``?[^\\s\\p{L}\\p{N}]+[\\r\\n]*``
     takes newlines after punctuation, so ``x[p]`` must be a space or tab, or ``x[p-1]`` an ASCII
     letter or digit.
@@ -42,7 +45,9 @@ clean cuts, which is also faster than one ``encode`` of a long text), the last c
 end, and the end. The next turn finds where its text departs from the previous one, takes the last
 mark at or before that point that is also a clean cut of the new text, checks on a window of a few
 tokens around it that the tokenizer itself does not merge across it (else: a plain full encode), and
-tokenizes from there. The answer's token ids are never reused: a template re-renders the assistant's
+tokenizes from there. Marks before the cut stay valid for the new text: a mark ``q < p`` only reads
+characters before ``p`` (an added token starting at ``q`` cannot reach over the clean cut ``p``).
+The answer's token ids are never reused: a template re-renders the assistant's
 turn as text, whose tokens need not be the ids the engine generated.
 """
 
