@@ -244,9 +244,9 @@ class Renderer:
             if isinstance(prompt, str):
                 self._check_text(prompt, limits)
                 ids = self._tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens).ids
+                rendered.append(self._check_ids(ids, limits))
             else:
-                ids = list(prompt)
-            rendered.append(self._check_ids(ids, limits))
+                rendered.append(self._in_vocabulary(self._check_ids(list(prompt), limits, encoded=False)))
 
         base = request_id or f"cmpl-{req.request_id or random_id()}"
         out: list[GenerateRequest] = []
@@ -341,8 +341,11 @@ class Renderer:
                 f"for {limits.max_total} input tokens). Please reduce the length of the input prompt.",
                 parameter="input_text", value=len(text))
 
-    def _check_ids(self, ids: list[int], limits: _Limits) -> list[int]:
-        """Truncation (``truncate_prompt_tokens``), then the context-length check, as vLLM words it."""
+    def _check_ids(self, ids: list[int], limits: _Limits, *, encoded: bool = True) -> list[int]:
+        """Truncation (``truncate_prompt_tokens``), then the context-length check, as vLLM words it.
+
+        ``encoded``: the ids are the tokenizer's for a text prompt (vLLM's tokenizer stops at the
+        context + 1 tokens, so that is the most its message can report); else the client's own ids."""
         if limits.max_total is None:
             return ids
         keep = limits.truncate
@@ -353,13 +356,19 @@ class Renderer:
                 side = limits.side or self.model.truncation_side
                 ids = ids[len(ids) - keep:] if side == "left" else ids[:keep]
         if len(ids) > limits.max_total:
-            # vLLM's tokenizer stops at context + 1 tokens, so that is the most it can report
-            count = min(len(ids), limits.max_total + 1)
+            count = min(len(ids), limits.max_total + 1) if encoded else len(ids)
             qualifier = "at least " if count == limits.max_total + 1 else ""
             raise validation_error(
                 f"This model's maximum context length is {limits.max_total} tokens. However, your prompt "
                 f"contains {qualifier}{count} input tokens, which exceeds this limit even without any output "
                 "tokens. Please reduce the length of the input prompt.", parameter="input_tokens", value=count)
+        return ids
+
+    def _in_vocabulary(self, ids: list[int]) -> list[int]:
+        """Client token ids past the vocabulary: the 400 vLLM's engine answers for them (its input
+        processor's check), given here so that such a prompt never reaches an engine."""
+        if ids and max(ids) > self.model.max_token_id:
+            raise BadRequestError(f"Token id {max(ids)} is out of vocabulary")
         return ids
 
     def _max_tokens(self, prompt_len: int, requested: int | None) -> int:
