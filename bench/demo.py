@@ -62,6 +62,9 @@ TOKENS_MODEL = "tiny-llama"
 TOKENS_CONTEXT_TOKENS = 2048
 #: the session of the exchange shown before the traffic in tokens mode
 SHOWCASE_SESSION = "demo-tokens-hello"
+#: the exchange's answer length (not 16: vLLM's SamplingParams default, which a render server leaves
+#: out of the GenerateRequest, and an engine then reads as "the rest of the context")
+SHOWCASE_TOKENS = 12
 #: seconds of recent requests the view's rates and ratio are computed over
 WINDOW_S = 30.0
 RED, YELLOW, BOLD, RESET = "\x1b[1;37;41m", "\x1b[1;33m", "\x1b[1m", "\x1b[0m"
@@ -213,8 +216,11 @@ def render(stats: Stats, rows: Sequence[Row], *, now: float, round_no: int, conf
     return ("\x1b[2J\x1b[H" if clear else "") + "\n".join(lines)
 
 
-async def lane_rows(http: aiohttp.ClientSession, router_url: str, lanes: Sequence[Lane]) -> list[Row]:
-    """One row per lane's running conversation; the backend from ``GET /v1/sessions/{id}``."""
+async def lane_rows(http: aiohttp.ClientSession, router_url: str, lanes: Sequence[Lane],
+                    engine_counts: bool = False) -> list[Row]:
+    """One row per lane's running conversation; the backend from ``GET /v1/sessions/{id}``. With
+    ``engine_counts`` (tokens mode, whose chat answers carry no cached-token count, as vLLM's) the
+    prompt and cached tokens are the engine's own per-session counts (``GET /v1/sessions/{id}`` on it)."""
 
     async def backend_of(session_id: str | None) -> str:
         if session_id is None:
@@ -229,10 +235,37 @@ async def lane_rows(http: aiohttp.ClientSession, router_url: str, lanes: Sequenc
         # in P/D mode the decode pin is where the session's answers come from
         return str(pins["decode"]) if "decode" in pins else ",".join(pins.values()) or "-"
 
+    async def engine_tokens(backend: str, session_id: str | None) -> tuple[int, int] | None:
+        if not engine_counts or session_id is None or not backend.startswith("http"):
+            return None
+        try:
+            async with http.get(f"{backend}/v1/sessions/{session_id}") as resp:
+                if resp.status != 200:
+                    return None
+                seen = await resp.json()
+        except (aiohttp.ClientError, ValueError):
+            return None
+        return int(seen.get("prompt_tokens") or 0), int(seen.get("cached_tokens") or 0)
+
     backends = await asyncio.gather(*(backend_of(lane.conv.session_id) for lane in lanes))
+    counts = await asyncio.gather(*(engine_tokens(b, lane.conv.session_id) for lane, b in zip(lanes, backends)))
     return [Row(lane.index, lane.conv.session_id or "(not yet answered)", backend, lane.conv.turns,
-                lane.conv.context_tokens, lane.conv.prompt_tokens, lane.conv.cached_tokens, lane.conv.errors)
-            for lane, backend in zip(lanes, backends, strict=True)]
+                lane.conv.context_tokens, *(count or (lane.conv.prompt_tokens, lane.conv.cached_tokens)),
+                lane.conv.errors)
+            for lane, backend, count in zip(lanes, backends, counts, strict=True)]
+
+
+async def tokens_summary(http: aiohttp.ClientSession, tokens: dict[str, list[str]]) -> list[str]:
+    """The engines' prefix cache over the run (tokens mode: the answers' usage has no cached count)."""
+    hits = queries = 0.0
+    for url in tokens["engines"]:
+        m = await scrape_sum(http, url, ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"))
+        hits += m["vllm:prefix_cache_hits_total"]
+        queries += m["vllm:prefix_cache_queries_total"]
+    ratio = f"{hits / queries:.2f}" if queries else "n/a"
+    return [f"engines' prefix cache since the start: {hits:.0f} of {queries:.0f} prompt tokens hit ({ratio}); "
+            "in tokens mode the answers' usage has no cached-token count (as vLLM's), so the rows show the "
+            "engines' own per-session counts"]
 
 
 async def scrape_sum(http: aiohttp.ClientSession, url: str, names: tuple[str, ...]) -> dict[str, float]:
@@ -273,7 +306,7 @@ async def pd_summary(http: aiohttp.ClientSession, router_url: str, pd: dict[str,
 
 
 async def traffic(config: TrafficConfig, rounds: int | None, seed: int, urls: dict[str, str],
-                  pd: dict[str, list[str]] | None = None) -> Stats:
+                  pd: dict[str, list[str]] | None = None, tokens: dict[str, list[str]] | None = None) -> Stats:
     """Rounds of one turn per lane, each followed by the live view; returns the counts."""
     demo = DemoTraffic(config, seed)
     tty = sys.stdout.isatty()
@@ -283,8 +316,10 @@ async def traffic(config: TrafficConfig, rounds: int | None, seed: int, urls: di
         while rounds is None or done < rounds:
             await demo.round(http)
             done += 1
-            rows = await lane_rows(http, config.router, demo.lanes)
+            rows = await lane_rows(http, config.router, demo.lanes, engine_counts=tokens is not None)
             pd_lines = await pd_summary(http, config.router, pd) if pd is not None else []
+            if tokens is not None:
+                pd_lines = await tokens_summary(http, tokens)
             print(render(demo.stats, rows, now=time.monotonic(), round_no=done, config=config, urls=urls,
                          pd_lines=pd_lines, color=tty, clear=tty), flush=True)
             if rounds is None:
@@ -308,7 +343,7 @@ async def showcase(router_url: str, engine_urls: Sequence[str], model: str) -> l
     messages: list[dict[str, str]] = [{"role": "user", "content": "Hello! Who are you?"}]
     timeout = aiohttp.ClientTimeout(total=60)
     async with aiohttp.ClientSession(timeout=timeout) as http:
-        body = {"model": model, "messages": messages, "max_tokens": 16}
+        body = {"model": model, "messages": messages, "max_tokens": SHOWCASE_TOKENS}
         async with http.post(f"{router_url}/v1/chat/completions", json=body, headers=headers) as resp:
             answer = await resp.json()
             if resp.status != 200:
@@ -318,7 +353,7 @@ async def showcase(router_url: str, engine_urls: Sequence[str], model: str) -> l
         say(f"chat   {SHOWCASE_SESSION}: {content!r} (finish_reason {choice['finish_reason']}, "
             f"{usage['prompt_tokens']} prompt + {usage['completion_tokens']} completion tokens)")
         messages += [{"role": "assistant", "content": content}, {"role": "user", "content": "Tell me more."}]
-        body = {"model": model, "messages": messages, "max_tokens": 16, "stream": True,
+        body = {"model": model, "messages": messages, "max_tokens": SHOWCASE_TOKENS, "stream": True,
                 "stream_options": {"include_usage": True}}
         deltas: list[str] = []
         finish = None
@@ -453,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
             asyncio.run(showcase(router.url, tokens["engines"], TOKENS_MODEL))
         config = msgspec.structs.replace(config, router=router.url)
-        asyncio.run(traffic(config, args.rounds, args.seed, urls, pd))
+        asyncio.run(traffic(config, args.rounds, args.seed, urls, pd, tokens))
         return 0
     except KeyboardInterrupt:
         return 0

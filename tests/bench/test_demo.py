@@ -88,7 +88,10 @@ async def test_without_a_budget_the_context_fills_and_the_refused_conversation_i
     assert stats.conversations >= 2 and stats.ok > stats.failed  # new conversations were answered
     banner = error_banner(stats, now=stats.last_error_at + 1)
     assert "ERRORS" in banner[1] and "FAILED" in banner[1]
-    assert "last error 1 s ago: HTTP 400: This model's maximum context length is 250 tokens" in banner[2]
+    # vLLM's two context messages: a prompt over the context, or a max_tokens that overruns it (which one
+    # comes first depends on the backends' tokenizer, the shipped model's since issue 13)
+    assert re.search(r"last error 1 s ago: HTTP 400: (This model's|'max_tokens' is too large: \d+\. This model's) "
+                     r"maximum context length is 250 tokens", banner[2]), banner[2]
 
 
 # ------------------------------------------------------------------ the live view
@@ -249,9 +252,9 @@ def test_tokens_demo_shows_chat_stream_and_the_session_on_the_engine_then_runs_t
     stdout = _demo("--tokens", "--rounds", "2")
     assert re.search(r"^tokens mode: render server http://127\.0\.0\.1:\d+, engines taking token ids "
                      r"http://127\.0\.0\.1:\d+, http://127\.0\.0\.1:\d+, http://127\.0\.0\.1:\d+;", stdout, re.M), stdout
-    chat = re.search(r"^chat   demo-tokens-hello: '(.+)' \(finish_reason (length|stop), (\d+) prompt \+ (\d+) "
+    chat = re.search(r"^chat   demo-tokens-hello: '(.*)' \(finish_reason (length|stop), (\d+) prompt \+ (\d+) "
                      r"completion tokens\)$", stdout, re.M)
-    assert chat and int(chat[3]) > 0 and 0 < int(chat[4]) <= 16, stdout
+    assert chat and int(chat[3]) > 0 and 0 < int(chat[4]) <= 12, stdout
     stream = re.search(r"^stream demo-tokens-hello: (\d+) deltas .* \(finish_reason (length|stop)\)$", stdout, re.M)
     assert stream and int(stream[1]) >= 1, stdout
     # the session id reached the engine core of exactly one engine, with both turns (sticky)
