@@ -69,7 +69,8 @@ def _sentence(rnd: random.Random) -> str:
 def _code(rnd: random.Random) -> str:
     lines = [f"def {rnd.choice(_WORDS)}_{rnd.choice(_WORDS)}(x, y={rnd.randint(0, 9)}):"]
     for _ in range(rnd.randint(2, 8)):
-        lines.append(f"    {rnd.choice(_WORDS)} = x.{rnd.choice(_WORDS)}({rnd.choice(_WORDS)!r}, {rnd.randint(0, 999)})")
+        name, method, arg = rnd.choice(_WORDS), rnd.choice(_WORDS), rnd.choice(_WORDS)
+        lines.append(f"    {name} = x.{method}({arg!r}, {rnd.randint(0, 999)})")
     lines.append("    return x")
     return "```python\n" + "\n".join(lines) + "\n```"
 
@@ -144,7 +145,8 @@ class TurnResult:
     ratio: Stat          # full / incremental, per repeat
 
 
-def run(turns: int, tokens: int, repeats: int, *, progress: Callable[[str], None] = lambda _: None) -> tuple[list[TurnResult], dict[str, Any]]:
+def run(turns: int, tokens: int, repeats: int, *,
+        progress: Callable[[str], None] = lambda _: None) -> tuple[list[TurnResult], dict[str, Any]]:
     from rendering.incremental import encode_prompt
     from rendering.model import DEFAULT_MODEL_DIR, load_model
     from rendering.render import Renderer
@@ -167,7 +169,8 @@ def run(turns: int, tokens: int, repeats: int, *, progress: Callable[[str], None
         text = renderer.chat_text(decode_chat_request(body))
         rendered = renderer.render_chat(body, previous=previous)
         expected = full(body)
-        if list(rendered.request.token_ids) != expected or encode_prompt(tokenizer, text, previous).token_ids != expected:
+        incremental = encode_prompt(tokenizer, text, previous).token_ids
+        if list(rendered.request.token_ids) != expected or incremental != expected:
             raise AssertionError(f"turn {turn}: the incremental render differs from the full one")
         samples: dict[str, list[float]] = {k: [] for k in ("full", "incremental", "template", "encode_prompt", "first")}
         for _ in range(repeats):
@@ -199,16 +202,17 @@ def report(results: list[TurnResult], extra: dict[str, Any], args: argparse.Name
         f"- Machine: {os.cpu_count()} CPUs, load average at start {load} (shared machine, other work running); "
         f"Python {sys.version.split()[0]}.",
         f"- Conversation: {len(results)} turns growing to {results[-1].prompt_tokens} prompt tokens "
-        f"({extra['text_chars']} characters of rendered text) with `models/tiny-llama` (max_model_len {MAX_MODEL_LEN}); "
+        f"({extra['text_chars']} characters of rendered text) with `models/tiny-llama` "
+        f"(max_model_len {MAX_MODEL_LEN}); "
         "each turn adds a user message and then the assistant's answer (prose, lists, code, non-ASCII, emoji); "
         "the body resends the whole history.",
         "- CPU ms per call (`time.process_time`), median [lo–hi] of "
         f"{args.repeats} interleaved repeats. **full** = body decode + template (`Renderer.chat_text`) + "
         "`Tokenizer.encode` of the whole text; **incremental** = `Renderer.render_chat(body, previous=state of the "
         "turn before)`, the router's whole local render; its parts **template** (`chat_text`) and **encode_prompt** "
-        "(`encode_prompt(tokenizer, text, previous)`); **first** = `render_chat(body)` without state (a session's first "
-        "turn, or a fallback: the whole text encoded chunk by chunk between clean cuts). Every incremental render "
-        "was checked to give the full encode's ids.",
+        "(`encode_prompt(tokenizer, text, previous)`); **first** = `render_chat(body)` without state (a session's "
+        "first turn, or a fallback: the whole text encoded chunk by chunk between clean cuts). Every incremental "
+        "render was checked to give the full encode's ids.",
         f"- Session state kept for the next turn at the last turn: {extra['state_nbytes'] / 1e6:.1f} MB "
         "(`PromptState.nbytes`: text, id list, marks).",
         f"- **Target**: incremental ≥ 10× cheaper than full at the last turns: "
@@ -230,8 +234,16 @@ def report(results: list[TurnResult], extra: dict[str, Any], args: argparse.Name
         "",
         f"At the last turn the template part (body decode + jinja over {2 * len(results)} messages) is "
         f"{tail.template.median:.2f} ms, {share:.0%} of the incremental render; encoding the new tail is "
-        f"{tail.encode_prompt.median:.2f} ms. The rest is building the request (copying {tail.prompt_tokens} ids "
-        "into the `GenerateRequest`). Rendered text is not cached per message: an arbitrary template may render a "
+        f"{tail.encode_prompt.median:.2f} ms for its {tail.new_tokens} new tokens; the rest, about "
+        f"{max(0.0, tail.incremental.median - tail.template.median - tail.encode_prompt.median):.2f} ms, is the "
+        f"checks and building the request (copying {tail.prompt_tokens} ids into the `GenerateRequest`). "
+        + ("The template now dominates the incremental render. " if share > 0.5 else
+           "The encode of the new tail, not the template, is still the larger part. ")
+        + f"Without state (**first**) the render is {tail.first.median:.0f} ms against {tail.full.median:.0f} ms "
+        "for full: the whole text is encoded chunk by chunk between clean cuts"
+        + (", which is itself cheaper than one `encode` of the long text. " if tail.first.median < tail.full.median
+           else ". ")
+        + "Rendered text is not cached per message: an arbitrary template may render a "
         "message differently depending on the others (the property test has such templates), so only the encode "
         "is made incremental, where the tokenizer's structure proves it.",
     ]
@@ -258,9 +270,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from bench.router_overhead import write_section
 
     args = parse_args(argv)
-    command = "python -m bench.render_cost " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = ("python -m bench.render_cost --quick" if args.quick else
+               f"python -m bench.render_cost --turns {args.turns} --tokens {args.tokens} --repeats {args.repeats}")
     results, extra = run(args.turns, args.tokens, args.repeats, progress=lambda line: print(line, flush=True))
-    text = report(results, extra, args, command.strip())
+    text = report(results, extra, args, command)
     print(text)
     if args.out:
         write_section(args.out, text, args.section)
