@@ -17,7 +17,7 @@ from rendering.model import DEFAULT_MODEL_DIR, load_model
 from router.endpoints import tokens_models
 from router.membership import Backend, BackendPool
 from router.tokens.render_client import build_render_pool
-from router.tokens.render_routes import response_object, responses_turn
+from router.tokens.responses_route import response_object, responses_turn
 from tests.support import eventually, free_port, metric_sum
 
 MODEL = load_model(DEFAULT_MODEL_DIR)
@@ -41,6 +41,8 @@ def test_a_string_input_is_one_user_message_and_instructions_a_leading_system_me
     assert chat["messages"] == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     assert (chat["max_tokens"], chat["temperature"], chat["top_p"], chat["seed"], chat["stop"]) == (7, 0.5, 0.9, 3, ["x"])
     assert chat["session_id"] == "s-1" and chat["stream"] is False and "store" not in chat
+    streamed = chat_of({"input": "hi", "stream": True})
+    assert streamed["stream"] is True and streamed["stream_options"] == {"include_usage": True}
 
 
 def test_message_items_become_chat_messages_as_vllm_builds_them() -> None:
@@ -58,7 +60,6 @@ def test_message_items_become_chat_messages_as_vllm_builds_them() -> None:
 
 
 @pytest.mark.parametrize(("body", "param", "says"), [
-    ({"input": "x", "stream": True}, "stream", "stream is not supported"),
     ({"input": "x", "store": True}, "store", "store is not supported"),
     ({"input": "x", "background": True}, "background", "background is not supported"),
     ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id", "nothing is stored"),
@@ -75,8 +76,8 @@ def test_what_tokens_mode_does_not_do_is_a_400_that_says_what_it_does(body: dict
     with pytest.raises(BadRequestError) as caught:
         responses_turn(json.dumps(body).encode())
     assert caught.value.status == 400 and caught.value.param == param and says in caught.value.message
-    if param in ("stream", "store", "previous_response_id"):
-        assert "tokens mode answers /v1/responses without streaming and without storing" in caught.value.message
+    if param in ("store", "previous_response_id", "background"):
+        assert "tokens mode answers /v1/responses without storing anything" in caught.value.message
 
 
 def test_a_body_that_is_not_json_is_a_400() -> None:
@@ -202,9 +203,9 @@ async def test_the_router_answers_tokenize_and_detokenize_with_the_local_rendere
         async with http.post(router.url + "/tokenize", data=b'{"model": "other", "prompt": "x"}') as resp:
             error = json.loads(await resp.read())["error"]
             assert resp.status == 404 and error["type"] == "NotFoundError" and error["param"] == "model"
-        async with http.post(router.url + "/v1/responses", json={"input": "hi", "stream": True}) as resp:
+        async with http.post(router.url + "/v1/responses", json={"input": "hi", "store": True}) as resp:
             error = json.loads(await resp.read())["error"]
-            assert resp.status == 400 and error["param"] == "stream"
+            assert resp.status == 400 and error["param"] == "store"
         assert router.fakes[0].hits == []  # the router answered all of it: no backend was asked
         async with http.get(router.url + "/v1/models") as resp:  # the engine lists none
             (card,) = json.loads(await resp.read())["data"]
@@ -272,3 +273,130 @@ class GoldenTokenizer:
     async def tokenize(self, request: web.Request) -> web.Response:
         self.calls += 1
         return web.json_response({"tokens": [7]})
+
+
+# ------------------------------------------------------------------ streaming: chat chunks -> Responses events
+
+
+class RecordingWriter:
+    def __init__(self) -> None:
+        self.head: tuple[int, list[tuple[str, str]]] | None = None
+        self.whole: tuple[int, list[tuple[str, str]], bytes] | None = None
+        self.data = b""
+        self.ended = False
+
+    @property
+    def started(self) -> bool:
+        return self.head is not None
+
+    def respond(self, status: int, headers: Any, body: bytes) -> None:
+        self.whole = (status, list(headers), body)
+
+    async def start(self, status: int, headers: Any) -> None:
+        self.head = (status, list(headers))
+
+    async def write(self, chunk: bytes) -> None:
+        self.data += chunk
+
+    async def end(self) -> None:
+        self.ended = True
+
+
+def sse_events(data: bytes) -> list[tuple[str, dict[str, Any]]]:
+    events = []
+    for block in data.decode().split("\n\n"):
+        if block:
+            kind_line, data_line = block.split("\n")
+            assert kind_line.startswith("event: ") and data_line.startswith("data: ")
+            payload = json.loads(data_line[6:])
+            assert payload["type"] == kind_line[7:]
+            events.append((payload["type"], payload))
+    return events
+
+
+def chat_chunk(**fields: Any) -> bytes:
+    return b"data: " + json.dumps({"id": "chatcmpl-x", "object": "chat.completion.chunk", "created": 1,
+                                   "model": "tiny-llama", **fields}).encode() + b"\n\n"
+
+
+def delta(text: str | None, finish: str | None = None, role: str | None = None) -> bytes:
+    d: dict[str, Any] = {"content": text}
+    if role:
+        d["role"] = role
+    return chat_chunk(choices=[{"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}])
+
+
+async def run_stream(turn_body: dict[str, Any], pieces: list[bytes]) -> tuple[RecordingWriter, list[Any]]:
+    from router.attempt import Attempt
+    from router.routes import ROUTES
+    from router.tokens.responses_route import ResponsesStream
+
+    turn = responses_turn(json.dumps(turn_body).encode())
+    attempt = Attempt(next(r for r in ROUTES if r.name == "responses"), "req-1", 0.0)
+    attempt.prompt_ids = list(range(30))
+    out = RecordingWriter()
+    stream = ResponsesStream(out, turn, MODEL, attempt)
+    await stream.start(200, [("Content-Type", "text/event-stream"), ("X-Request-Id", "req-1")])
+    raw = b"".join(pieces)
+    for i in range(0, len(raw), 7):  # the chat path's bytes in arbitrary pieces
+        await stream.write(raw[i:i + 7])
+    await stream.end()
+    return out, sse_events(out.data)
+
+
+async def test_a_chat_stream_becomes_vllms_responses_event_sequence() -> None:
+    usage = chat_chunk(choices=[], usage={"prompt_tokens": 30, "completion_tokens": 3, "total_tokens": 33,
+                                          "prompt_tokens_details": {"cached_tokens": 16}})
+    out, events = await run_stream({"input": "hi", "stream": True}, [
+        delta("", role="assistant"), delta("Hel"), delta("lo"), delta(" you", "stop"), usage, b"data: [DONE]\n\n"])
+    assert out.head is not None and out.head[0] == 200 and out.ended
+    assert ("Content-Type", "text/event-stream; charset=utf-8") in out.head[1]
+    assert [kind for kind, _ in events] == [
+        "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
+        "response.output_text.delta", "response.output_text.delta", "response.output_text.delta",
+        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        "response.completed"]
+    assert [e["sequence_number"] for _, e in events] == list(range(len(events)))
+    created = events[0][1]["response"]
+    assert created["status"] == "in_progress" and created["output"] == [] and created["usage"] is None
+    assert created["max_output_tokens"] == MODEL.max_model_len - 30
+    assert [e["delta"] for kind, e in events if kind == "response.output_text.delta"] == ["Hel", "lo", " you"]
+    item_id = events[2][1]["item"]["id"]
+    assert all(e.get("item_id", item_id) == item_id for _, e in events[2:10])
+    assert events[7][1]["text"] == "Hello you"
+    final = events[-1][1]["response"]
+    assert list(final) == RESPONSE_KEYS and final["status"] == "completed"
+    assert final["output"] == [{"id": item_id, "content": [{"annotations": [], "text": "Hello you",
+                                                             "type": "output_text", "logprobs": None}],
+                                "role": "assistant", "status": "completed", "type": "message"}]
+    assert final["usage"]["input_tokens"] == 30 and final["usage"]["output_tokens"] == 3
+    assert final["usage"]["input_tokens_details"]["cached_tokens"] == 16
+
+
+async def test_a_stream_cut_by_max_output_tokens_completes_incomplete() -> None:
+    _, events = await run_stream({"input": "hi", "stream": True, "max_output_tokens": 2},
+                                 [delta("ab"), delta("c", "length"), b"data: [DONE]\n\n"])
+    final = events[-1][1]["response"]
+    assert final["status"] == "incomplete" and final["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert final["max_output_tokens"] == 2
+
+
+async def test_an_error_in_the_chat_stream_ends_the_responses_stream_with_an_error_event() -> None:
+    error = b'data: {"error": {"message": "engine died", "type": "BadGatewayError", "param": null, "code": 502}}'
+    out, events = await run_stream({"input": "hi", "stream": True},
+                                   [delta("ab"), b"\n\n" + error + b"\n\ndata: [DONE]\n\n"])
+    assert [kind for kind, _ in events][-2:] == ["response.output_text.delta", "error"]
+    assert events[-1][1]["message"] == "engine died" and events[-1][1]["code"] == "502"
+    assert out.ended
+
+
+async def test_an_answer_before_the_stream_began_passes_through() -> None:
+    from router.attempt import Attempt
+    from router.routes import ROUTES
+    from router.tokens.responses_route import ResponsesStream
+
+    turn = responses_turn(b'{"input": "hi", "stream": true}')
+    out = RecordingWriter()
+    stream = ResponsesStream(out, turn, MODEL, Attempt(ROUTES[0], "r", 0.0))
+    stream.respond(400, [("Content-Type", "application/json")], b'{"error": {}}')
+    assert out.whole == (400, [("Content-Type", "application/json")], b'{"error": {}}') and out.data == b""

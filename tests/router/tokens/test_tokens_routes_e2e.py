@@ -2,7 +2,7 @@
 render``), a ``--tokens-only`` engine and routers in tokens mode, one rendering locally and one on the
 render servers (a dead one listed first: 127.0.0.9, where nothing listens). ``/tokenize`` and
 ``/detokenize`` answer what the local renderer answers; render errors come back as the render server
-sent them; ``/v1/responses`` works with the OpenAI SDK; with every render server down the router
+sent them; ``/v1/responses`` works with the OpenAI SDK, stream or not; with every render server down the router
 answers 503."""
 
 from __future__ import annotations
@@ -192,14 +192,34 @@ def test_responses_non_stream_with_the_openai_sdk(cluster: Cluster, which: str) 
     assert f"resp-{which}" in sessions
 
 
-def test_responses_streaming_and_store_are_clear_400s(cluster: Cluster) -> None:
+@pytest.mark.parametrize("which", ["local", "remote"])
+def test_responses_stream_with_the_openai_sdk(cluster: Cluster, which: str) -> None:
+    router: Proc = getattr(cluster, which)
+    client = openai.OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0)
+    events = list(client.responses.create(model="tiny-llama", input="Say hello to the router", stream=True,
+                                          max_output_tokens=6, extra_headers={"X-Session-ID": f"rs-{which}"}))
+    kinds = [event.type for event in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.completed"]
+    deltas = [event.delta for event in events if event.type == "response.output_text.delta"]
+    assert deltas and [e.sequence_number for e in events] == list(range(len(events)))
+    final = events[-1].response
+    assert final.output_text == "".join(deltas) and final.status in ("completed", "incomplete")
+    assert final.usage is not None and 1 <= final.usage.output_tokens <= 6
+    prompt = json.dumps({"model": "tiny-llama", "messages": [{"role": "user", "content": "Say hello to the router"}]})
+    assert final.usage.input_tokens == len(RENDERER.render_chat(prompt.encode()).request.token_ids)
+    assert f"rs-{which}" in get(cluster.engine.url + "/v1/sessions")[1].decode()
+
+
+def test_responses_store_is_a_clear_400(cluster: Cluster) -> None:
     client = openai.OpenAI(base_url=cluster.local.url + "/v1", api_key="x", max_retries=0)
-    with pytest.raises(openai.BadRequestError) as caught:
-        client.responses.create(model="tiny-llama", input="hi", stream=True)
-    assert "stream is not supported" in str(caught.value)
     with pytest.raises(openai.BadRequestError) as caught:
         client.responses.create(model="tiny-llama", input="hi", store=True)
     assert "store is not supported" in str(caught.value)
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model="tiny-llama", input="hi", previous_response_id="resp_1")
+    assert "previous_response_id is not supported" in str(caught.value)
 
 
 def test_every_render_server_down_is_a_503() -> None:
