@@ -10,6 +10,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, models, pre_tokenizers
 from rendering import incremental
 from rendering.incremental import GPT2_PATTERN, QWEN2_PATTERN, PromptEncoder, PromptState, encode_prompt
 from rendering.model import DEFAULT_MODEL_DIR
+from rendering.render import Renderer
 
 TURN1 = "<s><|user|>\nHello there, how are you?\n<|assistant|>\n"
 TURN2 = TURN1 + "Fine, thanks! And you?\n<|user|>\nGood.\n<|assistant|>\n"
@@ -237,3 +238,15 @@ def test_pre_tokenizer_families_are_recognised() -> None:
     assert family(pre_tokenizers.Metaspace(prepend_scheme="never")) == "metaspace"
     assert family(pre_tokenizers.Metaspace(split=False)) == "metaspace-nosplit"
     assert family(pre_tokenizers.Whitespace()) is None
+
+
+def test_renderer_renders_the_next_turn_incrementally(renderer: Renderer) -> None:
+    """``Renderer.render_chat(previous=...)`` encodes with this module: same ids as a render without state,
+    most of them reused."""
+    messages = [{"role": "user", "content": "Hello there, how are you?"}]
+    first = renderer.render_chat(json.dumps({"model": "tiny-llama", "messages": messages}).encode())
+    messages += [{"role": "assistant", "content": "Fine, thanks!"}, {"role": "user", "content": "Good."}]
+    body = json.dumps({"model": "tiny-llama", "messages": messages}).encode()
+    second = renderer.render_chat(body, previous=first.prompt)
+    assert second.request.token_ids == renderer.render_chat(body).request.token_ids
+    assert second.prompt.reused_tokens == len(first.request.token_ids) - 1
