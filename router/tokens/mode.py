@@ -61,7 +61,7 @@ def build_tokens_mode(config: RouterConfig, proxy: Proxy, *, render_pool: Backen
     local: LocalRenderer | None = None
     renderer: RenderService
     if render_pool is None:
-        local = LocalRenderer(Renderer(model))
+        local = LocalRenderer(Renderer(model), render_metrics)
         renderer = local
     else:
         renderer = RemoteRenderer(render_pool, upstream=upstream, health=health, metrics=render_metrics,

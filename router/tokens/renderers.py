@@ -19,12 +19,14 @@ server's own 4xx is relayed as it answered). No engine is reached.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from rendering.generate_request import GenerateRequest
     from rendering.incremental import PromptState
     from rendering.render import RenderedChat, Renderer
+    from router.metrics import RenderMetrics
 
 
 #: the answers' id prefixes (vLLM's): ``chatcmpl-<X-Request-Id>``, ``cmpl-<X-Request-Id>``
@@ -48,21 +50,33 @@ class RenderService(Protocol):
 
 class LocalRenderer:
     """``RenderService`` in the router process, over one ``rendering.render.Renderer`` (built once at
-    start-up from the model folder, shared read-only)."""
+    start-up from the model folder, shared read-only). Each render's time goes to ``metrics``
+    (``session_router_render_local_duration_seconds``) when given."""
 
-    __slots__ = ("renderer",)
+    __slots__ = ("renderer", "metrics")
 
-    def __init__(self, renderer: Renderer) -> None:
+    def __init__(self, renderer: Renderer, metrics: RenderMetrics | None = None) -> None:
         self.renderer = renderer
+        self.metrics = metrics
 
     async def render_chat(self, body: bytes, *, request_id: str) -> GenerateRequest:
-        return self.renderer.render_chat(body, request_id=request_id).request
+        return self.render_chat_state(body, request_id=request_id).request
 
     async def render_completions(self, body: bytes, *, request_id: str) -> list[GenerateRequest]:
-        return self.renderer.render_completions(body, request_id=request_id)
+        started = time.perf_counter()
+        try:
+            return self.renderer.render_completions(body, request_id=request_id)
+        finally:
+            if self.metrics is not None:
+                self.metrics.local_done(time.perf_counter() - started)
 
     def render_chat_state(self, body: bytes, *, request_id: str, previous: PromptState | None = None) -> RenderedChat:
         """The whole local render: the request (with ``request_id``), the client's decoded fields and the
         prompt state for the session's next turn (``previous``: this session's state from the turn
         before, or None)."""
-        return self.renderer.render_chat(body, request_id=request_id, previous=previous)
+        started = time.perf_counter()
+        try:
+            return self.renderer.render_chat(body, request_id=request_id, previous=previous)
+        finally:
+            if self.metrics is not None:
+                self.metrics.local_done(time.perf_counter() - started)

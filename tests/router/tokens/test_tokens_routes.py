@@ -206,6 +206,12 @@ async def test_the_router_answers_tokenize_and_detokenize_with_the_local_rendere
         async with http.post(router.url + "/v1/responses", json={"input": "hi", "store": True}) as resp:
             error = json.loads(await resp.read())["error"]
             assert resp.status == 400 and error["param"] == "store"
+        async with http.post(router.url + "/v1/chat/completions", json={"messages": []}) as resp:
+            assert resp.status == 400  # render's own 400, answered without an engine
+        async with http.get(router.url + "/metrics") as resp:  # the render was timed, as local
+            text = (await resp.read()).decode()
+            assert metric_sum(text, "session_router_render_local_duration_seconds_count") == 1
+            assert metric_sum(text, "session_router_render_requests_total") == 0
         assert router.fakes[0].hits == []  # the router answered all of it: no backend was asked
         async with http.get(router.url + "/v1/models") as resp:  # the engine lists none
             (card,) = json.loads(await resp.read())["data"]
