@@ -114,8 +114,8 @@ class _DetokenizeResponse(msgspec.Struct):
     prompt: str
 
 
-_tokenize_decoder = msgspec.json.Decoder(_TokenizeRequest)
-_detokenize_decoder = msgspec.json.Decoder(_DetokenizeRequest)
+_tokenize_decoder = msgspec.json.Decoder(_TokenizeRequest, strict=False)
+_detokenize_decoder = msgspec.json.Decoder(_DetokenizeRequest, strict=False)
 _encoder = msgspec.json.Encoder()
 
 

@@ -173,8 +173,9 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     add_special_tokens: bool = True
 
 
-_chat_decoder = msgspec.json.Decoder(ChatRequest)
-_completion_decoder = msgspec.json.Decoder(CompletionRequest)
+# lax, as pydantic's default mode: "2" is an int, 1 a bool, 2.0 an int (a mismatch is still an error)
+_chat_decoder = msgspec.json.Decoder(ChatRequest, strict=False)
+_completion_decoder = msgspec.json.Decoder(CompletionRequest, strict=False)
 
 
 def decode_chat_request(body: bytes | str) -> ChatRequest:

@@ -107,8 +107,10 @@ def test_token_ids_out_of_the_vocabulary(renderer: Renderer) -> None:
 
 # --- request validation -------------------------------------------------------------------------
 def test_wrong_types_are_a_validation_error(renderer: Renderer) -> None:
-    error = _error(lambda: _chat(renderer, n="2"))
+    error = _error(lambda: _chat(renderer, n="two"))
     assert (error["type"], error["param"], error["code"]) == ("Bad Request", "body.n", 400)
+    # lax as pydantic: a numeric string is a number, 1 is true
+    assert _chat(renderer, n="2", stream=1).request.sampling_params.n == 2
     error = _error(lambda: renderer.render_chat(b'{"model": "tiny-llama"}'))
     assert (error["type"], error["param"]) == ("Bad Request", "body.messages")
     with pytest.raises(InvalidJSONError):
