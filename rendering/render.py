@@ -178,7 +178,7 @@ class Renderer:
                 raise BadRequestError(f"Input length ({len(token_ids)}) exceeds model's maximum context length "
                                       f"({self.model.max_model_len}).")
         else:
-            text = self._chat_text(chat, chat.messages, chat_template_kwargs=chat.chat_template_kwargs,
+            text = self._chat_text(chat.messages, chat_template_kwargs=chat.chat_template_kwargs,
                                    add_generation_prompt=chat.add_generation_prompt,
                                    continue_final_message=chat.continue_final_message,
                                    documents=chat.documents, reasoning_effort=chat.reasoning_effort,
@@ -210,7 +210,7 @@ class Renderer:
 
     def chat_text(self, chat: ChatRequest) -> str:
         """The chat template applied to ``chat``'s conversation: the text render tokenizes."""
-        return self._chat_text(chat, chat.messages, chat_template_kwargs=chat.chat_template_kwargs,
+        return self._chat_text(chat.messages, chat_template_kwargs=chat.chat_template_kwargs,
                                add_generation_prompt=chat.add_generation_prompt,
                                continue_final_message=chat.continue_final_message, documents=chat.documents,
                                reasoning_effort=chat.reasoning_effort, tools=_tool_dicts(chat.tools))
@@ -284,7 +284,7 @@ class Renderer:
         if req.messages is not None:
             if req.chat_template is not None or (req.chat_template_kwargs or {}).get("chat_template") is not None:
                 raise BadRequestError(_UNTRUSTED_TEMPLATE)
-            text = self._chat_text(None, req.messages, chat_template_kwargs=req.chat_template_kwargs,
+            text = self._chat_text(req.messages, chat_template_kwargs=req.chat_template_kwargs,
                                    add_generation_prompt=req.add_generation_prompt,
                                    continue_final_message=req.continue_final_message, documents=None,
                                    reasoning_effort=None, tools=_tool_dicts(req.tools))
@@ -397,7 +397,6 @@ class Renderer:
     # --- the template -------------------------------------------------------------------------
     def _chat_text(
         self,
-        chat: ChatRequest | None,
         messages: list[Message],
         *,
         chat_template_kwargs: dict[str, Any] | None,
