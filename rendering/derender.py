@@ -161,7 +161,7 @@ class _Choice:
     """One choice's text: detokenizer, stop strings, token count, end."""
 
     __slots__ = ("_detok", "_stops", "_min_tokens", "_include", "_eos", "tokens", "done", "finish_reason",
-                 "stop_reason", "by_stop_string", "parts", "namer", "lp_entries", "sent_chars")
+                 "stop_reason", "by_stop_string", "parts", "namer", "lp_entries", "lp_offset")
 
     def __init__(self, model: RenderModel, options: DerenderOptions, prompt_ids: Sequence[int] | None,
                  keep_text: bool) -> None:
@@ -191,8 +191,9 @@ class _Choice:
                       if options.logprobs else None)
         #: whole answers: the logprob entries of the consumed ids (None while none came)
         self.lp_entries: list[GenerateLogProbsContent] | None = None
-        #: characters sent so far (completions' streamed ``text_offset``)
-        self.sent_chars = 0
+        #: completions' streamed ``text_offset``: runs on by the named tokens' lengths (not by the
+        #: text sent, which lags while stop strings hold characters back), as vLLM 0.32 counts
+        self.lp_offset = 0
 
     def step_logprobs(self, logprobs: GenerateLogProbs | None,
                       consumed: list[int]) -> list[GenerateLogProbsContent] | None:
@@ -273,8 +274,11 @@ class _Base:
     """What chat and completions derender share: choices, usage, the stream's life."""
 
     def __init__(self, model: RenderModel, options: DerenderOptions, *, request_id: str, created: int | None,
-                 prompt_tokens: int) -> None:
+                 prompt_tokens: int, system_fingerprint: str | None) -> None:
         self.model = model
+        #: vLLM's ``system_fingerprint`` ("vllm-<version>-<hash8>" of the engine's config; None, as
+        #: the derender route and ``--fingerprint-mode none`` answer, unless the caller has one)
+        self.system_fingerprint = system_fingerprint
         self.options = options
         self.request_id = request_id
         self.created = int(time.time()) if created is None else created
@@ -313,7 +317,9 @@ class _Base:
                          completion_tokens=completion)
 
     def _stream_usage(self, completion: int) -> bytes:
+        """A chat event's continuous usage (vLLM sets ``completion_tokens_details`` there)."""
         return encode(StreamUsage(prompt_tokens=self.prompt_tokens, total_tokens=self.prompt_tokens + completion,
+                                  completion_tokens_details=None,
                                   completion_tokens=completion))
 
     def _error_event(self, error: StreamError) -> bytes:
@@ -327,11 +333,12 @@ class ChatDerender(_Base):
 
     def __init__(self, model: RenderModel, chat: ChatRequest | DerenderOptions, *, request_id: str,
                  created: int | None = None, prompt_ids: Sequence[int] | None = None,
-                 prompt_tokens: int | None = None) -> None:
+                 prompt_tokens: int | None = None, system_fingerprint: str | None = None) -> None:
         options = chat if isinstance(chat, DerenderOptions) else DerenderOptions.from_chat(chat)
         if prompt_tokens is None:
             prompt_tokens = len(prompt_ids) if prompt_ids is not None else 0
-        super().__init__(model, options, request_id=request_id, created=created, prompt_tokens=prompt_tokens)
+        super().__init__(model, options, request_id=request_id, created=created, prompt_tokens=prompt_tokens,
+                         system_fingerprint=system_fingerprint)
         self._prompt_ids = prompt_ids  # not copied: a prompt can be 100k ids
         self._role_sent = False
         self._collecting = False
@@ -419,6 +426,7 @@ class ChatDerender(_Base):
             created=self.created,
             model=self.model.name,
             choices=choices,
+            system_fingerprint=self.system_fingerprint,
             usage=self._whole_usage(),
             prompt_token_ids=list(self._prompt_ids or ()) if opts.return_token_ids else None,
             kv_transfer_params=kv,
@@ -434,14 +442,14 @@ class ChatDerender(_Base):
         self._role_sent = True
         opts = self.options
         usage = StreamUsage(prompt_tokens=self.prompt_tokens, total_tokens=self.prompt_tokens,
-                            completion_tokens=0) if opts.continuous_usage else _UNSET_MARK
+                            completion_tokens=0, completion_tokens_details=None) if opts.continuous_usage else _UNSET_MARK
         prompt_ids = list(self._prompt_ids or ()) if opts.return_token_ids else None
         out = []
         for i in range(opts.n):
             out.append(sse_event(ChatCompletionChunk(
                 id=self.request_id, created=self.created, model=self.model.name,
                 choices=[ChatStreamChoice(index=i, delta=DeltaMessage(role=opts.role, content=""))],
-                usage=usage, prompt_token_ids=prompt_ids,
+                usage=usage, prompt_token_ids=prompt_ids, prompt_text=None,
             )))
         if opts.echo_text:
             for i in range(opts.n):
@@ -487,6 +495,8 @@ class ChatDerender(_Base):
                 tail = b'},"logprobs":' + logprobs + b',"finish_reason":null,"token_ids":' + token_ids + b"}]"
             if self.options.continuous_usage:
                 tail += b',"usage":' + self._stream_usage(choice.tokens)
+            if choice.done and self.system_fingerprint is not None and not self.options.include_usage:
+                tail += b',"system_fingerprint":' + encode(self.system_fingerprint)
             out.append(self._content_head(gc.index) + encode(text) + tail + b"}\n\n")
         return out[0] if len(out) == 1 else b"".join(out)
 
@@ -504,6 +514,7 @@ class ChatDerender(_Base):
                 id=self.request_id, created=self.created, model=self.model.name, choices=[],
                 usage=StreamUsage(prompt_tokens=self.prompt_tokens, total_tokens=self.prompt_tokens + completion,
                                   completion_tokens=completion),
+                system_fingerprint=_or_unset(self.system_fingerprint),
             ))
             return usage + DONE_EVENT
         return DONE_EVENT
@@ -519,7 +530,8 @@ class CompletionDerender(_Base):
 
     def __init__(self, model: RenderModel, request: CompletionRequest | DerenderOptions, *, request_id: str,
                  created: int | None = None, prompt_ids: Sequence[Sequence[int]] | None = None,
-                 prompt_texts: Sequence[str] | None = None, prompt_tokens: Sequence[int] | None = None) -> None:
+                 prompt_texts: Sequence[str] | None = None, prompt_tokens: Sequence[int] | None = None,
+                 system_fingerprint: str | None = None) -> None:
         options = request if isinstance(request, DerenderOptions) else DerenderOptions.from_completion(request)
         self._prompt_ids = list(prompt_ids) if prompt_ids is not None else None
         self._prompt_texts = list(prompt_texts) if prompt_texts is not None else None
@@ -531,7 +543,7 @@ class CompletionDerender(_Base):
         else:
             self._prompt_counts = [0] * self._num_prompts
         super().__init__(model, options, request_id=request_id, created=created,
-                         prompt_tokens=sum(self._prompt_counts))
+                         prompt_tokens=sum(self._prompt_counts), system_fingerprint=system_fingerprint)
         self._echoed: set[int] = set()
         self._collecting = False
         self._collected_ids: dict[tuple[int, int], list[int]] = {}
@@ -648,7 +660,8 @@ class CompletionDerender(_Base):
             ))
         return encode(CompletionResponse(
             id=self.request_id, created=self.created, model=self.model.name, choices=choices,
-            usage=self._whole_usage(), kv_transfer_params=kv, ec_transfer_params=ec,
+            system_fingerprint=self.system_fingerprint, usage=self._whole_usage(), kv_transfer_params=kv,
+            ec_transfer_params=ec,
         ))
 
     # -- streams ---------------------------------------------------------------------------------
@@ -683,8 +696,7 @@ class CompletionDerender(_Base):
                 continue
             logprobs = None
             if entries is not None and choice.namer is not None and not opts.echo_only:
-                logprobs = choice.namer.completion(entries, choice.sent_chars + echoed)[0]
-            choice.sent_chars += len(text)
+                logprobs, choice.lp_offset = choice.namer.completion(entries, choice.lp_offset + echoed)
             event = CompletionChunk(
                 id=self.request_id, created=self.created, model=self.model.name,
                 choices=[CompletionStreamChoice(
@@ -695,6 +707,8 @@ class CompletionDerender(_Base):
                     token_ids=consumed if opts.return_token_ids else None,
                 )],
             )
+            if choice.done and self.system_fingerprint is not None and not opts.include_usage:
+                event.system_fingerprint = self.system_fingerprint
             if opts.continuous_usage:
                 count = self._prompt_counts[prompt] if prompt < len(self._prompt_counts) else 0
                 event.usage = StreamUsage(prompt_tokens=count, total_tokens=count + choice.tokens,
@@ -710,6 +724,7 @@ class CompletionDerender(_Base):
                 id=self.request_id, created=self.created, model=self.model.name, choices=[],
                 usage=StreamUsage(prompt_tokens=self.prompt_tokens, total_tokens=self.prompt_tokens + completion,
                                   completion_tokens=completion),
+                system_fingerprint=_or_unset(self.system_fingerprint),
             )) + DONE_EVENT
         return DONE_EVENT
 
@@ -720,3 +735,7 @@ def _index(choice: Any) -> int:
 
 def _ec(value: Any) -> Any:
     return None if value is _UNSET_MARK else value
+
+
+def _or_unset(value: Any) -> Any:
+    return _UNSET_MARK if value is None else value

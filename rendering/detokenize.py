@@ -1,8 +1,11 @@
 """Incremental detokenization of generated token ids, as vLLM's fast detokenizer does it.
 
-vLLM (``FastIncrementalDetokenizer``) steps Hugging Face tokenizers' ``DecodeStream`` once per
-output token, after priming it with a short suffix of the prompt, and its text is the
-concatenation of the steps. ``DecodeStream`` holds back the bytes of a UTF-8 character that is
+vLLM 0.32 (``FastIncrementalDetokenizer``) steps Hugging Face tokenizers' ``DecodeStream`` once
+per output token, the stream prefilled with the prompt's ids (``DecodeStream(ids=prompt)``), and
+its text is the concatenation of the steps. Prefilling with the prompt's last ids gives the same
+steps as the whole prompt whenever the prompt's text ends with a complete character (the stream
+only compares the text from its prefix on), so only those are given, and the whole prompt when
+the text ends inside a character (there the stream's output depends on the whole prefix). ``DecodeStream`` holds back the bytes of a UTF-8 character that is
 not complete yet, so no step ever ends inside a multi-byte character; byte sequences that can
 never become valid UTF-8 come out as U+FFFD exactly as vLLM's do, and a character still
 incomplete when generation ends is never sent (vLLM drops it too). Ids the tokenizer does not
@@ -16,25 +19,38 @@ from collections.abc import Iterable, Sequence
 import tokenizers
 from tokenizers.decoders import DecodeStream
 
-#: vLLM primes with the shortest prompt suffix of at least this many ids that decodes cleanly,
-_PRIME_MIN = 4
-#: looking at suffixes shorter than this; with none clean it primes with the whole prompt.
-_PRIME_MAX = 24
+#: prompt ids given to the stream (a character is at most 4 bytes, so at most 4 ids)
+_PRIME_TAIL = 32
 _REPLACEMENT = "\ufffd"
 #: what DecodeStream raises when a tokenizer's output stopped growing monotonically (vLLM then
 #: starts a new stream at the current token, and so do we)
 _INVALID_PREFIX = "Invalid prefix encountered"
 
 
-def prime_ids(tokenizer: tokenizers.Tokenizer, prompt_ids: Sequence[int]) -> Sequence[int]:
-    """The prompt suffix vLLM primes its decode stream with (the whole prompt when short)."""
-    n = len(prompt_ids)
-    if n > _PRIME_MIN:
-        for size in range(_PRIME_MIN, min(n + 1, _PRIME_MAX)):
-            suffix = prompt_ids[n - size :]
-            if _REPLACEMENT not in tokenizer.decode(list(suffix)):
-                return suffix
-    return prompt_ids
+def prime_ids(tokenizer: tokenizers.Tokenizer, prompt_ids: Sequence[int], *,
+              skip_special_tokens: bool = True) -> list[int]:
+    """The prompt ids to prefill the decode stream with: the last ones, or all of them when the
+    prompt's text ends inside a character (then the result differs with the prefix)."""
+    tail = list(prompt_ids[-_PRIME_TAIL:])
+    if len(tail) < len(prompt_ids):
+        try:
+            clean = not tokenizer.decode(tail, skip_special_tokens=skip_special_tokens).endswith(_REPLACEMENT)
+        except (TypeError, OverflowError):
+            clean = True
+        if not clean:
+            return list(prompt_ids)
+    return tail
+
+
+def _stream(tokenizer: tokenizers.Tokenizer, prompt_ids: Sequence[int] | None,
+            skip_special_tokens: bool) -> DecodeStream:
+    if prompt_ids:
+        try:
+            return DecodeStream(ids=prime_ids(tokenizer, prompt_ids, skip_special_tokens=skip_special_tokens),
+                                skip_special_tokens=skip_special_tokens)
+        except (TypeError, OverflowError):  # an id no tokenizer holds: start unprimed
+            pass
+    return DecodeStream(skip_special_tokens=skip_special_tokens)
 
 
 class IncrementalDetokenizer:
@@ -52,14 +68,7 @@ class IncrementalDetokenizer:
     ) -> None:
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
-        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
-        if prompt_ids:
-            step = self._stream.step
-            for token_id in prime_ids(tokenizer, prompt_ids):
-                try:
-                    step(tokenizer, token_id)
-                except Exception:  # priming only positions the stream; a bad prompt id is skipped
-                    pass
+        self._stream = _stream(tokenizer, prompt_ids, skip_special_tokens)
         # vLLM writes consecutive special tokens without a separator only when they are kept
         # and the request turned spaces_between_special_tokens off.
         self._added: dict[int, str] | None = None

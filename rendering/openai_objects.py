@@ -6,14 +6,16 @@ what vLLM writes with pydantic's ``exclude_unset=True``: only the fields its cod
 typed with ``UnsetType`` here appears only when given. vLLM's own stream shapes:
 
 - chat, first event per choice: ``delta: {"role": "assistant", "content": ""}``, ``logprobs``
-  and ``finish_reason`` null, ``prompt_token_ids`` at the top (null unless
-  ``return_token_ids``); then ``delta: {"content": ...}`` with ``token_ids`` (null unless
+  and ``finish_reason`` null, ``prompt_token_ids`` (null unless ``return_token_ids``) and
+  ``prompt_text`` (null) at the top; then ``delta: {"content": ...}`` with ``token_ids`` (null unless
   ``return_token_ids``); the last event of a choice adds ``finish_reason`` and
   ``stop_reason``; one event per choice and engine step;
 - completions: every event has ``text``, ``logprobs``, ``finish_reason``, ``stop_reason``,
   ``prompt_token_ids`` and ``token_ids``; no role event;
 - with ``stream_options.include_usage`` a last event with ``choices: []`` and the usage
   (nulls left out); with ``continuous_usage_stats`` every event carries the usage so far;
+- ``system_fingerprint`` (when the server has one) on the usage event, else on each choice's
+  last event;
 - ``data: [DONE]`` ends every stream.
 """
 
@@ -40,12 +42,14 @@ class UsageInfo(Struct, kw_only=True):
 
 
 class StreamUsage(Struct, kw_only=True):
-    """``usage`` of a stream event (vLLM leaves the null details out there)."""
+    """``usage`` of a stream event: what vLLM set (the last event leaves the nulls out; a chat
+    event's continuous usage carries ``completion_tokens_details: null``)."""
 
     prompt_tokens: int = 0
     total_tokens: int = 0
     completion_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails | UnsetType = UNSET
+    completion_tokens_details: dict[str, Any] | None | UnsetType = UNSET
 
 
 # ---- chat.completion -------------------------------------------------------------------------
@@ -112,7 +116,9 @@ class ChatCompletionChunk(Struct, kw_only=True):
     model: str
     choices: list[ChatStreamChoice]
     usage: StreamUsage | UnsetType = UNSET
+    system_fingerprint: str | UnsetType = UNSET
     prompt_token_ids: list[int] | None | UnsetType = UNSET
+    prompt_text: str | None | UnsetType = UNSET
 
 
 # ---- text_completion -------------------------------------------------------------------------

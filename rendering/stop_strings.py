@@ -1,12 +1,12 @@
 """Stop strings, applied by the coordinator as vLLM's detokenizer applies them.
 
 A ``--tokens-only`` engine does not detokenize, so it cannot stop on a string: the router
-checks the text it derenders instead, with vLLM's rules (``vllm/v1/engine/detokenizer.py``):
+checks the text it derenders instead, with vLLM 0.32's rules (``vllm/v1/engine/detokenizer.py``):
 
 - the text is checked each time a token adds characters, in the window where a new match can
   be (the new characters plus ``len(stop) - 1`` before them);
-- the first stop string of the request's list that matches there wins; the choice ends with
-  ``finish_reason: "stop"`` and ``stop_reason`` = that string;
+- of the stop strings found there, the one that ends first wins (ties: the request's list
+  order); the choice ends with ``finish_reason: "stop"`` and ``stop_reason`` = that string;
 - the text is cut where the match starts, or where it ends with ``include_stop_str_in_output``;
 - no check happens while the choice has produced ``min_tokens`` tokens or fewer;
 - while streaming, the last ``output_text_buffer_length`` = ``max(len(stop)) - 1`` characters
@@ -80,13 +80,16 @@ class StopStrings:
         if check:
             size = len(whole)
             new = len(text)
+            best: str | None = None
+            best_at = best_end = 0
             for stop in self._stop:
                 start = size - new - len(stop) + 1
                 at = whole.find(stop, start if start > 0 else 0)
-                if at < 0:
-                    continue
-                self.matched = stop
-                end = at + len(stop) if self._include else at
+                if at >= 0 and (best is None or at + len(stop) < best_end):
+                    best, best_at, best_end = stop, at, at + len(stop)
+            if best is not None:
+                self.matched = best
+                end = best_end if self._include else best_at
                 self._tail = ""
                 self._unsent = 0
                 return whole[sent:end] if end > sent else ""

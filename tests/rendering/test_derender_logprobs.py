@@ -132,8 +132,8 @@ def test_completion_logprobs_offsets_run_on_over_a_stream() -> None:
             index=0, token_ids=[token_id], logprobs=GenerateLogProbs(content=[engine.content[k]]))]))  # type: ignore[index]
     events = [json.loads(b[len(b"data: "):]) for b in out.split(b"\n\n") if b]
     offsets = [e["choices"][0]["logprobs"]["text_offset"][0] for e in events]
-    texts = [e["choices"][0]["text"] for e in events]
-    assert offsets == [sum(len(t) for t in texts[:k]) for k in range(len(texts))]
+    tokens = [e["choices"][0]["logprobs"]["tokens"][0] for e in events]
+    assert offsets == [sum(len(t) for t in tokens[:k]) for k in range(len(tokens))]
     whole = json.loads(CompletionDerender(MODEL, msgspec.convert({"prompt": "p", "logprobs": 1}, CompletionRequest),
                                           request_id="cmpl", created=1, prompt_ids=[[5]]).whole(
         [GenerateResponse(request_id="g", choices=[GenerateChoice(index=0, finish_reason="length", token_ids=ids,
@@ -143,3 +143,21 @@ def test_completion_logprobs_offsets_run_on_over_a_stream() -> None:
     assert logprobs["text_offset"] == offsets
     assert logprobs["token_logprobs"] == [-0.5 - k for k in range(len(ids))]
     assert logprobs["top_logprobs"][0] == {logprobs["tokens"][0]: -0.5, TOK.decode([(ids[0] + 1) % MODEL.vocab_size]): -2.0}
+
+
+def test_completion_stream_offsets_follow_tokens_while_stop_strings_hold_text_back() -> None:
+    ids = ids_of(" hello world")
+    request = msgspec.convert({"prompt": "p", "stream": True, "logprobs": 0, "stop": ["zzzzzz"]}, CompletionRequest)
+    d = CompletionDerender(MODEL, request, request_id="cmpl", created=1)
+    engine = lp(ids)
+    out = b""
+    for k, token_id in enumerate(ids):
+        out += d.chunk(GenerateStreamChunk(choices=[GenerateStreamChoice(
+            index=0, token_ids=[token_id], logprobs=GenerateLogProbs(content=[engine.content[k]]))]))  # type: ignore[index]
+    events = [json.loads(b[len(b"data: "):]) for b in out.split(b"\n\n") if b]
+    offsets = [e["choices"][0]["logprobs"]["text_offset"][0] for e in events]
+    tokens = [e["choices"][0]["logprobs"]["tokens"][0] for e in events]
+    # the text sent lags behind the tokens (5 characters held for the stop string) ...
+    assert len(events[0]["choices"][0]["text"]) < len(tokens[0])
+    # ... the offsets do not
+    assert offsets == [sum(len(t) for t in tokens[:k]) for k in range(len(tokens))]

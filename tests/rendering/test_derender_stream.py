@@ -90,7 +90,7 @@ def test_chat_stream_is_vllms_sequence_byte_for_byte() -> None:
     rest = detokenize(TOK, ids, prompt_ids=[1, 5, 6])[len(first):]
     assert out == (
         event({**HEAD, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                    "finish_reason": None}], "prompt_token_ids": None})
+                                    "finish_reason": None}], "prompt_token_ids": None, "prompt_text": None})
         + event({**HEAD, "choices": [{"index": 0, "delta": {"content": first}, "logprobs": None, "finish_reason": None,
                                       "token_ids": None}]})
         + event({**HEAD, "choices": [{"index": 0, "delta": {"content": rest}, "logprobs": None,
@@ -129,9 +129,12 @@ def test_continuous_usage_and_return_token_ids() -> None:
                      request_id=RID, created=7, prompt_ids=[1, 5])
     got = events(d.chunk(step(0, ids[:1])) + d.chunk(step(0, ids[1:], finish="length")))
     assert got[0]["prompt_token_ids"] == [1, 5]
-    assert got[0]["usage"] == {"prompt_tokens": 2, "total_tokens": 2, "completion_tokens": 0}
+    assert got[0]["usage"] == {"prompt_tokens": 2, "total_tokens": 2, "completion_tokens": 0,
+                                "completion_tokens_details": None}
+    assert list(got[0]) == ["id", "object", "created", "model", "choices", "usage", "prompt_token_ids", "prompt_text"]
     assert got[1]["choices"][0]["token_ids"] == ids[:1]
-    assert got[1]["usage"] == {"prompt_tokens": 2, "total_tokens": 3, "completion_tokens": 1}
+    assert got[1]["usage"] == {"prompt_tokens": 2, "total_tokens": 3, "completion_tokens": 1,
+                                "completion_tokens_details": None}
     assert got[2]["choices"][0]["token_ids"] == ids[1:]
     assert got[2]["usage"]["completion_tokens"] == len(ids)
     assert list(got[1]) == ["id", "object", "created", "model", "choices", "usage"]
@@ -405,3 +408,36 @@ def test_completion_collect_gives_the_whole_answer() -> None:
     assert json.loads(d.collected()) == whole
     assert whole["choices"][0]["prompt_token_ids"] == [5, 6]
     assert whole["choices"][0]["token_ids"] == ids[: len(whole["choices"][0]["token_ids"])]
+
+
+def test_system_fingerprint_where_vllm_stamps_it() -> None:
+    ids = ids_of("hi there")
+    fp = "vllm-0.32.0-0123abcd"
+    response = GenerateResponse(request_id="g", choices=[GenerateChoice(index=0, finish_reason="length", token_ids=ids)])
+    assert json.loads(ChatDerender(MODEL, chat(), request_id=RID, created=7,
+                                   system_fingerprint=fp).whole(response))["system_fingerprint"] == fp
+    assert json.loads(ChatDerender(MODEL, chat(), request_id=RID, created=7).whole(response))["system_fingerprint"] is None
+    # no usage event: on each choice's last event
+    d = ChatDerender(MODEL, chat(stream=True), request_id=RID, created=7, system_fingerprint=fp)
+    got = events(d.chunk(step(0, ids[:1])) + d.chunk(step(0, ids[1:], finish="length")) + d.finish())
+    assert ["system_fingerprint" in e for e in got[:-1]] == [False, False, True]
+    assert list(got[2])[-1] == "system_fingerprint" and got[2]["system_fingerprint"] == fp
+    # with a usage event: only there
+    d = ChatDerender(MODEL, chat(stream=True, stream_options={"include_usage": True}), request_id=RID, created=7,
+                     system_fingerprint=fp)
+    got = events(d.chunk(step(0, ids, finish="length")) + d.finish())
+    assert ["system_fingerprint" in e for e in got[:-1]] == [False, False, True]
+    c = CompletionDerender(MODEL, completion(stream=True), request_id="cmpl-1", created=7, system_fingerprint=fp)
+    got = events(c.chunk(step(0, ids[:1])) + c.chunk(step(0, ids[1:], finish="length")) + c.finish())
+    assert ["system_fingerprint" in e for e in got[:-1]] == [False, True]
+    whole = json.loads(CompletionDerender(MODEL, completion(), request_id="cmpl-1", created=7,
+                                          system_fingerprint=fp).whole([response]))
+    assert whole["system_fingerprint"] == fp
+
+
+def test_completion_continuous_usage_has_no_details() -> None:
+    d = CompletionDerender(MODEL, completion(stream=True, stream_options={"include_usage": True,
+                                                                          "continuous_usage_stats": True}),
+                           request_id="cmpl-1", created=7, prompt_ids=[[5, 6]])
+    got = events(d.chunk(step(0, ids_of("x"), finish="length")))
+    assert got[0]["usage"] == {"prompt_tokens": 2, "total_tokens": 3, "completion_tokens": 1}

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 
 from rendering.detokenize import IncrementalDetokenizer, detokenize, prime_ids
 
@@ -126,22 +127,42 @@ def test_priming_with_the_prompt_keeps_the_first_token_as_vllm_does() -> None:
     assert primed == TOKENIZER.decode(prompt + out)[len(TOKENIZER.decode(prompt)) :]
 
 
-def test_prime_ids_picks_vllms_clean_suffix() -> None:
-    prompt = ids_of("the quick brown fox jumps over the lazy dog")
-    assert len(prompt) > 4
-    suffix = prime_ids(TOKENIZER, prompt)
-    assert list(suffix) == prompt[-4:]
-    short = prompt[:3]
-    assert list(prime_ids(TOKENIZER, short)) == short
+def _vllm_032(ids: list[int], prompt: list[int], skip: bool = True) -> str:
+    """vLLM 0.32's detokenizer, plainly: the stream prefilled with the whole prompt."""
+    stream = DecodeStream(ids=prompt, skip_special_tokens=skip) if prompt else DecodeStream(skip_special_tokens=skip)
+    out = ""
+    for token_id in ids:
+        try:
+            text = stream.step(TOKENIZER, token_id)
+        except (TypeError, OverflowError):
+            text = None
+        except Exception as exc:
+            assert str(exc).startswith("Invalid prefix")
+            stream = DecodeStream(skip_special_tokens=skip)
+            text = stream.step(TOKENIZER, token_id)
+        out += text or ""
+    return out
 
 
-def test_prime_ids_skips_suffixes_that_split_a_character() -> None:
+def test_prime_ids_are_the_tail_unless_the_prompt_ends_inside_a_character() -> None:
+    prompt = ids_of("the quick brown fox jumps over the lazy dog " * 10)
+    assert len(prompt) > 32
+    assert prime_ids(TOKENIZER, prompt) == prompt[-32:]
+    assert prime_ids(TOKENIZER, prompt[:3]) == prompt[:3]
     euro = [byte_token(b) for b in "€".encode()]
-    tail = [ids_of("x")[0], ids_of("y")[0]]
-    prompt = ids_of("abc") + euro + tail  # the last 4 ids start inside the €
-    assert "\ufffd" in TOKENIZER.decode(prompt[-4:])
-    suffix = list(prime_ids(TOKENIZER, prompt))
-    assert suffix == euro + tail
+    split = prompt + euro[:2]  # the text ends with two bytes of a three-byte character
+    assert prime_ids(TOKENIZER, split) == split
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    prompt=st.lists(st.integers(min_value=0, max_value=VOCAB + 10), max_size=80),
+    ids=st.lists(st.integers(min_value=0, max_value=VOCAB + 10), min_size=1, max_size=20),
+    skip=st.booleans(),
+)
+def test_primed_text_is_vllm_032s_for_any_prompt(prompt: list[int], ids: list[int], skip: bool) -> None:
+    got = IncrementalDetokenizer(TOKENIZER, prompt_ids=prompt, skip_special_tokens=skip).push(ids)
+    assert got == _vllm_032(ids, prompt, skip)
 
 
 @settings(max_examples=300, deadline=None)

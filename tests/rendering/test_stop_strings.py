@@ -10,18 +10,21 @@ from rendering.stop_strings import StopStrings, buffer_length, stop_list
 
 
 def vllm_reference(pieces: list[str], stop: list[str], include: bool, min_tokens: int = 0) -> tuple[str, str | None]:
-    """vLLM's detokenizer loop, written plainly: the whole text, checked after every token."""
+    """vLLM 0.32's detokenizer loop, written plainly: the whole text, checked after every token;
+    of the stop strings in the new window the one ending first wins, ties in list order."""
     text = ""
     for count, piece in enumerate(pieces, start=1):
         text += piece
         if not piece or count <= min_tokens:
             continue
-        for s in stop:
+        found = []
+        for order, s in enumerate(stop):
             at = text.find(s, max(0, len(text) - len(piece) - len(s) + 1))
-            if at < 0:
-                continue
-            end = at + len(s) if include else at
-            return text[:end], s
+            if at >= 0:
+                found.append((at + len(s), order, at, s))
+        if found:
+            end, _, at, s = min(found)
+            return text[: end if include else at], s
     return text, None
 
 
@@ -62,12 +65,14 @@ def test_a_match_inside_one_piece_cuts_the_rest_of_it() -> None:
     assert "".join(sent) == "abcSTOP"
 
 
-def test_the_first_stop_string_of_the_list_that_matches_wins() -> None:
-    # both match in the same new text: vLLM takes them in the request's order
+def test_the_stop_string_ending_first_wins_then_list_order() -> None:
+    # both match in the same new text: vLLM 0.32 takes the one that ends first
     sent, matched = run(["xab"], ["b", "a"])
-    assert matched == "b" and "".join(sent) == "xa"
-    sent, matched = run(["xab"], ["a", "b"])
     assert matched == "a" and "".join(sent) == "x"
+    sent, matched = run(["xabc"], ["bc", "abc"])  # both end at the same place: list order
+    assert matched == "bc" and "".join(sent) == "xa"
+    sent, matched = run(["xabc"], ["abc", "bc"])
+    assert matched == "abc" and "".join(sent) == "x"
 
 
 def test_streaming_holds_back_what_could_start_a_stop_string() -> None:
