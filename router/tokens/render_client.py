@@ -82,6 +82,13 @@ class RenderServerError(SessionRouterError):
         return self._body
 
 
+class RenderAnswerError(UpstreamError):
+    """502: a render server answered 2xx with something that is not a ``GenerateRequest``."""
+
+    reason = "protocol"
+    retryable = False
+
+
 class NoRenderServerError(NoHealthyBackendError):
     """503: no render server could be asked, or none answered."""
 
@@ -227,13 +234,6 @@ class RemoteRenderer:
                 f"a render server's {path} answer is not a GenerateRequest this router reads ({exc}); "
                 "check that the render servers serve the same model and vLLM version as the engines"
             ) from None
-
-
-class RenderAnswerError(UpstreamError):
-    """502: a render server answered 2xx with something that is not a ``GenerateRequest``."""
-
-    reason = "protocol"
-    retryable = False
 
 
 __all__ = [

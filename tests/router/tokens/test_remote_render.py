@@ -9,6 +9,7 @@ listens on (127.0.0.9).
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -26,6 +27,7 @@ from router.metrics import RouterMetrics
 from router.tokens.render_client import (
     NoRenderServerError,
     RemoteRenderer,
+    RenderAnswerError,
     RenderRejected,
     RenderServerError,
     build_render_pool,
@@ -60,6 +62,10 @@ class GoldenRenderServer:
                 self.answers[(path, canonical(case["request"]))] = (case["status"], json.dumps(case["response"]).encode())
         self.calls: list[tuple[str, str | None]] = []
         self.fail_with: int | None = None
+        #: answer 200 with this body instead (not a GenerateRequest)
+        self.garbage: bytes | None = None
+        #: wait this long before answering
+        self.delay = 0.0
         self.app = web.Application()
         for path in ("/v1/chat/completions/render", "/v1/completions/render"):
             self.app.router.add_post(path, self.render)
@@ -70,6 +76,10 @@ class GoldenRenderServer:
 
     async def render(self, request: web.Request) -> web.Response:
         self.calls.append((request.path, request.headers.get("X-Request-Id")))
+        if self.delay:
+            await asyncio.sleep(self.delay)
+        if self.garbage is not None:
+            return web.Response(body=self.garbage, content_type="application/json")
         if self.fail_with is not None:
             return web.json_response({"error": {"message": "boom", "type": "InternalServerError", "param": None,
                                                 "code": self.fail_with}}, status=self.fail_with)
@@ -87,7 +97,7 @@ async def render_setup() -> AsyncIterator[Make]:
     started: list[TestServer] = []
     upstreams: list[UpstreamPool] = []
 
-    async def make(servers: int = 1, *, dead: int = 0, retries: int = 2
+    async def make(servers: int = 1, *, dead: int = 0, retries: int = 2, first_byte_s: float = 5.0
                    ) -> tuple[RemoteRenderer, list[GoldenRenderServer], RouterMetrics, HealthChecker]:
         fakes = [GoldenRenderServer() for _ in range(servers)]
         urls = [DEAD.format(port=free_port()) for _ in range(dead)]
@@ -99,7 +109,7 @@ async def render_setup() -> AsyncIterator[Make]:
         pool = build_render_pool(urls)
         metrics = RouterMetrics(CollectorRegistry(), top_k=0)
         health = HealthChecker([pool], interval_s=3600, timeout_s=2, eject_after_failures=3, eject_s=30)
-        upstream = UpstreamPool(UpstreamTimeouts(connect_s=2, first_byte_s=5, total_s=10))
+        upstream = UpstreamPool(UpstreamTimeouts(connect_s=2, first_byte_s=first_byte_s, total_s=10))
         upstreams.append(upstream)
         renderer = RemoteRenderer(pool, upstream=upstream, health=health, metrics=metrics.render, retries=retries,
                                   retry_backoff_s=0.001, total_timeout_s=10)
@@ -233,3 +243,24 @@ async def test_health_checks_bring_a_render_server_back(render_setup: Make) -> N
     assert server.healthy
     await renderer.render_chat(json.dumps(first_ok(CHAT)["request"]).encode(), request_id="chatcmpl-2")
     assert len(fakes[0].calls) == 1
+
+
+async def test_a_render_server_that_does_not_answer_in_time_is_left_for_the_next(render_setup: Make) -> None:
+    renderer, fakes, metrics, _ = await render_setup(2, first_byte_s=0.2)
+    fakes[0].delay = 1.0
+    case = first_ok(CHAT)
+    request = await renderer.render_chat(json.dumps(case["request"]).encode(), request_id="chatcmpl-1")
+    assert request.token_ids == case["response"]["token_ids"]
+    assert [len(f.calls) for f in fakes] == [1, 1]
+    text = generate_latest(metrics.registry).decode()
+    assert metric_sum(text, "session_router_render_errors_total", render_server=renderer.pool.members[0].name,
+                      reason="timeout") == 1
+    assert all(server.in_flight == 0 for server in renderer.pool.members)
+
+
+async def test_an_answer_that_is_not_a_generate_request_is_a_502(render_setup: Make) -> None:
+    renderer, fakes, _, _ = await render_setup(1)
+    fakes[0].garbage = b'{"not": "a generate request"}'
+    with pytest.raises(RenderAnswerError) as caught:
+        await renderer.render_chat(json.dumps(first_ok(CHAT)["request"]).encode(), request_id="chatcmpl-1")
+    assert caught.value.status == 502 and "not a GenerateRequest" in caught.value.message
