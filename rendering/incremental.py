@@ -12,7 +12,9 @@ piece boundary of ``x`` that nothing in those stages can see across. This module
 tokenizer's declared structure, for the families it can reason about (``_analyze``), and encodes in
 full whenever it cannot:
 
-- no normalizer (a normalizer may rewrite across the cut), no truncation or padding, a per-piece model
+- no normalizer but NFC (another may rewrite across the cut; NFC cannot across an ASCII character, and
+  every pre-tokenizer cut below is before one; added-token cuts are segment boundaries, normalized
+  apart anyway), no truncation or padding, a per-piece model
   (BPE without dropout, WordPiece, WordLevel, Unigram), a post-processor that adds no ids when
   ``add_special_tokens=False``; added tokens matched on the raw text (not ``normalized``, and not
   ``encode_special_tokens``) without ``lstrip``/``rstrip``/``single_word`` (their match would depend
@@ -165,7 +167,7 @@ def _metaspace_split(replacement: str) -> Callable[[str, str], bool]:
     return split
 
 
-def _pre_tokenizer_rule(spec: Any, added: Sequence[str]) -> tuple[CutRule | None, str]:
+def _pre_tokenizer_rule(spec: Any, added: Sequence[str], *, nfc: bool = False) -> tuple[CutRule | None, str]:
     """The cut rule for a pre-tokenizer's JSON, or None and why not."""
     if not isinstance(spec, dict):
         return None, "no pre-tokenizer: the model sees whole segments"
@@ -203,7 +205,8 @@ def _pre_tokenizer_rule(spec: Any, added: Sequence[str]) -> tuple[CutRule | None
         if scheme not in ("always", "first", "never"):
             return None, f"Metaspace prepend_scheme {scheme!r}"
         if spec.get("split", True):
-            return CutRule("metaspace", split_between=_metaspace_split(replacement),
+            # under NFC only a cut before an ASCII space is a normalization boundary
+            return CutRule("metaspace", split_between=_metaspace_split(" " if nfc else replacement),
                            candidates=f"(?=[ {re.escape(replacement)}])", added=added), ""
         return CutRule("metaspace-nosplit", split_between=None, candidates="", added=added), ""
     return None, f"pre-tokenizer {kind!r} is not one this module can reason about"
@@ -211,8 +214,15 @@ def _pre_tokenizer_rule(spec: Any, added: Sequence[str]) -> tuple[CutRule | None
 
 def _analyze(tokenizer: tokenizers.Tokenizer) -> tuple[CutRule | None, str]:
     """Read the tokenizer's declared structure: the cut rule, or None and why every encode is full."""
+    nfc = False
     if tokenizer.normalizer is not None:
-        return None, "the tokenizer has a normalizer"
+        # NFC is the one normalizer cuts survive: every ASCII character is a normalization boundary (a
+        # starter that composes with nothing before it), so NFC(x) == NFC(x[:p]) + NFC(x[p:]) when x[p] is
+        # ASCII, and NFC never turns a character that is not a space into one (the rules read the raw
+        # text: x[p-1] stays a non-space, an ASCII letter or digit stays itself)
+        if json.loads(tokenizer.normalizer.__getstate__()) != {"type": "NFC"}:
+            return None, "the tokenizer has a normalizer other than NFC"
+        nfc = True
     if tokenizer.truncation is not None or tokenizer.padding is not None:
         return None, "the tokenizer truncates or pads"
     if getattr(tokenizer, "encode_special_tokens", False):
@@ -241,7 +251,7 @@ def _analyze(tokenizer: tokenizers.Tokenizer) -> tuple[CutRule | None, str]:
             added.append(token.content)
     pre = tokenizer.pre_tokenizer
     spec = json.loads(pre.__getstate__()) if pre is not None else None
-    return _pre_tokenizer_rule(spec, added)
+    return _pre_tokenizer_rule(spec, added, nfc=nfc)
 
 
 @dataclass(frozen=True, slots=True, eq=False)

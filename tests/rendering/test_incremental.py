@@ -115,13 +115,27 @@ def test_common_prefix_ending_inside_a_multi_byte_sequence(tokenizer: Tokenizer,
     assert second.reused_tokens == len(_ids(tokenizer, old[:old.rindex(" ")]))
 
 
-def test_normalizer_means_full_encodes(tokenizer: Tokenizer) -> None:
-    nfc = _variant(tokenizer, normalizer={"type": "NFC"})
-    encoder = PromptEncoder(nfc)
+@pytest.mark.parametrize("normalizer", [{"type": "NFKC"}, {"type": "Lowercase"},
+                                        {"type": "Sequence", "normalizers": [{"type": "NFC"}]}])
+def test_normalizer_other_than_nfc_means_full_encodes(tokenizer: Tokenizer, normalizer: dict[str, object]) -> None:
+    variant = _variant(tokenizer, normalizer=normalizer)
+    encoder = PromptEncoder(variant)
     assert encoder.rule is None and "normalizer" in encoder.reason
     first = encoder.encode(TURN1)
     second = encoder.encode(TURN2, first)
-    assert second.token_ids == _ids(nfc, TURN2) and second.reused_tokens == 0
+    assert second.token_ids == _ids(variant, TURN2) and second.reused_tokens == 0
+
+
+def test_nfc_keeps_cuts_before_ascii_only(tokenizer: Tokenizer) -> None:
+    nfc = _variant(tokenizer, normalizer={"type": "NFC"})
+    encoder = PromptEncoder(nfc)
+    assert encoder.rule is not None, encoder.reason
+    # the new text puts a combining accent right after the old end: NFC composes "e" + U+0301 into "é"
+    first = encoder.encode("<s>x cafe")
+    text = "<s>x cafe\u0301 au lait"
+    second = encoder.encode(text, first)
+    assert second.token_ids == _ids(nfc, text)
+    assert second.reused_tokens == len(_ids(nfc, "<s>x"))
 
 
 @pytest.mark.parametrize(("changes", "reason"), [

@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
 
-from rendering.incremental import GPT2_PATTERN, LLAMA3_PATTERN, PromptEncoder, PromptState
+from rendering.incremental import GPT2_PATTERN, LLAMA3_PATTERN, QWEN2_PATTERN, PromptEncoder, PromptState
 from rendering.model import DEFAULT_MODEL_DIR
 from rendering.template import ChatTemplate
 
@@ -180,8 +180,13 @@ FAMILIES = {
                                           metaspace=True), "metaspace"),
     "metaspace-nosplit": (lambda: _trained(pre_tokenizers.Metaspace(prepend_scheme="first", split=False),
                                            metaspace=True), "metaspace-nosplit"),
-    "nfc-normalizer": (lambda: _trained(pre_tokenizers.ByteLevel(add_prefix_space=False),
-                                        normalizer=normalizers.NFC()), None),
+    "qwen2-nfc": (lambda: _trained(_byte_level_split(QWEN2_PATTERN), normalizer=normalizers.NFC()), "llama3"),
+    "gpt2-nfc": (lambda: _trained(pre_tokenizers.ByteLevel(add_prefix_space=False), normalizer=normalizers.NFC()),
+                 "gpt2"),
+    "metaspace-nfc": (lambda: _trained(pre_tokenizers.Metaspace(prepend_scheme="first", split=True),
+                                       metaspace=True, normalizer=normalizers.NFC()), "metaspace"),
+    "nfkc-normalizer": (lambda: _trained(pre_tokenizers.ByteLevel(add_prefix_space=False),
+                                         normalizer=normalizers.NFKC()), None),
 }
 
 
