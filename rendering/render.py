@@ -170,6 +170,7 @@ class Renderer:
             requested, param = chat.max_tokens, "max_tokens"
         limits = self._limits(requested, param, chat.truncate_prompt_tokens, chat.truncation_side)
 
+        offsets: list[tuple[int, int]] | None = None  # per token, when the client asks for them
         reused = self._reused_ids(chat)
         if reused is not None:
             token_ids = reused
@@ -184,12 +185,14 @@ class Renderer:
                                    documents=chat.documents, reasoning_effort=chat.reasoning_effort,
                                    tools=_tool_dicts(chat.tools))
             self._check_text(text, limits)
-            if chat.add_special_tokens or limits.truncate is not None:
-                ids = self._tokenizer.encode(text, add_special_tokens=chat.add_special_tokens).ids
-                prompt = PromptState(text=text, token_ids=ids)
+            if chat.add_special_tokens or limits.truncate is not None or chat.return_token_offsets:
+                encoding = self._tokenizer.encode(text, add_special_tokens=chat.add_special_tokens)
+                prompt = PromptState(text=text, token_ids=encoding.ids)
+                if chat.return_token_offsets:
+                    offsets = list(encoding.offsets)
             else:
                 prompt = self._prompts.encode(text, previous)
-            token_ids = self._check_ids(list(prompt.token_ids), limits)
+            token_ids = self._check_ids(list(prompt.token_ids), limits, offsets=offsets)
         if not token_ids:
             raise BadRequestError("No token_ids rendered")
 
@@ -205,6 +208,7 @@ class Renderer:
             stream_options=chat.stream_options if chat.stream else None,
             cache_salt=chat.cache_salt,
             priority=chat.priority,
+            token_offsets=offsets,
         )
         return RenderedChat(request=request, chat=chat, prompt=prompt)
 
@@ -240,13 +244,18 @@ class Renderer:
         limits = self._limits(req.max_tokens, "max_tokens", req.truncate_prompt_tokens, req.truncation_side)
 
         rendered: list[list[int]] = []
+        all_offsets: list[list[tuple[int, int]] | None] = []
         for prompt in prompts:
+            offsets: list[tuple[int, int]] | None = None
             if isinstance(prompt, str):
                 self._check_text(prompt, limits)
-                ids = self._tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens).ids
-                rendered.append(self._check_ids(ids, limits))
-            else:
+                encoding = self._tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens)
+                if req.return_token_offsets:
+                    offsets = list(encoding.offsets)
+                rendered.append(self._check_ids(encoding.ids, limits, offsets=offsets))
+            else:  # client ids have no text to point into
                 rendered.append(self._in_vocabulary(self._check_ids(list(prompt), limits, encoded=False)))
+            all_offsets.append(offsets)
 
         base = request_id or f"cmpl-{req.request_id or random_id()}"
         out: list[GenerateRequest] = []
@@ -256,15 +265,16 @@ class Renderer:
             params = completion_sampling_params(req, max_tokens=self._max_tokens(len(token_ids), req.max_tokens),
                                                 defaults=self._defaults)
             out.append(self._completion_request(req, base if len(rendered) == 1 else f"{base}-{index}",
-                                                token_ids, params))
+                                                token_ids, params, all_offsets[index]))
         return out
 
     @staticmethod
     def _completion_request(req: CompletionRequest, request_id: str, token_ids: list[int],
-                            params: SamplingParams) -> GenerateRequest:
+                            params: SamplingParams, offsets: list[tuple[int, int]] | None) -> GenerateRequest:
         return GenerateRequest(
             request_id=request_id,
             token_ids=token_ids,
+            token_offsets=offsets,
             sampling_params=params,
             model=req.model,
             stream=bool(req.stream),
@@ -341,11 +351,13 @@ class Renderer:
                 f"for {limits.max_total} input tokens). Please reduce the length of the input prompt.",
                 parameter="input_text", value=len(text))
 
-    def _check_ids(self, ids: list[int], limits: _Limits, *, encoded: bool = True) -> list[int]:
+    def _check_ids(self, ids: list[int], limits: _Limits, *, encoded: bool = True,
+                   offsets: list[tuple[int, int]] | None = None) -> list[int]:
         """Truncation (``truncate_prompt_tokens``), then the context-length check, as vLLM words it.
 
         ``encoded``: the ids are the tokenizer's for a text prompt (vLLM's tokenizer stops at the
-        context + 1 tokens, so that is the most its message can report); else the client's own ids."""
+        context + 1 tokens, so that is the most its message can report); else the client's own ids.
+        ``offsets`` (per token, when asked for) are cut as the ids are, in place."""
         if limits.max_total is None:
             return ids
         keep = limits.truncate
@@ -354,7 +366,10 @@ class Renderer:
                 keep = limits.max_total - 1 if limits.requested else limits.max_total
             if keep < len(ids):
                 side = limits.side or self.model.truncation_side
-                ids = ids[len(ids) - keep:] if side == "left" else ids[:keep]
+                cut = slice(len(ids) - keep, None) if side == "left" else slice(0, keep)
+                ids = ids[cut]
+                if offsets is not None:
+                    offsets[:] = offsets[cut]
         if len(ids) > limits.max_total:
             count = min(len(ids), limits.max_total + 1) if encoded else len(ids)
             qualifier = "at least " if count == limits.max_total + 1 else ""

@@ -124,6 +124,8 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     return_tokens_as_token_ids: bool | None = None
     return_token_ids: bool | None = None
     routed_experts_prompt_start: int = 0
+    #: render only: per-token (start, end) character offsets into the prompt text, in ``token_offsets``
+    return_token_offsets: bool | None = False
     cache_salt: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
     ec_transfer_params: dict[str, Any] | None = None

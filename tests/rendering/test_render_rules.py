@@ -277,3 +277,17 @@ def test_tokenize_and_detokenize(renderer: Renderer, tiny_model: RenderModel) ->
         renderer.detokenize(json.dumps({"model": "x", "tokens": ids}).encode())
     with pytest.raises(BadRequestError):
         renderer.detokenize(json.dumps({"tokens": [-1]}).encode())
+
+
+def test_token_offsets_on_request(renderer: Renderer, tiny_model: RenderModel) -> None:
+    assert _chat(renderer).request.token_offsets is None
+    rendered = _chat(renderer, return_token_offsets=True)
+    offsets, text = rendered.request.token_offsets, rendered.prompt.text
+    encoding = tiny_model.tokenizer.encode(text, add_special_tokens=False)
+    assert offsets == encoding.offsets and len(offsets) == len(rendered.request.token_ids)
+    assert "".join(text[s:e] for s, e in offsets if e > s).replace(" ", "") == text.replace(" ", "")
+    body = json.dumps({"prompt": "hello world again", "return_token_offsets": True,
+                       "truncate_prompt_tokens": 2, "truncation_side": "left"}).encode()
+    wire = json.loads(encode_generate_request(renderer.render_completions(body)))[0]
+    assert wire["token_offsets"] == [list(o) for o in tiny_model.tokenizer.encode("hello world again").offsets[-2:]]
+    assert len(wire["token_ids"]) == 2
