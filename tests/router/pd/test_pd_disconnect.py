@@ -45,7 +45,7 @@ def router_idle(router: Any) -> bool:
 async def test_disconnect_during_the_prefill_leg_aborts_the_prefill(aiohttp_server: Any, aiohttp_client: Any) -> None:
     prefill, decode, router = await topology(aiohttp_server, aiohttp_client, prefill_speed=20.0, decode_speed=0.0)
     p_engine, d_engine = prefill[ENGINE], decode[ENGINE]
-    body = {"token_ids": [300 + i % 400 for i in range(1500)], "sampling_params": {"max_tokens": 8}}
+    body = {"token_ids": [4 + i % 389 for i in range(1500)], "sampling_params": {"max_tokens": 8}}
     task = asyncio.create_task(router.post("/inference/v1/generate", json=body, headers={"X-Session-ID": "pd-gone"}))
     await wait_for(lambda: p_engine.num_running == 1, what="the prefill leg to run")
     task.cancel()

@@ -206,7 +206,7 @@ def test_multi_turn_chat_sessions_stick_to_their_decode_instance(cluster: Cluste
 
 @pytest.mark.slow
 def test_tokens_in_sessions_through_generate(cluster: Cluster) -> None:
-    prompts = {f"pd-tokens-{i}": [1] + [300 + (i * 31 + j) % 700 for j in range(70)] for i in range(4)}
+    prompts = {f"pd-tokens-{i}": [1] + [4 + (i * 31 + j) % 389 for j in range(70)] for i in range(4)}
 
     def send(session: str, turn: int) -> dict[str, Any]:
         tokens = prompts[session]
@@ -216,7 +216,7 @@ def test_tokens_in_sessions_through_generate(cluster: Cluster) -> None:
         assert status == 200, data
         assert headers["X-Session-ID"] == session and data["request_id"].startswith("generate-tokens-")
         assert len(data["choices"][0]["token_ids"]) == 9
-        prompts[session] = tokens + data["choices"][0]["token_ids"] + [400 + turn, 401, 402]
+        prompts[session] = tokens + data["choices"][0]["token_ids"] + [300 + turn, 301, 302]
         return data["usage"]
 
     run_sessions(cluster, {s: [0, 1, 2] for s in prompts}, send)
