@@ -65,7 +65,8 @@ class Gathered:
 
 
 class CompletionAnswer:
-    """A ``CompletionDerender`` for one prompt, as the engine leg's ``Derenderer``."""
+    """A ``CompletionDerender`` as the engine leg's ``Derenderer``; ``prompt`` (default 0) says which
+    prompt's engine request an event or answer is from."""
 
     __slots__ = ("make", "derender", "watch", "gathered")
 
@@ -74,7 +75,7 @@ class CompletionAnswer:
         self.make = make
         self.derender = make()
         self.watch: CompletionDerender | None = None
-        self.gathered: Gathered | None = None
+        self.gathered: list[Gathered] = []
 
     @property
     def _current(self) -> CompletionDerender:
@@ -90,32 +91,33 @@ class CompletionAnswer:
 
     @property
     def prompt_tokens(self) -> int:
-        return self.derender.prompt_tokens
+        return self._current.prompt_tokens
 
     @property
     def completion_tokens(self) -> int:
-        return self.derender.completion_tokens
+        return self._current.completion_tokens
 
     def whole(self, response: GenerateResponse) -> bytes:
         return self.derender.whole([response])
 
-    def chunk(self, chunk: GenerateStreamChunk) -> bytes:
-        return self.derender.chunk(chunk)
+    def chunk(self, chunk: GenerateStreamChunk, prompt: int = 0) -> bytes:
+        return self.derender.chunk(chunk, prompt)
 
     def finish(self) -> bytes:
         return self.derender.finish()
 
-    def collect(self, chunk: GenerateStreamChunk) -> None:
+    def collect(self, chunk: GenerateStreamChunk, prompt: int = 0) -> None:
         if self.watch is None:
             self.watch = self.make()
-            self.gathered = Gathered()
-        assert self.gathered is not None
-        self.gathered.add(chunk)
-        self.watch.chunk(chunk)  # only its stop-string state matters
+        while len(self.gathered) <= prompt:
+            self.gathered.append(Gathered())
+        self.gathered[prompt].add(chunk)
+        self.watch.chunk(chunk, prompt)  # only its stop-string state matters
 
     def collected(self) -> bytes:
+        """The ``text_completion`` for the events ``collect`` took (every prompt's, in order)."""
         watch = self.watch
         if watch is not None and watch.error is not None:
             raise UpstreamProtocolError(f"the engine failed while generating: {watch.error.message}")
-        gathered = self.gathered if self.gathered is not None else Gathered()
-        return self.derender.whole([gathered.response()])
+        gathered = self.gathered or [Gathered()]
+        return self.derender.whole([g.response() for g in gathered])

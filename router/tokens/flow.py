@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import time
 
-from contract.errors import BadRequestError
 from rendering.derender import ChatDerender, CompletionDerender
 from rendering.generate_request import GenerateRequest
 from rendering.model import RenderModel
@@ -31,6 +30,7 @@ from router.proxy import Proxy, RouteHandler
 from router.routes import Route
 from router.tokens.engine import EngineAborts, generate_payload
 from router.tokens.answers import CompletionAnswer
+from router.tokens.fanout import FanOutCall
 from router.tokens.generate import COLLECT, STREAM, WHOLE, Derenderer, EngineCall
 from router.tokens.prompt_cache import PromptCache
 from router.tokens.renderers import CHAT_PREFIX, COMPLETION_PREFIX, LocalRenderer, RenderService
@@ -79,33 +79,42 @@ class TokensRoutes:
                           fields: OpenFields | None, attempt: Attempt) -> None:
         request_id = COMPLETION_PREFIX + attempt.request_id
         generates = await self.renderer.render_completions(body, request_id=request_id)
-        if len(generates) != 1:
-            raise BadRequestError(
-                f"this router in tokens mode serves one prompt per /v1/completions request, got {len(generates)}; "
-                "send each prompt in its own request", param="prompt")
-        generate = generates[0]
         completion = decode_completion_request(body)
-        attempt.prompt_ids = generate.token_ids
+        prompt_ids = [generate.token_ids for generate in generates]
+        attempt.prompt_ids = prompt_ids[0]
         created = int(time.time())
-        prompt = completion.prompt
-        texts = [prompt] if isinstance(prompt, str) else None
+        texts = self._prompt_texts(completion.prompt, prompt_ids) if completion.echo else None
 
         def derenderer() -> CompletionDerender:
-            return CompletionDerender(self.model, completion, request_id=generate.request_id, created=created,
-                                      prompt_ids=[generate.token_ids], prompt_texts=texts)
+            return CompletionDerender(self.model, completion, request_id=request_id, created=created,
+                                      prompt_ids=prompt_ids, prompt_texts=texts)
 
-        await self._generate(writer, route, fields, attempt, generate, CompletionAnswer(derenderer),
-                             bool(completion.stream))
+        answer = CompletionAnswer(derenderer)
+        if len(generates) == 1:
+            await self._generate(writer, route, fields, attempt, generates[0], answer, bool(completion.stream))
+            return
+        how = self._answer(bool(completion.stream), any(g.sampling_params.stop for g in generates))
+        call = FanOutCall(self.proxy, self.aborts, writer, route, fields, attempt, answer, how)
+        await call.run_all([generate_payload(g, stream=how != WHOLE) for g in generates])
+
+    def _prompt_texts(self, prompt: object, prompt_ids: list[list[int]]) -> list[str]:
+        """The prompts as text, for ``echo``: as sent, or decoded when they were token ids."""
+        if isinstance(prompt, str):
+            return [prompt]
+        if isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
+            return list(prompt)  # type: ignore[arg-type]
+        return [self.model.tokenizer.decode(ids, skip_special_tokens=False) for ids in prompt_ids]
 
     async def _generate(self, writer: ResponseWriter, route: Route, fields: OpenFields | None, attempt: Attempt,
                         generate: GenerateRequest, derender: Derenderer, stream: bool) -> None:
         """The engine leg: streamed from the engine when the client streams, and when stop strings may
         end it early (then collected into one answer); else one whole answer."""
-        if stream:
-            answer = STREAM
-        elif generate.sampling_params.stop:
-            answer = COLLECT
-        else:
-            answer = WHOLE
+        answer = self._answer(stream, bool(generate.sampling_params.stop))
         call = EngineCall(self.proxy, self.aborts, writer, route, fields, attempt, derender, answer)
         await call.run(generate_payload(generate, stream=answer != WHOLE))
+
+    @staticmethod
+    def _answer(stream: bool, stop_strings: bool) -> str:
+        if stream:
+            return STREAM
+        return COLLECT if stop_strings else WHOLE

@@ -316,3 +316,104 @@ async def test_no_prompt_cache_when_its_bound_is_zero(make_router: Any, tiny_mod
     async with client_of(router, **{"X-Session-ID": "s"}) as client:
         answer = await client.chat.completions.create(model="tiny-llama", messages=MESSAGES, max_tokens=2)
     assert answer.usage.completion_tokens == 2
+
+
+# --------------------------------------------------------------------- completions, several prompts
+
+
+PROMPTS = ["Once upon a time", "The quick brown fox", "In the beginning"]
+
+
+async def test_several_prompts_answer_as_their_single_requests(make_router: Any, tiny_model: Any) -> None:
+    router, engines = await tokens_router(make_router, tiny_model, n=2)
+    async with client_of(router, **{"X-Session-ID": "sess-multi"}) as client:
+        singles = [await client.completions.create(model="tiny-llama", prompt=p, max_tokens=6, seed=4, n=2)
+                   for p in PROMPTS]
+        whole = await client.completions.create(model="tiny-llama", prompt=PROMPTS, max_tokens=6, seed=4, n=2)
+        stream = await client.completions.create(model="tiny-llama", prompt=PROMPTS, max_tokens=6, seed=4, n=2,
+                                                 stream=True, stream_options={"include_usage": True})
+        streamed: dict[int, str] = {}
+        usage = None
+        async for chunk in stream:
+            usage = chunk.usage or usage
+            for choice in chunk.choices:
+                streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+    expected = [c.text for single in singles for c in single.choices]
+    assert [c.index for c in whole.choices] == list(range(6))
+    assert [c.text for c in whole.choices] == expected
+    assert [streamed[i] for i in range(6)] == expected
+    assert whole.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in singles)
+    assert whole.usage.completion_tokens == 36 and usage is not None and usage.completion_tokens == 36
+    assert sum(e.engine.sessions.get("sess-multi").requests for e in engines
+               if e.engine.sessions.get("sess-multi") is not None) == 3 + 3 + 3
+
+
+async def test_several_prompts_with_stop_strings_abort_every_engine_request(make_router: Any,
+                                                                            tiny_model: Any) -> None:
+    router, (engine,) = await tokens_router(make_router, tiny_model)
+    async with client_of(router) as client:
+        singles = [await client.completions.create(model="tiny-llama", prompt=p, max_tokens=40, seed=9)
+                   for p in PROMPTS[:2]]
+        words = [s.choices[0].text.split(" ") for s in singles]
+        stops = [" " + words[0][3], " " + words[1][3]]
+        slow, (slow_engine,) = await tokens_router(make_router, tiny_model, speed=1.0)
+    async with client_of(slow) as client:
+        answer = await client.completions.create(model="tiny-llama", prompt=PROMPTS[:2], max_tokens=2000, seed=9,
+                                                 stop=stops)
+    for single, choice in zip(singles, answer.choices, strict=True):
+        text = single.choices[0].text
+        cut = min(text.index(s) for s in stops if s in text)
+        assert choice.text == text[:cut] and choice.finish_reason == "stop"
+    await eventually(slow_engine.idle, timeout=5, what="both engine requests aborted")
+    assert await engine_aborts(slow) == 2
+
+
+class RefusingEngine:
+    """Refuses prompt 1 of a fan-out (``X-Request-Id: <id>-1``) with a 400; holds prompt 0 open until the
+    router lets go of it."""
+
+    name = "refusing"
+
+    def __init__(self) -> None:
+        self.let_go = asyncio.Event()
+        self.aborted: list[str] = []
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/health", self.health)
+        app.router.add_post("/inference/v1/generate", self.generate)
+        app.router.add_post("/inference/v1/abort_requests", self.abort)
+        return app
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response()
+
+    async def abort(self, request: web.Request) -> web.Response:
+        self.aborted += (await request.json())["request_ids"]
+        return web.Response()
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        if request.headers["X-Request-Id"].endswith("-1"):
+            return web.json_response({"error": {"message": "refused", "type": "BadRequestError", "param": None,
+                                                "code": 400}}, status=400)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            self.let_go.set()
+        return response
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_several_prompts_one_refused_is_the_answer(make_router: Any, stream: bool) -> None:
+    engine = RefusingEngine()
+    router = await make_router("raw", fakes=[engine], **tokens_settings())
+    async with aiohttp.ClientSession() as http:
+        body = {"model": "tiny-llama", "prompt": ["a b c", "d e f"], "max_tokens": 3, "stream": stream}
+        async with http.post(router.url + "/v1/completions", json=body, headers={"X-Request-Id": "fan"}) as response:
+            status, answer = response.status, await response.json()
+    assert status == 400 and answer["error"]["message"] == "refused"
+    await asyncio.wait_for(engine.let_go.wait(), 5)  # prompt 0's connection was closed
+    if stream:
+        await eventually(lambda: engine.aborted == ["generate-tokens-fan-0"], timeout=5, what="prompt 0 aborted")
