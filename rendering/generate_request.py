@@ -22,6 +22,8 @@ import msgspec
 OUTPUT_CUMULATIVE = 0
 OUTPUT_DELTA = 1
 OUTPUT_FINAL_ONLY = 2
+#: ``SamplingParams.max_tokens``'s default (a JSON without ``max_tokens`` means it to a decoder)
+DEFAULT_MAX_TOKENS = 16
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -40,7 +42,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    max_tokens: int | None = 16
+    max_tokens: int | None = DEFAULT_MAX_TOKENS
     min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
@@ -125,6 +127,30 @@ def decode_generate_requests(body: bytes | str) -> list[GenerateRequest]:
     return _list_decoder.decode(body)
 
 
-def encode_generate_request(request: GenerateRequest | list[GenerateRequest]) -> bytes:
-    """The JSON bytes vLLM's render server would answer for ``request`` (or a list of them)."""
+def encode_generate_request(
+    request: GenerateRequest | list[GenerateRequest], *, explicit_max_tokens: bool = False
+) -> bytes:
+    """The JSON bytes vLLM's render server would answer for ``request`` (or a list of them).
+
+    ``explicit_max_tokens``: write ``max_tokens`` even when it is 16, the default vLLM's JSON leaves
+    out. vLLM 0.32's ``/inference/v1/generate`` (and our backends' route, which follows it) gives a
+    request without ``max_tokens`` the whole remaining context, so a render answer for a client
+    that asked for 16 tokens (or a completions request that left it at its default 16) generates far
+    more once sent to an engine as it is. A coordinator sending its own renders to engines sets it.
+    """
+    if explicit_max_tokens:
+        if isinstance(request, list):
+            request = [_with_max_tokens(one) for one in request]
+        else:
+            request = _with_max_tokens(request)
     return _encoder.encode(request)
+
+
+def _with_max_tokens(request: GenerateRequest) -> GenerateRequest:
+    params = request.sampling_params
+    if params.max_tokens != DEFAULT_MAX_TOKENS:
+        return request  # written anyway
+    encoded = _encoder.encode(params)
+    body = b'{"max_tokens":%d' % params.max_tokens + (b"," + encoded[1:] if encoded != b"{}" else b"}")
+    # the encoder writes a Raw value as it is: the same request with these sampling_params bytes
+    return msgspec.structs.replace(request, sampling_params=msgspec.Raw(body))  # type: ignore[arg-type]

@@ -291,3 +291,20 @@ def test_token_offsets_on_request(renderer: Renderer, tiny_model: RenderModel) -
     wire = json.loads(encode_generate_request(renderer.render_completions(body)))[0]
     assert wire["token_offsets"] == [list(o) for o in tiny_model.tokenizer.encode("hello world again").offsets[-2:]]
     assert len(wire["token_ids"]) == 2
+
+
+def test_max_tokens_can_be_written_explicitly_for_an_engine(renderer: Renderer) -> None:
+    """vLLM leaves max_tokens=16 out of its JSON; its generate route reads a missing max_tokens as
+    'the remaining context', so what goes to an engine can say it."""
+    from rendering.generate_request import decode_generate_request
+
+    request = _chat(renderer, max_tokens=16, temperature=0.5).request
+    assert "max_tokens" not in json.loads(encode_generate_request(request))["sampling_params"]
+    explicit = encode_generate_request(request, explicit_max_tokens=True)
+    assert json.loads(explicit)["sampling_params"]["max_tokens"] == 16
+    assert decode_generate_request(explicit) == request
+    body = json.dumps({"model": "tiny-llama", "prompt": ["a", "b"]}).encode()
+    both = json.loads(encode_generate_request(renderer.render_completions(body), explicit_max_tokens=True))
+    assert [g["sampling_params"]["max_tokens"] for g in both] == [16, 16]
+    other = _chat(renderer, max_tokens=20).request
+    assert encode_generate_request(other, explicit_max_tokens=True) == encode_generate_request(other)
