@@ -4,9 +4,13 @@ Non-stream: one ``GenerateResponse``. Stream: SSE events ``data: <GenerateStream
 engine step, ``token_ids`` being the step's new ids), a usage-only chunk with ``choices: []``
 when ``stream_options.include_usage`` is set, ``data: {"error": {...}}`` for an error, and
 ``data: [DONE]``. Decoding ignores fields it does not know (as pydantic does in vLLM), so an
-engine newer than these Structs still decodes. Encoding writes vLLM's keys in vLLM's order;
-fields typed with ``UnsetType`` appear only when set (``prompt_token_ids`` only with
-``return_token_ids``, ``text`` only with ``output_mode: "text"``, ...).
+engine newer than these Structs still decodes, and fills what an older one leaves out.
+
+Encoding writes what vLLM 0.32's ``ServingTokens`` writes, keys in its order: the whole answer is
+its full ``model_dump()`` (every key, nulls included); a stream event leaves out
+``prompt_token_ids`` / ``mm_placeholders`` / ``metrics`` unless set (``UnsetType`` here); the
+usage-only last event leaves out every null (``encode_stream_chunk`` does that); ``text`` appears
+only with ``output_mode: "text"``.
 
 The backends encode with these Structs and the router decodes with them: one implementation.
 """
@@ -31,7 +35,8 @@ class GenerateUsage(Struct, kw_only=True):
     prompt_tokens: int = 0
     total_tokens: int = 0
     completion_tokens: int = 0
-    prompt_tokens_details: PromptTokensDetails | None | UnsetType = UNSET
+    prompt_tokens_details: PromptTokensDetails | None | UnsetType = None
+    completion_tokens_details: dict[str, Any] | None | UnsetType = None
 
 
 class GenerateLogProb(Struct, kw_only=True):
@@ -61,9 +66,9 @@ class GenerateChoice(Struct, kw_only=True):
     #: the stop token id (``stop_token_ids``) or stop string that ended the choice; None for EOS
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
-    routed_experts: str | None | UnsetType = UNSET
-    sampling_mask: list[list[int]] | None | UnsetType = UNSET
-    weight_versions: list[Any] | None | UnsetType = UNSET
+    routed_experts: str | None = None
+    sampling_mask: list[list[int]] | None = None
+    weight_versions: list[Any] | None = None
     #: only with ``output_mode: "text"``
     text: str | UnsetType = UNSET
     logprobs: GenerateLogProbs | None = None
@@ -76,10 +81,14 @@ class GenerateResponse(Struct, kw_only=True):
     model: str | None = None
     created: int | None = None
     usage: GenerateUsage | None = None
-    #: only with ``return_token_ids``
-    prompt_token_ids: list[int] | None | UnsetType = UNSET
+    prompt_logprobs: Any = None
+    prompt_token_id_logprobs: str | None = None
+    #: set with ``return_token_ids``
+    prompt_token_ids: list[int] | None | UnsetType = None
+    mm_placeholders: dict[str, Any] | None = None
+    metrics: dict[str, Any] | None = None
     kv_transfer_params: dict[str, Any] | None = None
-    ec_transfer_params: dict[str, Any] | None | UnsetType = UNSET
+    ec_transfer_params: dict[str, Any] | None | UnsetType = None
     output_mode: str = "tokens"
     choices: list[GenerateChoice] = msgspec.field(default_factory=list)
 
@@ -89,12 +98,12 @@ class GenerateStreamChoice(Struct, kw_only=True):
 
     index: int
     finish_reason: str | None = None
-    stop_reason: int | str | None | UnsetType = UNSET
+    stop_reason: int | str | None | UnsetType = None
     token_ids: list[int] | None = None
-    routed_experts: str | None | UnsetType = UNSET
-    sampling_mask: list[list[int]] | None | UnsetType = UNSET
+    routed_experts: str | None = None
+    sampling_mask: list[list[int]] | None = None
     #: set on the final chunk only
-    weight_versions: list[Any] | None | UnsetType = UNSET
+    weight_versions: list[Any] | None = None
     text: str | UnsetType = UNSET
     logprobs: GenerateLogProbs | None = None
 
@@ -115,6 +124,9 @@ class GenerateStreamChunk(Struct, kw_only=True):
     usage: GenerateUsage | None = None
     #: only on the first chunk, with ``return_token_ids``
     prompt_token_ids: list[int] | None | UnsetType = UNSET
+    mm_placeholders: dict[str, Any] | None | UnsetType = UNSET
+    metrics: dict[str, Any] | None | UnsetType = UNSET
+    #: not in vLLM's stream events; read when an engine sends it (P/D hand-off on a stream)
     kv_transfer_params: dict[str, Any] | None | UnsetType = UNSET
     output_mode: str = "tokens"
     choices: list[GenerateStreamChoice] = msgspec.field(default_factory=list)
@@ -152,7 +164,18 @@ def encode_generate_response(response: GenerateResponse) -> bytes:
 
 
 def encode_stream_chunk(chunk: GenerateStreamChunk) -> bytes:
-    """One SSE event ``data: {...}\\n\\n`` of a generate stream."""
+    """One SSE event ``data: {...}\\n\\n`` of a generate stream.
+
+    The usage-only last event (no choices) is written as vLLM writes it, without nulls.
+    """
+    if not chunk.choices and chunk.usage is not None:
+        usage = chunk.usage
+        chunk = msgspec.structs.replace(chunk, usage=msgspec.structs.replace(
+            usage,
+            prompt_tokens_details=UNSET if usage.prompt_tokens_details is None else usage.prompt_tokens_details,
+            completion_tokens_details=(UNSET if usage.completion_tokens_details is None
+                                       else usage.completion_tokens_details),
+        ))
     return b"data: " + _encoder.encode(chunk) + b"\n\n"
 
 

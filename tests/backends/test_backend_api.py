@@ -283,7 +283,9 @@ async def test_generate_stream(client: Any) -> None:
             assert ch["token_ids"] or ch["finish_reason"]  # chunks without new tokens are skipped
             got[ch["index"]] += ch["token_ids"]
     assert [got[0], got[1]] == [c["token_ids"] for c in full["choices"]]
-    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == full["usage"]
+    # vLLM 0.32 writes the last (usage) event without nulls, the whole answer with every key
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == {k: v for k, v in full["usage"].items()
+                                                                    if v is not None}
 
 
 async def test_kv_transfer_params_reach_the_engine(client: Any) -> None:

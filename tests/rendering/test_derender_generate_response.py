@@ -45,9 +45,13 @@ def test_decodes_a_vllm_answer() -> None:
     assert (c.index, c.finish_reason, c.stop_reason, c.token_ids) == (0, "length", None, [565, 565, 874, 565])
 
 
-def test_encodes_back_to_the_same_json() -> None:
+def test_encodes_back_with_every_key_vllm_dumps() -> None:
     r = decode_generate_response(VLLM_ANSWER)
-    assert json.loads(encode_generate_response(r)) == {**json.loads(VLLM_ANSWER), "kv_transfer_params": None}
+    raw = json.loads(VLLM_ANSWER)
+    again = json.loads(encode_generate_response(r))
+    assert again["usage"] == {**raw["usage"], "completion_tokens_details": None}
+    assert again["choices"][0] == {**raw["choices"][0], "routed_experts": None, "sampling_mask": None}
+    assert again["prompt_token_ids"] == raw["prompt_token_ids"]
 
 
 @pytest.mark.parametrize("case", range(len(GOLDEN)))
@@ -85,10 +89,26 @@ def test_stream_chunk_encoding_is_an_sse_event_in_vllms_key_order() -> None:
     event = encode_stream_chunk(
         GenerateStreamChunk(request_id="r", choices=[GenerateStreamChoice(index=0, token_ids=[7], finish_reason="stop", stop_reason=None)])
     )
+    # vLLM 0.32: model_dump_json(exclude={prompt_token_ids, mm_placeholders, metrics} when None)
     assert event == (
         b'data: {"request_id":"r","usage":null,"output_mode":"tokens","choices":[{"index":0,'
-        b'"finish_reason":"stop","stop_reason":null,"token_ids":[7],"logprobs":null}]}\n\n'
+        b'"finish_reason":"stop","stop_reason":null,"token_ids":[7],"routed_experts":null,"sampling_mask":null,'
+        b'"weight_versions":null,"logprobs":null}]}\n\n'
     )
+    first = encode_stream_chunk(GenerateStreamChunk(request_id="r", prompt_token_ids=[1, 2], choices=[]))
+    assert b'"usage":null,"prompt_token_ids":[1,2],"output_mode"' in first
+
+
+def test_the_usage_only_event_leaves_nulls_out() -> None:
+    # vLLM 0.32: model_dump_json(exclude_none=True)
+    event = encode_stream_chunk(GenerateStreamChunk(request_id="r", choices=[], usage=GenerateUsage(
+        prompt_tokens=5, total_tokens=9, completion_tokens=4)))
+    assert event == (b'data: {"request_id":"r","usage":{"prompt_tokens":5,"total_tokens":9,"completion_tokens":4},'
+                     b'"output_mode":"tokens","choices":[]}\n\n')
+    continuous = encode_stream_chunk(GenerateStreamChunk(
+        request_id="r", usage=GenerateUsage(prompt_tokens=5, total_tokens=6, completion_tokens=1),
+        choices=[GenerateStreamChoice(index=0, token_ids=[3])]))
+    assert b'"completion_tokens":1,"prompt_tokens_details":null,"completion_tokens_details":null}' in continuous
 
 
 def test_whole_answer_encoding_key_order() -> None:
@@ -101,8 +121,14 @@ def test_whole_answer_encoding_key_order() -> None:
             choices=[GenerateChoice(index=0, finish_reason="length", token_ids=[9])],
         )
     )
-    assert list(json.loads(body)) == ["request_id", "model", "created", "usage", "kv_transfer_params", "output_mode", "choices"]
-    assert list(json.loads(body)["choices"][0]) == ["index", "finish_reason", "stop_reason", "token_ids", "logprobs"]
+    # vLLM 0.32: JSONResponse(content=response.model_dump()), every key
+    assert list(json.loads(body)) == ["request_id", "model", "created", "usage", "prompt_logprobs",
+                                      "prompt_token_id_logprobs", "prompt_token_ids", "mm_placeholders", "metrics",
+                                      "kv_transfer_params", "ec_transfer_params", "output_mode", "choices"]
+    assert list(json.loads(body)["usage"]) == ["prompt_tokens", "total_tokens", "completion_tokens",
+                                               "prompt_tokens_details", "completion_tokens_details"]
+    assert list(json.loads(body)["choices"][0]) == ["index", "finish_reason", "stop_reason", "token_ids",
+                                                    "routed_experts", "sampling_mask", "weight_versions", "logprobs"]
 
 
 @pytest.mark.parametrize("body", [b"", b"not json", b'{"choices":[]}', b'{"request_id":"x","choices":[{"token_ids":[1]}]}'])
