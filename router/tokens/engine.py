@@ -10,13 +10,14 @@ strings is streamed from the engine, so that the router can stop it early), with
 ``EngineAborts`` tells an engine, in the background, to drop a request the router no longer reads
 (every choice ended on a stop string, the client went away): ``POST /inference/v1/abort_requests
 {"request_ids": [...]}`` with the engine's own request id, which vLLM's generate route makes
-``generate-tokens-{X-Request-Id}``. Counted in the metrics by result.
+``generate-tokens-{X-Request-Id}``. Counted by result in ``session_router_engine_aborts_total``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -24,7 +25,13 @@ import msgspec
 from contract.errors import UpstreamError
 from contract.session import SESSION_HEADER
 from router.exchange import REQUEST_ID_HEADER
-from rendering.generate_request import OUTPUT_DELTA, OUTPUT_FINAL_ONLY, GenerateRequest, StreamOptions
+from rendering.generate_request import (
+    OUTPUT_DELTA,
+    OUTPUT_FINAL_ONLY,
+    GenerateRequest,
+    StreamOptions,
+    encode_generate_request,
+)
 from router.membership import Backend
 from router.upstream import UpstreamPool, UpstreamTimeouts, render_headers, request_head
 
@@ -70,14 +77,16 @@ def generate_payload(request: GenerateRequest, *, stream: bool) -> bytes:
         sampling = msgspec.structs.replace(sampling, **changes)
     request = msgspec.structs.replace(request, sampling_params=sampling, stream=stream,
                                       stream_options=_STREAM_USAGE if stream else None)
-    return _encoder.encode(request)
+    # max_tokens written even at 16: a generate route reads a missing one as the remaining context
+    return encode_generate_request(request, explicit_max_tokens=True)
 
 
 class EngineAborts:
     """Background aborts of engine requests (kept referenced until done)."""
 
-    def __init__(self, upstream: UpstreamPool, *, on_result: Any = None) -> None:
-        """``on_result(result)`` is called with ``aborted`` / ``failed`` for each abort sent."""
+    def __init__(self, upstream: UpstreamPool, *, on_result: Callable[[str], None] | None = None) -> None:
+        """``on_result(result)`` is called with ``aborted`` / ``failed`` for each abort sent (the
+        ``session_router_engine_aborts_total`` counter)."""
         self.upstream = upstream
         self.on_result = on_result
         self._tasks: set[asyncio.Task[None]] = set()

@@ -48,3 +48,11 @@ def test_engine_ids_and_headers() -> None:
     assert "X-Request-Id: abc\r\n" in lines and "X-Session-ID: sess-1\r\n" in lines
     assert "Content-Type: application/json\r\n" in lines
     assert "X-Session-ID" not in engine_headers("abc", None)
+
+
+def test_max_tokens_16_is_written_for_the_engine() -> None:
+    """The render leaves max_tokens=16 out (vLLM's JSON omits the default); a generate route reads a
+    missing one as the remaining context, so the payload names it (a small addition by R)."""
+    request = rendered(max_tokens=16, output_kind=OUTPUT_FINAL_ONLY)
+    assert "max_tokens" not in json.loads(encode_generate_request(request))["sampling_params"]
+    assert json.loads(generate_payload(request, stream=False))["sampling_params"]["max_tokens"] == 16
