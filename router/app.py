@@ -113,7 +113,7 @@ def build_tokens(state: RouterState, proxy: Proxy) -> TokensMode:
 
     mode = build_tokens_mode(state.config, proxy, render_pool=state.pools.get(POOL_RENDER),
                              upstream=state.upstream, health=state.health, sessions=state.sessions,
-                             render_metrics=state.metrics.render)
+                             metrics=state.metrics)
     proxy.tokens = mode.handlers()
     from router.tokens.render_routes import side_handlers  # /v1/responses, /tokenize, /detokenize
 

@@ -234,6 +234,11 @@ class RouterMetrics:
                                       "P/D hand-offs whose decode leg failed: the prefill was told to free the held "
                                       "KV, by result (released, not_held = already pulled or expired, failed)",
                                       ["result"], registry=registry)
+        # issue 13: tokens mode ends engine requests the router no longer reads (stop strings, client gone)
+        self.engine_aborts = Counter(PREFIX + "engine_aborts",
+                                     "Tokens mode: engine requests aborted by the router (every choice ended on a stop "
+                                     "string, or the client left), by result (aborted, failed)",
+                                     ["result"], registry=registry)
         self.upstream_errors = Counter(PREFIX + "upstream_errors", "Upstream failures by backend and reason",
                                        ["backend", "reason"], registry=registry)
         self.evictions = Counter(PREFIX + "session_evictions", "Sessions that left the table, by reason",

@@ -15,7 +15,7 @@ from rendering.render import Renderer
 from router.config import RouterConfig
 from router.health import HealthChecker
 from router.membership import BackendPool
-from router.metrics import RenderMetrics
+from router.metrics import RouterMetrics
 from router.proxy import Proxy, RouteHandler
 from router.sessions.table import SessionTable
 from router.tokens.engine import EngineAborts
@@ -54,23 +54,23 @@ def load_tokens_model(config: RouterConfig) -> RenderModel:
 
 def build_tokens_mode(config: RouterConfig, proxy: Proxy, *, render_pool: BackendPool | None,
                       upstream: UpstreamPool, health: HealthChecker, sessions: SessionTable,
-                      render_metrics: RenderMetrics) -> TokensMode:
+                      metrics: RouterMetrics) -> TokensMode:
     """Load the model and build the renderer, cache and handlers (``render_pool``: the render servers,
     None to render locally)."""
     model = load_tokens_model(config)
     local: LocalRenderer | None = None
     renderer: RenderService
     if render_pool is None:
-        local = LocalRenderer(Renderer(model), render_metrics)
+        local = LocalRenderer(Renderer(model), metrics.render)
         renderer = local
     else:
-        renderer = RemoteRenderer(render_pool, upstream=upstream, health=health, metrics=render_metrics,
+        renderer = RemoteRenderer(render_pool, upstream=upstream, health=health, metrics=metrics.render,
                                   retries=config.upstream.retries, retry_backoff_s=config.upstream.retry_backoff_s,
                                   total_timeout_s=config.upstream.total_timeout_s)
     prompts: PromptCache | None = None
     if local is not None and config.tokens.prompt_cache_bytes > 0:
         prompts = PromptCache(config.tokens.prompt_cache_bytes)
         prompts.attach(sessions)  # a session the table forgets takes its prompt state with it
-    aborts = EngineAborts(upstream)
+    aborts = EngineAborts(upstream, on_result=lambda result: metrics.engine_aborts.labels(result).inc())
     routes = TokensRoutes(proxy, model=model, renderer=renderer, local=local, prompts=prompts, aborts=aborts)
     return TokensMode(model, renderer, local, prompts, aborts, routes)

@@ -166,6 +166,8 @@ async def test_a_client_that_disconnects_aborts_the_engine_request(make_router: 
             response.close()  # the client goes away mid-stream
     await eventually(engine.idle, timeout=5, what="the engine request aborted after the client left")
     assert await engine_aborts(router) == 1
+    metrics = generate_latest(router.state.metrics.registry).decode()
+    assert metric_sum(metrics, "session_router_engine_aborts_total", result="aborted") == 1
 
 
 async def test_completions_stream_and_not(make_router: Any, tiny_model: Any) -> None:
