@@ -3,7 +3,7 @@
 The engine sends, per generated token, ``{token_id, logprob, rank, top_logprobs: [...]}`` with the
 sampled token first in ``top_logprobs`` (``max(top_logprobs, 1)`` entries). The coordinator names
 the tokens: ``token`` is the token decoded alone (special tokens kept), ``bytes`` its UTF-8
-bytes; a token that decodes to a trailing U+FFFD (one byte of a multi-byte character) is decoded
+bytes (an id the tokenizer does not have is ``""`` with ``bytes: null``, as vLLM 0.32 answers); a token that decodes to a trailing U+FFFD (one byte of a multi-byte character) is decoded
 with up to 4 preceding sampled tokens as context instead, as vLLM's logprobs processor repairs
 byte-fallback pieces. ``return_tokens_as_token_ids`` names every token ``token_id:<id>``.
 
@@ -108,6 +108,11 @@ class LogprobNamer:
             return repaired_token(self._tokenizer, token_id, self._context)
         return text
 
+    def bytes_of(self, token_id: int, token: str) -> list[int] | None:
+        if not self._as_ids and self._tokenizer.id_to_token(token_id) is None:
+            return None
+        return list(token.encode("utf-8", errors="replace"))
+
     def advance(self, sampled: int) -> None:
         context = self._context
         context.append(sampled)
@@ -119,11 +124,15 @@ class LogprobNamer:
         content = []
         for entry in entries:
             token = self.name(entry.token_id)
-            tops = [_chat_top(self.name(t.token_id), t) for t in entry.top_logprobs[:top]] if top else []
+            tops = [self._chat_top(t) for t in entry.top_logprobs[:top]] if top else []
             content.append(ChatLogProbsContent(token=token, logprob=_clamp(entry.logprob),
-                                               bytes=list(token.encode("utf-8")), top_logprobs=tops))
+                                               bytes=self.bytes_of(entry.token_id, token), top_logprobs=tops))
             self.advance(entry.token_id)
         return ChatLogProbs(content=content)
+
+    def _chat_top(self, item: GenerateLogProb) -> ChatLogProb:
+        token = self.name(item.token_id)
+        return ChatLogProb(token=token, logprob=_clamp(item.logprob), bytes=self.bytes_of(item.token_id, token))
 
     def completion(self, entries: Sequence[GenerateLogProbsContent], offset: int) -> tuple[CompletionLogProbs, int]:
         """The completions ``logprobs`` object for these positions, text offsets from ``offset``;
@@ -139,10 +148,6 @@ class LogprobNamer:
             offset += len(token)
             self.advance(entry.token_id)
         return out, offset
-
-
-def _chat_top(token: str, item: GenerateLogProb) -> ChatLogProb:
-    return ChatLogProb(token=token, logprob=_clamp(item.logprob), bytes=list(token.encode("utf-8")))
 
 
 def _clamp(value: Any) -> float:

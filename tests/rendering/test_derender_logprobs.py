@@ -161,3 +161,14 @@ def test_completion_stream_offsets_follow_tokens_while_stop_strings_hold_text_ba
     assert len(events[0]["choices"][0]["text"]) < len(tokens[0])
     # ... the offsets do not
     assert offsets == [sum(len(t) for t in tokens[:k]) for k in range(len(tokens))]
+
+
+def test_an_id_the_tokenizer_lacks_is_an_empty_token_without_bytes() -> None:
+    ids = [*ids_of("a"), MODEL.vocab_size + 3]
+    response = GenerateResponse(request_id="g", choices=[
+        GenerateChoice(index=0, finish_reason="length", token_ids=ids, logprobs=lp(ids, tops=1))])
+    answer = json.loads(ChatDerender(MODEL, chat(logprobs=True, top_logprobs=1), request_id="c",
+                                     created=1).whole(response))
+    last = answer["choices"][0]["logprobs"]["content"][-1]
+    assert (last["token"], last["bytes"]) == ("", None)
+    assert last["top_logprobs"] == [{"token": "", "logprob": last["logprob"], "bytes": None}]
