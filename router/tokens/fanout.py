@@ -103,7 +103,7 @@ class FanOutCall(EngineCall):
             if leg.reader is not None:
                 leg.reader.cancel()
             if leg.upstream is not None and leg.backend is not None:
-                if not leg.over and self.answer != WHOLE:
+                if not leg.over:
                     self.aborts.abort(leg.backend, [engine_request_id(leg.request_id)], leg.headers)
                 leg.upstream.close()
                 leg.backend.in_flight -= 1
@@ -112,6 +112,8 @@ class FanOutCall(EngineCall):
 
     async def _whole_all(self, legs: list[_Leg]) -> None:
         bodies = await asyncio.gather(*(leg.upstream.read() for leg in legs if leg.upstream is not None))
+        for leg in legs:
+            leg.over = True
         responses = [decode_generate_response(body) for body in bodies]
         for response in responses:
             self._cached(response)

@@ -23,6 +23,7 @@ status is relayed as the engine sent it (vLLM's shape); an error event mid-strea
 
 from __future__ import annotations
 
+import asyncio
 from typing import Protocol
 
 from msgspec import UNSET
@@ -133,7 +134,7 @@ class EngineCall:
                 if upstream.status != 200:
                     await self._relay_error(upstream)
                 elif self.answer == WHOLE:
-                    await self._whole(upstream)
+                    await self._whole(upstream, backend)
                 else:
                     await self._stream(upstream, backend)
             finally:
@@ -152,8 +153,13 @@ class EngineCall:
         self.proxy.account_error(self.attempt)
         self.writer.respond(upstream.status, self.client_headers(upstream.content_type or JSON_CONTENT_TYPE), data)
 
-    async def _whole(self, upstream: UpstreamResponse) -> None:
-        response = decode_generate_response(await upstream.read())
+    async def _whole(self, upstream: UpstreamResponse, backend: Backend) -> None:
+        try:
+            data = await upstream.read()
+        except asyncio.CancelledError:  # the client left while the engine generates: end its work
+            self.aborts.abort(backend, [engine_request_id(self.attempt.request_id)], self.headers)
+            raise
+        response = decode_generate_response(data)
         self._cached(response)
         body = self.derender.whole(response)
         self.attempt.status = 200

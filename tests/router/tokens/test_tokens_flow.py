@@ -170,6 +170,24 @@ async def test_a_client_that_disconnects_aborts_the_engine_request(make_router: 
     assert metric_sum(metrics, "session_router_engine_aborts_total", result="aborted") == 1
 
 
+@pytest.mark.parametrize("prompts", [1, 2])
+async def test_a_non_stream_client_that_disconnects_aborts_the_engine(make_router: Any, tiny_model: Any,
+                                                                      prompts: int) -> None:
+    router, (engine,) = await tokens_router(make_router, tiny_model, speed=1.0)
+    body = {"model": "tiny-llama", "prompt": ["Once upon a time"] * prompts, "max_tokens": 2000}
+    async with aiohttp.ClientSession() as http:
+        request = asyncio.ensure_future(http.post(router.url + "/v1/completions", json=body))
+        await eventually(lambda: engine.engine.num_running == prompts, timeout=5, what="the engine generating")
+        request.cancel()  # the client goes away before the answer
+        with pytest.raises(asyncio.CancelledError):
+            await request
+    await eventually(engine.idle, timeout=5, what="the engine requests aborted after the client left")
+    assert await engine_aborts(router) == prompts
+    await eventually(lambda: metric_sum(generate_latest(router.state.metrics.registry).decode(),
+                                        "session_router_engine_aborts_total", result="aborted") == prompts,
+                     timeout=5, what="the router's aborts answered")
+
+
 async def test_completions_stream_and_not(make_router: Any, tiny_model: Any) -> None:
     router, (engine,) = await tokens_router(make_router, tiny_model)
     async with client_of(router, **{"X-Session-ID": "sess-cmpl"}) as client:
@@ -417,5 +435,20 @@ async def test_several_prompts_one_refused_is_the_answer(make_router: Any, strea
             status, answer = response.status, await response.json()
     assert status == 400 and answer["error"]["message"] == "refused"
     await asyncio.wait_for(engine.let_go.wait(), 5)  # prompt 0's connection was closed
-    if stream:
-        await eventually(lambda: engine.aborted == ["generate-tokens-fan-0"], timeout=5, what="prompt 0 aborted")
+    await eventually(lambda: engine.aborted == ["generate-tokens-fan-0"], timeout=5, what="prompt 0 aborted")
+
+
+async def test_max_tokens_16_is_sent_to_the_engine(make_router: Any, tiny_model: Any) -> None:
+    """16 is the value the render's JSON leaves out (vLLM's default); the engine must still get it, else it
+    reads the missing field as the whole remaining context."""
+    router, _ = await tokens_router(make_router, tiny_model)
+    async with client_of(router) as client:
+        default = await client.completions.create(model="tiny-llama", prompt="Once upon a time", seed=1)
+        chat = await client.chat.completions.create(model="tiny-llama", messages=MESSAGES, max_tokens=16, seed=1)
+        streamed = await client.completions.create(model="tiny-llama", prompt="Once", seed=1, stream=True,
+                                                   stream_options={"include_usage": True})
+        usage = None
+        async for chunk in streamed:
+            usage = chunk.usage or usage
+    assert default.usage.completion_tokens == 16 and chat.usage.completion_tokens == 16
+    assert usage is not None and usage.completion_tokens == 16
