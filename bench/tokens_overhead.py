@@ -151,6 +151,59 @@ def render_cost_us(model_dir: str, bodies: Sequence[str], *, min_seconds: float 
             return spent / done * 1e6
 
 
+PIECES = ("render_chat", "encode GenerateRequest", "decode GenerateResponse", "ChatDerender.whole")
+
+
+def pieces_us(model_dir: str, bodies: Sequence[str], output_tokens: int, *, min_seconds: float = 0.2) -> dict[str, float]:
+    """CPU µs per request of each in-process piece of a non-stream tokens-mode chat request, with the
+    project's own code: render, the generate body's encoding, the engine answer's decoding (a
+    ``output_tokens``-token answer) and the derender to a ``chat.completion``. The HTTP work (client
+    and engine legs), placement and metrics are the rest of the router's CPU per request."""
+    import msgspec as _msgspec
+
+    from rendering.derender import ChatDerender
+    from rendering.generate_request import encode_generate_request
+    from rendering.generate_response import decode_generate_response
+    from rendering.model import load_model
+    from rendering.render import Renderer
+
+    model = load_model(model_dir)
+    renderer = Renderer(model)
+    raw = [b.encode() for b in bodies]
+    rendered = [renderer.render_chat(b) for b in raw]
+    answers = []
+    for r in rendered:
+        ids = list(r.request.token_ids[1:1 + output_tokens])
+        answers.append(_msgspec.json.encode({
+            "request_id": r.request.request_id, "model": model.name, "created": 1,
+            "usage": {"prompt_tokens": len(r.request.token_ids), "total_tokens": len(r.request.token_ids) + len(ids),
+                      "completion_tokens": len(ids), "prompt_tokens_details": {"cached_tokens": 0}},
+            "prompt_token_ids": None, "kv_transfer_params": None, "output_mode": "tokens",
+            "choices": [{"index": 0, "finish_reason": "length", "stop_reason": None, "token_ids": ids,
+                         "logprobs": None}]}))
+    decoded = [decode_generate_response(a) for a in answers]
+
+    def timed(step: Callable[[int], object]) -> float:
+        done = 0
+        start = time.process_time()
+        while True:
+            for i in range(len(raw)):
+                step(i)
+            done += len(raw)
+            spent = time.process_time() - start
+            if spent >= min_seconds:
+                return spent / done * 1e6
+
+    return {
+        "render_chat": timed(lambda i: renderer.render_chat(raw[i])),
+        "encode GenerateRequest": timed(lambda i: encode_generate_request(rendered[i].request)),
+        "decode GenerateResponse": timed(lambda i: decode_generate_response(answers[i])),
+        "ChatDerender.whole": timed(lambda i: ChatDerender(
+            model, rendered[i].chat, request_id=rendered[i].request.request_id,
+            prompt_ids=rendered[i].request.token_ids).whole(decoded[i])),
+    }
+
+
 # ---------------------------------------------------------------------- aggregation
 class Cell(msgspec.Struct):
     mode: str
@@ -190,7 +243,7 @@ def mode_tokens(mode: str) -> int:
 
 def render_report(cells: dict[tuple[str, str], Cell], targets: Sequence[Target], modes: Sequence[str],
                   bare: dict[str, list[float]], render_us: list[float], facts: dict[str, str],
-                  args: argparse.Namespace) -> str:
+                  args: argparse.Namespace, pieces: Sequence[dict[str, float]] = ()) -> str:
     names = [t.name for t in targets]
     stream_modes = [m for m in modes if m != "non-stream"]
     lines = [
@@ -257,6 +310,22 @@ def render_report(cells: dict[tuple[str, str], Cell], targets: Sequence[Target],
         lines.append(f"| {mode} | {fmt([cpu(r) for r in text.rounds])} | {fmt([cpu(r) for r in tokens.rounds])} | "
                      f"{fmt(b)} | {fmt(added)} | {verdict} {ok}/{len(added)} rounds; median "
                      f"{median(added):.0f} vs {median([cpu(r) for r in text.rounds]):.0f} |")
+    if pieces:
+        text_cpu = [cpu(r) for r in cells[("non-stream", "text")].rounds] if ("non-stream", "text") in cells else []
+        tokens_cpu = [cpu(r) for r in cells[("non-stream", "tokens")].rounds] if ("non-stream", "tokens") in cells else []
+        total = [sum(p.values()) for p in pieces]
+        lines += [
+            "",
+            f"Where a non-stream tokens request's router CPU goes: the in-process pieces (this process, the same "
+            f"bodies, {NON_STREAM_TOKENS}-token answers, once per round), next to the measured totals.",
+            "",
+            "| piece | CPU µs per request |",
+            "|---|---:|",
+            *(f"| `{name}` | {fmt([p[name] for p in pieces])} |" for name in PIECES),
+            f"| sum of the pieces | {fmt(total)} |",
+            f"| tokens router CPU per request, measured (above) | {fmt(tokens_cpu)} |",
+            f"| text router CPU per request, measured (above): its HTTP, placement, metrics | {fmt(text_cpu)} |",
+        ]
     if len(stream_modes) >= 2:
         short, long_ = stream_modes[0], stream_modes[-1]
         span = mode_tokens(long_) - mode_tokens(short)
@@ -333,6 +402,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     facts["prompt_tokens"] = f"{median([len(p.token_ids) for p in prompts]):.0f}"
     bare: dict[str, list[float]] = {m: [] for m in modes}
     render_us: list[float] = []
+    pieces: list[dict[str, float]] = []
     cells: dict[tuple[str, str], Cell] = {}
     started: list[Proc] = []
     loadgen: LoadGen | None = None
@@ -369,6 +439,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             for rnd in range(args.rounds):
                 render_us.append(render_cost_us(args.model_dir, bodies["non-stream"],
                                                 min_seconds=0.05 if args.quick else 0.3))
+                pieces.append(pieces_us(args.model_dir, bodies["non-stream"], NON_STREAM_TOKENS,
+                                        min_seconds=0.03 if args.quick else 0.2))
                 for index, mode in enumerate(modes):
                     bare[mode].append(bare_cost_us(args.model_dir, prompts, mode_tokens(mode),
                                                    min_seconds=0.05 if args.quick else 0.3))
@@ -394,12 +466,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             for proc in reversed(started):
                 proc.stop()
 
-    report = render_report(cells, targets, modes, bare, render_us, facts, args)
+    report = render_report(cells, targets, modes, bare, render_us, facts, args, pieces)
     print(report)
     write_section(args.out, report, args.section)
     os.makedirs(os.path.dirname(os.path.abspath(args.jsonl)), exist_ok=True)
     with open(args.jsonl, "a", encoding="utf-8") as fh:
-        fh.write(msgspec.json.encode({"facts": facts, "bare_us": bare, "render_us": render_us,
+        fh.write(msgspec.json.encode({"facts": facts, "bare_us": bare, "render_us": render_us, "pieces_us": pieces,
                                       "cells": list(cells.values())}).decode() + "\n")
     errors = sum(r.errors for cell in cells.values() for r in cell.rounds)
     empty = [key for key, cell in cells.items() if not any(r.requests for r in cell.rounds)]

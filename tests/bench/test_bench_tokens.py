@@ -68,7 +68,10 @@ def test_tokens_report_compares_added_cost_with_the_text_path_round_by_round() -
     bare = {"non-stream": [320.0, 300.0], "stream 16": [330.0, 330.0], "stream 128": [442.0, 442.0]}
     facts = {"date": "d", "nproc": "2", "cpu": "c", "kernel": "k", "loadavg": "0", "python": "3.11", "aiohttp": "a",
              "uvloop": "u", "httptools": "h", "msgspec": "m", "tokenizers": "t", "command": "cmd", "prompt_tokens": "300"}
-    text = tokens_overhead.render_report(cells, targets, modes, bare, [700.0], facts, args)
+    pieces = [dict.fromkeys(tokens_overhead.PIECES, 10.0), dict.fromkeys(tokens_overhead.PIECES, 20.0)]
+    text = tokens_overhead.render_report(cells, targets, modes, bare, [700.0], facts, args, pieces)
+    assert "| `render_chat` | 15 [10–20] |" in text and "| sum of the pieces | 60 [40–80] |" in text
+    assert "| tokens router CPU per request, measured (above) | 415 [400–430] |" in text
     row = next(line for line in text.splitlines() if line.startswith("| non-stream | 105 [100–110] | 415 [400–430]"))
     assert "| 310 [300–320] | 105 [80–130] | ⚠️ 1/2 rounds; median 105 vs 105 |" in row
     stream = next(line for line in text.splitlines() if line.startswith("| stream 16 | 150 "))
@@ -126,6 +129,7 @@ def test_tokens_overhead_quick_run(tmp_path: Path) -> None:
     record: dict[str, Any] = msgspec.json.decode(jsonl.splitlines()[-1])
     assert all(r["requests"] > 0 and r["errors"] == 0 for cell in record["cells"] for r in cell["rounds"])
     assert all(v and v[0] > 0 for v in record["bare_us"].values())
+    assert set(record["pieces_us"][0]) == set(tokens_overhead.PIECES) and all(record["pieces_us"][0].values())
 
 
 @pytest.mark.slow
