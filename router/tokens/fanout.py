@@ -47,6 +47,8 @@ class _Leg:
     headers: str
     upstream: UpstreamResponse | None = None
     backend: Backend | None = None
+    #: the engine placement chose (the one still waiting for the answer's head, when cancelled)
+    placed: Backend | None = None
     handoff: Handoff | None = None
     #: the engine's stream ended ([DONE], an error event, or broke off): nothing to abort
     over: bool = False
@@ -87,10 +89,11 @@ class FanOutCall(EngineCall):
         proxy = self.proxy
         attempt = self.attempt
         pool = attempt.pool or proxy.pool
-        first = None
         payload = leg.payload
+        # placed here (not in send) so that the leg knows its engine before the answer's head arrives
+        first = proxy.place(pool, attempt, self.fields, frozenset())
+        leg.placed = first.backend
         if proxy.pd is not None:
-            first = proxy.place(pool, attempt, self.fields, frozenset())
             leg.handoff = await proxy.pd.prefill(GENERATE_ROUTE, payload, attempt, leg.headers, GENERATE_PATH)
             payload = leg.handoff.body
         leg.upstream, leg.backend = await proxy.send(pool, self.route, "POST", GENERATE_PATH, leg.headers, payload,
@@ -107,6 +110,8 @@ class FanOutCall(EngineCall):
                     self.aborts.abort(leg.backend, [engine_request_id(leg.request_id)], leg.headers)
                 leg.upstream.close()
                 leg.backend.in_flight -= 1
+            elif leg.placed is not None and not answered:  # sent, no answer yet (cancelled, or another failed)
+                self.aborts.abort(leg.placed, [engine_request_id(leg.request_id)], leg.headers)
             if leg.handoff is not None and not answered and proxy.pd is not None:
                 proxy.pd.release(leg.handoff)
 

@@ -128,8 +128,14 @@ class EngineCall:
             payload = handoff.body
         completed = False
         try:
-            upstream, backend = await proxy.send(pool, self.route, "POST", GENERATE_PATH, self.headers, payload,
-                                                 self.fields, attempt, first)
+            try:
+                upstream, backend = await proxy.send(pool, self.route, "POST", GENERATE_PATH, self.headers,
+                                                     payload, self.fields, attempt, first)
+            except asyncio.CancelledError:
+                # the client left while the engine worked on it (a non-stream answer's head comes last)
+                if attempt.backend is not None:
+                    self.aborts.abort(attempt.backend, [engine_request_id(attempt.request_id)], self.headers)
+                raise
             try:
                 if upstream.status != 200:
                     await self._relay_error(upstream)
