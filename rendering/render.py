@@ -8,30 +8,33 @@ tool choice, untrusted templates, output budget, template, context length, sampl
 answers ``/tokenize`` and ``/detokenize``. Every refusal is a ``ClientError`` whose
 ``.status``/``.body()`` are vLLM's.
 
-The conversation the template sees is built as vLLM builds it (``ConversationMessage`` dicts):
-text parts joined with newlines for a template that reads ``message['content']`` as a string,
-``[{"type": "text", ...}]`` lists for one that loops over it; assistant tool-call arguments parsed to
-objects; ``reasoning_content`` renamed ``reasoning`` (both kept); developer messages turned into
-system ones for templates that do not know the role. Text only: media parts are refused.
+The conversation the template sees is ``rendering.conversation``'s; the request-model checks are
+``rendering.checks``'.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
 from contract.errors import BadRequestError, NotFoundError
+from rendering.checks import body_items, completion_prompts, refuse_tool_choice, validate_chat, validate_completion
+from rendering.conversation import (
+    build_conversation,
+    consolidate_system,
+    cut_after_final_message,
+    developer_to_system,
+    has_media,
+    tool_dicts,
+)
 from rendering.generate_request import GenerateRequest, SamplingParams, random_id
 from rendering.incremental import PromptEncoder, PromptState
 from rendering.model import RenderModel
 from rendering.requests import (
     ChatRequest,
     CompletionRequest,
-    ContentPart,
     Message,
     RequestValidationError,
     decode_chat_request,
@@ -40,7 +43,7 @@ from rendering.requests import (
     validator_error,
 )
 from rendering.sampling import chat_sampling_params, completion_sampling_params, validation_error
-from rendering.template import OPENAI_FORMAT, ChatTemplate
+from rendering.template import ChatTemplate
 
 #: names ``apply_chat_template`` takes itself (vLLM lets them through whatever the template reads)
 _APPLY_KWARGS = frozenset({
@@ -48,14 +51,6 @@ _APPLY_KWARGS = frozenset({
     "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
     "return_assistant_tokens_mask", "tokenizer_kwargs",
 })
-#: of those, the ones the template itself sees as variables
-_TEMPLATE_SEES = frozenset({"tools", "documents", "add_generation_prompt"})
-_TEXT_KEYS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal",
-              "thinking": "thinking"}
-_MEDIA_TYPES = frozenset({"input_image", "image_url", "image_embeds", "audio_embeds", "video_embeds",
-                          "prompt_embeds", "image_pil", "audio_url", "input_audio", "video_url"})
-_SUPPORTED_PART_TYPES = ", ".join(sorted(_MEDIA_TYPES | set(_TEXT_KEYS) | {"tool_reference"}))
-_CORRECT_TOOL_CHOICE = 'Correct usage: `{"type": "function", "function": {"name": "my_function"}}`'
 _UNTRUSTED_TEMPLATE = ("Chat template is passed with request, but --trust-request-chat-template is not set. "
                        "Refused request with untrusted chat template.")
 _NO_TEMPLATE = ("As of transformers v4.44, default chat template is no longer allowed, so you must provide a "
@@ -69,20 +64,6 @@ class RenderedChat:
     request: GenerateRequest
     chat: ChatRequest
     prompt: PromptState
-
-
-class _FunctionDefinition(msgspec.Struct, kw_only=True):
-    name: str
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-    defer_loading: bool | None = None
-
-
-class _Tool(msgspec.Struct, kw_only=True):
-    type: str = "function"
-    function: _FunctionDefinition
-    defer_loading: bool | None = None
 
 
 class _TokenizeRequest(msgspec.Struct, kw_only=True):
@@ -157,11 +138,11 @@ class Renderer:
         ``request_id`` is the whole id to use (``chatcmpl-`` + the ``X-Request-Id`` header, as vLLM
         takes it); without one, ``chatcmpl-`` + the body's ``request_id``, else 16 random hex digits."""
         chat = decode_chat_request(body)
-        _validate_chat(chat, body)
+        validate_chat(chat, body)
         self.check_model(chat.model)
         if chat.use_beam_search:
             raise BadRequestError("Beam search is not supported by the render endpoint")
-        _refuse_tool_choice(chat)
+        refuse_tool_choice(chat)
         if chat.chat_template is not None or (chat.chat_template_kwargs or {}).get("chat_template") is not None:
             raise BadRequestError(_UNTRUSTED_TEMPLATE)
         if chat.max_completion_tokens is not None:
@@ -183,7 +164,7 @@ class Renderer:
                                    add_generation_prompt=chat.add_generation_prompt,
                                    continue_final_message=chat.continue_final_message,
                                    documents=chat.documents, reasoning_effort=chat.reasoning_effort,
-                                   tools=_tool_dicts(chat.tools))
+                                   tools=tool_dicts(chat.tools))
             self._check_text(text, limits)
             if chat.add_special_tokens or limits.truncate is not None or chat.return_token_offsets:
                 encoding = self._tokenizer.encode(text, add_special_tokens=chat.add_special_tokens)
@@ -217,7 +198,7 @@ class Renderer:
         return self._chat_text(chat.messages, chat_template_kwargs=chat.chat_template_kwargs,
                                add_generation_prompt=chat.add_generation_prompt,
                                continue_final_message=chat.continue_final_message, documents=chat.documents,
-                               reasoning_effort=chat.reasoning_effort, tools=_tool_dicts(chat.tools))
+                               reasoning_effort=chat.reasoning_effort, tools=tool_dicts(chat.tools))
 
     # --- completions -----------------------------------------------------------------------------
     def render_completions(self, body: bytes, *, request_id: str | None = None) -> list[GenerateRequest]:
@@ -225,7 +206,7 @@ class Renderer:
 
         ``request_id`` is the whole base id (``cmpl-…``), as for chat; several prompts get ``-0``, ``-1``, …"""
         req = decode_completion_request(body)
-        _validate_completion(req, body)
+        validate_completion(req, body)
         self.check_model(req.model)
         if req.use_beam_search:
             raise BadRequestError("Beam search is not supported by the render endpoint")
@@ -240,7 +221,7 @@ class Renderer:
                                   param="suffix")
         if req.prompt_embeds is not None:
             raise BadRequestError("prompt_embeds are not supported by this renderer", param="prompt_embeds")
-        prompts = _completion_prompts(req.prompt)
+        prompts = completion_prompts(req.prompt)
         limits = self._limits(req.max_tokens, "max_tokens", req.truncate_prompt_tokens, req.truncation_side)
 
         rendered: list[list[int]] = []
@@ -289,7 +270,7 @@ class Renderer:
         req = _decode_json(_tokenize_decoder, body)
         if req.messages is not None and req.continue_final_message and req.add_generation_prompt:
             raise validator_error("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
-                                  body_items=_body_items(body))
+                                  body_items=body_items(body))
         self.check_model(req.model)
         if req.messages is not None:
             if req.chat_template is not None or (req.chat_template_kwargs or {}).get("chat_template") is not None:
@@ -297,7 +278,7 @@ class Renderer:
             text = self._chat_text(req.messages, chat_template_kwargs=req.chat_template_kwargs,
                                    add_generation_prompt=req.add_generation_prompt,
                                    continue_final_message=req.continue_final_message, documents=None,
-                                   reasoning_effort=None, tools=_tool_dicts(req.tools))
+                                   reasoning_effort=None, tools=tool_dicts(req.tools))
             special = bool(req.add_special_tokens)
         elif req.prompt is not None:
             text = req.prompt
@@ -398,7 +379,7 @@ class Renderer:
         if not isinstance(kv, dict) or "prompt_token_ids" not in kv:
             return None
         ids = kv.pop("prompt_token_ids")
-        if ids is None or chat.echo or _has_media(chat.messages):
+        if ids is None or chat.echo or has_media(chat.messages):
             return None
         if not isinstance(ids, list) or not ids or any(type(x) is not int or x < 0 for x in ids):
             raise validation_error("`kv_transfer_params['prompt_token_ids']` must be a non-empty list of "
@@ -424,9 +405,9 @@ class Renderer:
         if self._template is None:
             raise BadRequestError(_NO_TEMPLATE)
         template = self._template
-        conversation = _conversation(messages, template.content_format)
+        conversation = build_conversation(messages, template.content_format)
         if not self._knows_developer and any(m["role"] == "developer" for m in conversation):
-            conversation = _consolidate_system(_developer_to_system(conversation))
+            conversation = consolidate_system(developer_to_system(conversation))
         if not conversation:
             raise BadRequestError("Cannot apply chat template to an empty conversation. "
                                   "Provide at least one message.")
@@ -448,7 +429,7 @@ class Renderer:
         text = template.render(conversation, add_generation_prompt=bool(kwargs.get("add_generation_prompt", False)),
                                tools=kwargs.get("tools"), documents=kwargs.get("documents"), extra=extra)
         if kwargs.get("continue_final_message"):
-            text = _cut_after_final_message(text, conversation)
+            text = cut_after_final_message(text, conversation)
         return text
 
 
@@ -459,337 +440,3 @@ def _decode_json(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
         raise RequestValidationError(f"1 validation error:\n  {exc}") from exc
     except msgspec.DecodeError as exc:
         raise BadRequestError(f"The request body is not valid JSON: {exc}") from exc
-
-
-def _body_items(body: bytes) -> int:
-    """How many top-level keys the body has (vLLM's validation message counts them)."""
-    try:
-        decoded = msgspec.json.decode(body)
-    except msgspec.DecodeError:
-        return 0
-    return len(decoded) if isinstance(decoded, dict) else 0
-
-
-def _validate_common(req: ChatRequest | CompletionRequest, body: bytes) -> None:
-    """Field bounds and the model validators chat and completions share (vLLM's request model)."""
-    if req.seed is not None and not -(2**63) <= req.seed <= 2**63 - 1:
-        raise field_error("seed", f"Input should be between -2**63 and 2**63 - 1, got {req.seed}")
-    if not -(2**63) <= req.priority <= 2**63 - 1:
-        raise field_error("priority", f"Input should be between -2**63 and 2**63 - 1, got {req.priority}")
-    if req.truncate_prompt_tokens is not None and req.truncate_prompt_tokens < -1:
-        raise field_error("truncate_prompt_tokens", "Input should be greater than or equal to -1")
-    if req.truncation_side not in (None, "left", "right"):
-        raise field_error("truncation_side", "Input should be 'left' or 'right'")
-    if req.stream_interval is not None and req.stream_interval < 1:
-        raise field_error("stream_interval", "Input should be greater than or equal to 1")
-    if req.routed_experts_prompt_start < 0:
-        raise field_error("routed_experts_prompt_start", "Input should be greater than or equal to 0")
-    if req.cache_salt is not None:
-        if not req.cache_salt:
-            raise validator_error("Parameter 'cache_salt' must be a non-empty string if provided.",
-                                  parameter="cache_salt", body_items=_body_items(body))
-        if len(req.cache_salt) > 128 or any(c in "@/\\\x00" for c in req.cache_salt):
-            raise validator_error("Parameter 'cache_salt' must be at most 128 characters and must not contain "
-                                  "'@', '/', '\\\\', or NUL.", parameter="cache_salt", body_items=_body_items(body))
-    fmt = req.response_format
-    if fmt is not None and fmt.get("type") == "json_schema" and fmt.get("json_schema") is None:
-        raise validator_error("When response_format type is 'json_schema', the 'json_schema' field must be "
-                              "provided.", parameter="response_format", body_items=_body_items(body))
-    if req.stream_options is not None and not req.stream:
-        raise validator_error("Stream options can only be defined when `stream=True`.",
-                              parameter="stream_options", body_items=_body_items(body))
-    if req.logprob_token_ids and req.use_beam_search:
-        raise validator_error("`logprob_token_ids` is not supported with beam search.",
-                              parameter="logprob_token_ids", body_items=_body_items(body))
-    if req.prompt_logprobs is not None:
-        if req.stream and (req.prompt_logprobs > 0 or req.prompt_logprobs == -1):
-            raise validator_error("`prompt_logprobs` are not available when `stream=True`.",
-                                  parameter="prompt_logprobs", body_items=_body_items(body))
-        if req.prompt_logprobs < 0 and req.prompt_logprobs != -1:
-            raise validator_error("`prompt_logprobs` must be a positive value or -1.", parameter="prompt_logprobs",
-                                  value=req.prompt_logprobs, body_items=_body_items(body))
-    structured = req.structured_outputs
-    if structured is not None and sum(structured.get(k) is not None for k in ("json", "regex", "choice")) > 1:
-        raise validator_error("You can only use one kind of constraints for structured outputs ('json', 'regex' "
-                              "or 'choice').", parameter="structured_outputs", body_items=_body_items(body))
-
-
-def _validate_chat(chat: ChatRequest, body: bytes) -> None:
-    """``ChatCompletionRequest``'s validators; settles ``tool_choice`` ("auto" when tools came alone)."""
-    _validate_common(chat, body)
-    if chat.reasoning_effort not in (None, "none", "minimal", "low", "medium", "high", "xhigh", "max"):
-        raise field_error("reasoning_effort", "Input should be 'none', 'minimal', 'low', 'medium', 'high', "
-                                              "'xhigh' or 'max'")
-    if chat.logprob_token_ids and not chat.logprobs:
-        raise validator_error("when using `logprob_token_ids`, `logprobs` must be set to true.",
-                              parameter="logprob_token_ids", body_items=_body_items(body))
-    top = chat.top_logprobs
-    if top is not None:
-        if top < 0 and top != -1:
-            raise validator_error("`top_logprobs` must be a positive value or -1.", parameter="top_logprobs",
-                                  value=top, body_items=_body_items(body))
-        if (top == -1 or top > 0) and not chat.logprobs:
-            raise validator_error("when using `top_logprobs`, `logprobs` must be set to true.",
-                                  parameter="top_logprobs", body_items=_body_items(body))
-    _validate_tools(chat, body)
-    if chat.continue_final_message and chat.add_generation_prompt:
-        raise validator_error("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
-                              body_items=_body_items(body))
-
-
-def _validate_tools(chat: ChatRequest, body: bytes) -> None:
-    if chat.tools == []:
-        raise validator_error("`tools` must not be an empty array. Either provide at least one tool or omit the "
-                              "field entirely.", parameter="tools", body_items=_body_items(body))
-    if chat.tools is not None:
-        try:
-            msgspec.convert(chat.tools, list[_Tool])
-        except msgspec.ValidationError as exc:
-            text = str(exc)
-            raise field_error("tools", text.split(" - at `", 1)[0]) from exc
-    choice = chat.tool_choice
-    if choice is msgspec.UNSET:
-        chat.tool_choice = choice = "auto" if chat.tools else "none"
-    if choice == "none" or choice is None:
-        return
-    if chat.tools is None:
-        raise validator_error("When using `tool_choice`, `tools` must be set.", parameter="tool_choice",
-                              body_items=_body_items(body))
-    if isinstance(choice, str):
-        if choice not in ("auto", "required"):
-            raise validator_error(f'Invalid value for `tool_choice`: {choice}! Only named tools, "none", "auto" or '
-                                  '"required" are supported.', parameter="tool_choice", body_items=_body_items(body))
-        return
-    function = choice.get("function")
-    if not isinstance(function, dict):
-        raise validator_error(f"Invalid value for `function`: `{function}` in `tool_choice`! {_CORRECT_TOOL_CHOICE}",
-                              parameter="tool_choice.function", body_items=_body_items(body))
-    if "name" not in function:
-        raise validator_error(f"Expected field `name` in `function` in `tool_choice`! {_CORRECT_TOOL_CHOICE}",
-                              parameter="tool_choice.function.name", body_items=_body_items(body))
-    name = function["name"]
-    if not isinstance(name, str) or not name:
-        raise validator_error(f"Invalid `name` in `function`: `{name}` in `tool_choice`! {_CORRECT_TOOL_CHOICE}",
-                              parameter="tool_choice.function.name", body_items=_body_items(body))
-    if not any((tool.get("function") or {}).get("name") == name for tool in chat.tools):
-        raise validator_error("The tool specified in `tool_choice` does not match any of the specified `tools`",
-                              parameter="tool_choice", body_items=_body_items(body))
-
-
-def _validate_completion(req: CompletionRequest, body: bytes) -> None:
-    _validate_common(req, body)
-    if req.use_beam_search and req.echo and req.logprobs is not None:
-        raise validator_error("`echo` with `logprobs` is not supported with beam search because beam search does "
-                              "not compute prompt logprobs.", parameter="echo", body_items=_body_items(body))
-
-
-def _refuse_tool_choice(chat: ChatRequest) -> None:
-    """No tool parser here: "auto", "required" and named tools are refused as vLLM refuses them."""
-    choice = chat.tool_choice
-    if choice in (None, "none"):
-        return
-    if choice == "auto":
-        raise BadRequestError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set')
-    if isinstance(choice, dict):
-        described = f'function "{(choice.get("function") or {}).get("name")}"'
-    else:
-        described = f'"{choice}"'
-    raise BadRequestError(f"tool_choice={described} requires --tool-call-parser to be set")
-
-
-def _tool_dicts(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-    """The tools as vLLM hands them to the template (``model_dump`` of its tool model)."""
-    if tools is None:
-        return None
-    out = []
-    for tool in msgspec.convert(tools, list[_Tool]):
-        function: dict[str, Any] = {"name": tool.function.name, "description": tool.function.description,
-                                    "parameters": tool.function.parameters}
-        if tool.function.strict is not None:
-            function["strict"] = tool.function.strict
-        defer = tool.function.defer_loading if tool.function.defer_loading is not None else tool.defer_loading
-        if defer is not None:
-            function["defer_loading"] = defer
-        entry: dict[str, Any] = {"type": tool.type, "function": function}
-        if tool.defer_loading is not None:
-            entry["defer_loading"] = tool.defer_loading
-        out.append(entry)
-    return out
-
-
-def _completion_prompts(prompt: str | list[Any] | None) -> list[str | list[int]]:
-    """The prompt field's prompts: a string, strings, token ids, or lists of token ids."""
-    if prompt is None:
-        raise BadRequestError("You must pass at least one prompt")
-    if isinstance(prompt, str):
-        return [prompt]
-    if not prompt:
-        raise BadRequestError("You must pass at least one prompt")
-    if all(isinstance(p, str) for p in prompt):
-        return list(prompt)
-    if all(_is_token(p) for p in prompt):
-        _check_non_negative(prompt, "prompt")
-        return [prompt]
-    if all(isinstance(p, list) and all(_is_token(t) for t in p) for p in prompt):
-        for index, ids in enumerate(prompt):
-            _check_non_negative(ids, f"prompt.{index}")
-        return list(prompt)
-    raise field_error("prompt", "Input should be a valid string, a list of strings, a list of token ids or a "
-                                "list of lists of token ids")
-
-
-def _is_token(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check_non_negative(ids: Sequence[int], path: str) -> None:
-    for index, token in enumerate(ids):
-        if token < 0:
-            raise field_error(f"{path}.{index}", f"Input should be greater than or equal to 0, got {token}")
-
-
-def _has_media(messages: list[Message]) -> bool:
-    for message in messages:
-        if isinstance(message.content, list):
-            for part in message.content:
-                if isinstance(part, ContentPart) and (part.type in _MEDIA_TYPES or part.image_url is not None):
-                    return True
-    return False
-
-
-def _conversation(messages: list[Message], content_format: str) -> list[dict[str, Any]]:
-    """The messages as the template sees them (vLLM's ``ConversationMessage`` dicts)."""
-    out: list[dict[str, Any]] = []
-    for message in messages:
-        role = message.role
-        entry: dict[str, Any] = {"role": role, "content": _content(message.content, content_format)}
-        if role == "assistant":
-            if message.tool_calls is not None:
-                calls = _tool_calls(message.tool_calls)
-                if calls:
-                    entry["tool_calls"] = calls
-            reasoning = message.reasoning if message.reasoning is not None else message.reasoning_content
-            if reasoning is not None:
-                entry["reasoning"] = reasoning
-                entry["reasoning_content"] = reasoning
-        elif role == "tool":
-            if message.tool_call_id is not None:
-                entry["tool_call_id"] = message.tool_call_id
-            content = entry["content"]
-            if isinstance(content, list) and all(p.get("type") == "text" for p in content):
-                entry["content"] = "\n".join(p.get("text", "") for p in content)
-        if message.name is not None:
-            entry["name"] = message.name
-        if message.task is not None:
-            entry["task"] = message.task
-        if role == "developer":
-            entry["tools"] = message.tools
-        out.append(entry)
-    return out
-
-
-def _content(content: str | list[ContentPart | str] | None, content_format: str) -> Any:
-    wrap = content_format == OPENAI_FORMAT
-    if content is None:
-        parts: list[Any] = []
-    elif isinstance(content, str):
-        return [{"type": "text", "text": content}] if wrap else content
-    else:
-        parts = []
-        for part in content:
-            if isinstance(part, str):
-                parts.append({"type": "text", "text": part} if wrap else part)
-                continue
-            kind = part.type
-            if kind in _TEXT_KEYS:
-                text = getattr(part, _TEXT_KEYS[kind])
-                if text is None:
-                    continue  # vLLM skips a text/refusal part without content
-                parts.append({"type": "text", "text": text} if wrap else text)
-            elif kind == "tool_reference":
-                parts.append({"type": "tool_reference", "name": part.name} if wrap else part.name)
-            elif kind in _MEDIA_TYPES or (kind is None and part.image_url is not None):
-                raise validation_error(f"{kind or 'image_url'} content is not supported: this model takes text "
-                                       "only.", parameter="type", value=kind or "image_url")
-            elif kind is None:
-                raise validation_error("Invalid 'type' field in multimodal part.", parameter="type")
-            else:
-                raise validation_error(f"Unsupported chat content part type: {kind!r}. Supported types: "
-                                       f"{_SUPPORTED_PART_TYPES}.", parameter="type", value=kind)
-    if wrap:
-        return parts
-    return "\n".join(parts)
-
-
-def _tool_calls(calls: list[Any]) -> list[dict[str, Any]]:
-    """Assistant tool calls with their arguments as objects (what templates expect, as vLLM makes them)."""
-    out = []
-    for call in calls:
-        if not isinstance(call, dict):
-            raise validation_error("assistant tool_calls entries must be objects.", parameter="tool_calls")
-        function = call.get("function")
-        if call.get("type", "function") != "function" or not isinstance(function, dict):
-            raise validation_error("chat completions only support assistant tool_calls of type 'function'.",
-                                   parameter="tool_calls")
-        arguments = function.get("arguments")
-        parsed: Any = {}
-        if isinstance(arguments, dict):
-            parsed = arguments
-        elif arguments:
-            try:
-                parsed = json.loads(arguments) if isinstance(arguments, str) else arguments
-            except ValueError:  # malformed history must not fail every later turn: {} as vLLM
-                parsed = {}
-            if not isinstance(parsed, dict):
-                parsed = {}
-        out.append({**call, "function": {**function, "arguments": parsed}})
-    return out
-
-
-def _developer_to_system(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    converted = []
-    for message in conversation:
-        if message["role"] == "developer":
-            message = {k: v for k, v in message.items() if k != "tools"}
-            message["role"] = "system"
-        converted.append(message)
-    return converted
-
-
-def _consolidate_system(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """All system messages merged into one at the front (after developer -> system), as vLLM does."""
-    texts: list[str] = []
-    others: list[dict[str, Any]] = []
-    merge = False
-    for index, message in enumerate(conversation):
-        if message["role"] != "system":
-            others.append(message)
-            continue
-        if index > 0 or texts:
-            merge = True
-        content = message.get("content", "")
-        if isinstance(content, list):
-            content = "\n".join(p["text"] if isinstance(p, dict) else p for p in content
-                                if isinstance(p, str) or (isinstance(p, dict) and "text" in p))
-        if content:
-            texts.append(content)
-    if not merge:
-        return conversation
-    return [{"role": "system", "content": "\n\n".join(texts)}, *others]
-
-
-def _cut_after_final_message(text: str, conversation: list[dict[str, Any]]) -> str:
-    """``continue_final_message``: the prompt ends where the final message's content ends (transformers)."""
-    final = conversation[-1]["content"]
-    if isinstance(final, list):
-        texts = [p["text"] for p in final if isinstance(p, dict) and p.get("type") == "text"]
-        final = texts[-1] if texts else ""
-    stripped = final.strip()
-    if stripped not in text:
-        raise BadRequestError("continue_final_message is set but the final message does not appear in the chat "
-                              "after applying the chat template! This can happen if the chat template deletes "
-                              "portions of the final message. Please verify the chat template and final message "
-                              "in your chat to ensure they are compatible.")
-    if final in text:
-        return text[: text.rindex(final) + len(final)]
-    return text[: text.rindex(stripped) + len(stripped)]
