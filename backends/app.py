@@ -136,7 +136,7 @@ def create_app(
     if scale_out or tokens_only:
         abort_route.add_routes(app)
     if not tokens_only:
-        app[RENDERING] = render_service(model, registry)
+        app[RENDERING] = render_service(model, registry, fe.renderer)
         openai_routes.add_routes(app)
         responses_api.add_routes(app)
         instance_routes.add_text_routes(app)

@@ -24,6 +24,7 @@ from backends.tokenizer import Tokenizer
 from contract.errors import NotFoundError
 from contract.ids import IdGenerator
 from rendering.model import RenderModel
+from rendering.render import Renderer
 
 if TYPE_CHECKING:
     from backends.kv_transfer.agent import KVTransfer
@@ -57,6 +58,11 @@ class Frontend:
     kv: "KVTransfer | None" = None
     #: ``--tokens-only``: no detokenization, so stop strings and text output are refused
     tokens_only: bool = False
+    #: the model's renderer (``rendering.render``): chat prompts, /tokenize, the render routes
+    renderer: Renderer = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.renderer = Renderer(self.model)
 
     @property
     def fingerprint(self) -> str:

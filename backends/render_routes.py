@@ -64,8 +64,9 @@ class RenderService:
 RENDERING = web.AppKey("rendering", RenderService)
 
 
-def render_service(model: RenderModel, registry: CollectorRegistry | None = None) -> RenderService:
-    return RenderService(model=model, renderer=Renderer(model),
+def render_service(model: RenderModel, registry: CollectorRegistry | None = None,
+                   renderer: Renderer | None = None) -> RenderService:
+    return RenderService(model=model, renderer=renderer if renderer is not None else Renderer(model),
                          registry=registry if registry is not None else CollectorRegistry())
 
 
