@@ -317,10 +317,11 @@ class _Base:
                          completion_tokens=completion)
 
     def _stream_usage(self, completion: int) -> bytes:
-        """A chat event's continuous usage (vLLM sets ``completion_tokens_details`` there)."""
-        return encode(StreamUsage(prompt_tokens=self.prompt_tokens, total_tokens=self.prompt_tokens + completion,
-                                  completion_tokens_details=None,
-                                  completion_tokens=completion))
+        """A chat event's continuous usage (vLLM sets ``completion_tokens_details`` there); the
+        bytes ``StreamUsage(..., completion_tokens_details=None)`` encodes to."""
+        prompt = self.prompt_tokens
+        return b'{"prompt_tokens":%d,"total_tokens":%d,"completion_tokens":%d,"completion_tokens_details":null}' % (
+            prompt, prompt + completion, completion)
 
     def _error_event(self, error: StreamError) -> bytes:
         self.failed = True

@@ -138,6 +138,7 @@ def test_continuous_usage_and_return_token_ids() -> None:
     assert got[2]["choices"][0]["token_ids"] == ids[1:]
     assert got[2]["usage"]["completion_tokens"] == len(ids)
     assert list(got[1]) == ["id", "object", "created", "model", "choices", "usage"]
+    assert list(got[1]["usage"]) == ["prompt_tokens", "total_tokens", "completion_tokens", "completion_tokens_details"]
 
 
 def test_engine_error_event_then_done_only() -> None:
@@ -441,3 +442,4 @@ def test_completion_continuous_usage_has_no_details() -> None:
                            request_id="cmpl-1", created=7, prompt_ids=[[5, 6]])
     got = events(d.chunk(step(0, ids_of("x"), finish="length")))
     assert got[0]["usage"] == {"prompt_tokens": 2, "total_tokens": 3, "completion_tokens": 1}
+
