@@ -4,6 +4,14 @@ Each handler decodes its body Struct, resolves the session (the shared contract:
 ``X-Session-ID`` > ``vllm_xargs`` on the OpenAI routes; the header only on the tokens route),
 builds ONE ``EngineCoreRequest`` (``n`` children are fanned out by the engine) and answers in
 vLLM's shapes, streaming or not.
+
+Prompts are the model's: its tokenizer and its chat template through ``rendering.template`` (the code
+the router and render servers use), so a chat prompt here has exactly the ids ``/v1/chat/completions/render``
+gives for text messages. Validation and the answers are this module's own (``GenerationRun``), not
+``rendering.render``/``rendering.derender``: the backends' answers carry what the router and the benchmarks
+read and vLLM's derender leaves out (``usage.prompt_tokens_details.cached_tokens``, ``system_fingerprint``),
+and their 4xx messages stay the ones the router's tests know. The scale-out routes (``render_routes``) are
+``rendering/``'s throughout.
 """
 
 from __future__ import annotations
