@@ -191,15 +191,15 @@ def _validate_tokens(tokens: TokensConfig, key: Callable[[str], str]) -> TokensC
             "--model-dir models/tiny-llama; the router renders and derenders with its tokenizer"
         )
     if not os.path.isdir(tokens.model_dir):
-        raise ConfigError(f"{key('tokens.model_dir')}: {tokens.model_dir!r} is not a directory; give the model "
+        raise ConfigError(f"{key('tokens.model_dir')}: {_shown(tokens.model_dir)} is not a directory; give the model "
                           "folder (with tokenizer.json)")
     if tokens.served_model_name != tokens.served_model_name.strip():
         raise ConfigError(f"{key('tokens.served_model_name')}: no leading or trailing spaces, got "
-                          f"{tokens.served_model_name!r}")
+                          f"{_shown(tokens.served_model_name)}")
     render = tokens.render
     if isinstance(render, str):
         if render != "local":
-            raise ConfigError(f"{key('tokens.render')}: \"local\" or a list of render server URLs, got {render!r}")
+            raise ConfigError(f"{key('tokens.render')}: \"local\" or a list of render server URLs, got {_shown(render)}")
         return tokens
     if not render:
         raise ConfigError(f"{key('tokens.render')}: an empty list names no render server; write \"local\" to "
@@ -374,6 +374,16 @@ def _bound_message(name: str, annotation: Any, value: Any) -> str | None:
     return f"{rule}{hint}, got {value}"
 
 
+def _escaped(text: str) -> str:
+    """``text`` with the characters of msgspec's path syntax escaped, so that no message looks like one."""
+    return text.replace("$", "\\u0024").replace("`", "\\u0060")
+
+
+def _shown(value: Any) -> str:
+    """A user's value as a message quotes it (``repr``, path characters escaped)."""
+    return _escaped(repr(value))
+
+
 def _translate(error: str, data: Mapping[str, Any], labels: Mapping[str, str]) -> str:
     """Turn msgspec's ``Expected `float`, got `str` - at `$.placement.load_factor``` into a key-first
     message naming the key as the user gave it (flag, flat key or section path)."""
@@ -386,8 +396,7 @@ def _translate(error: str, data: Mapping[str, Any], labels: Mapping[str, str]) -
     missing = _MISSING_FIELD.match(message)
     name, annotation = _field_type(path)
     if unknown:
-        # characters of msgspec's path syntax, escaped so that no message looks like one
-        key = unknown["key"].replace("$", "\\u0024").replace("`", "\\u0060")
+        key = _escaped(unknown["key"])
         if not path:
             known = [f.name for f in msgspec.structs.fields(RouterConfig)] + list(FLAT_KEYS)
         elif path in SECTIONS:
@@ -400,7 +409,7 @@ def _translate(error: str, data: Mapping[str, Any], labels: Mapping[str, str]) -
         text = f"missing required key {missing['key']!r}"
     elif _ENUM.match(message) and get_origin(annotation) is Literal:
         choices = ", ".join(get_args(annotation))
-        text = f"must be one of {choices}, got {_lookup(data, path)!r}"
+        text = f"must be one of {choices}, got {_shown(_lookup(data, path))}"
     elif _BOUND.match(message) and (bound := _bound_message(name, annotation, _lookup(data, path))):
         text = bound
     else:
