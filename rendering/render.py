@@ -20,7 +20,13 @@ from typing import Any
 import msgspec
 
 from contract.errors import BadRequestError, NotFoundError
-from rendering.checks import body_items, completion_prompts, refuse_tool_choice, validate_chat, validate_completion
+from rendering.checks import (
+    check_generation_prompt,
+    completion_prompts,
+    refuse_tool_choice,
+    validate_chat,
+    validate_completion,
+)
 from rendering.conversation import (
     build_conversation,
     consolidate_system,
@@ -40,7 +46,6 @@ from rendering.requests import (
     decode_chat_request,
     decode_completion_request,
     field_error,
-    validator_error,
 )
 from rendering.sampling import chat_sampling_params, completion_sampling_params, validation_error
 from rendering.template import ChatTemplate
@@ -53,6 +58,10 @@ _APPLY_KWARGS = frozenset({
 })
 _UNTRUSTED_TEMPLATE = ("Chat template is passed with request, but --trust-request-chat-template is not set. "
                        "Refused request with untrusted chat template.")
+#: transformers' refusal (vLLM's validator only sees flags the body wrote)
+_BOTH_PROMPT_FLAGS = ("continue_final_message and add_generation_prompt are not compatible. Use continue_final_message "
+                      "when you want the model to continue the final message, and add_generation_prompt when you want "
+                      "to add a header that will prompt it to start a new assistant message instead.")
 _NO_TEMPLATE = ("As of transformers v4.44, default chat template is no longer allowed, so you must provide a "
                 "chat template if the tokenizer does not define one.")
 
@@ -268,9 +277,8 @@ class Renderer:
     def tokenize(self, body: bytes) -> bytes:
         """``POST /tokenize`` (a ``prompt`` or chat ``messages``) -> ``{count, max_model_len, tokens, token_strs}``."""
         req = _decode_json(_tokenize_decoder, body)
-        if req.messages is not None and req.continue_final_message and req.add_generation_prompt:
-            raise validator_error("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
-                                  body_items=body_items(body))
+        if req.messages is not None:
+            check_generation_prompt(req.continue_final_message, req.add_generation_prompt, body)
         self.check_model(req.model)
         if req.messages is not None:
             if req.chat_template is not None or (req.chat_template_kwargs or {}).get("chat_template") is not None:
@@ -425,6 +433,8 @@ class Renderer:
         kwargs.update({k: v for k, v in own.items() if v is not None and v != "auto"})
         accepted = template.variables | _APPLY_KWARGS
         kwargs = {k: v for k, v in kwargs.items() if k in accepted}
+        if kwargs.get("continue_final_message") and kwargs.get("add_generation_prompt"):
+            raise BadRequestError(_BOTH_PROMPT_FLAGS)
         extra = {k: v for k, v in kwargs.items() if k not in _APPLY_KWARGS}
         text = template.render(conversation, add_generation_prompt=bool(kwargs.get("add_generation_prompt", False)),
                                tools=kwargs.get("tools"), documents=kwargs.get("documents"), extra=extra)

@@ -132,8 +132,8 @@ def test_a_model_validator_refusal_reads_as_vllms(renderer: Renderer) -> None:
     ({"tools": []}, "`tools` must not be an empty array.", "tools"),
     ({"tool_choice": "auto"}, "When using `tool_choice`, `tools` must be set.", "tool_choice"),
     ({"cache_salt": ""}, "Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt"),
-    ({"continue_final_message": True}, "Cannot set both `continue_final_message` and `add_generation_prompt`",
-     "body"),
+    ({"continue_final_message": True, "add_generation_prompt": True},
+     "Cannot set both `continue_final_message` and `add_generation_prompt`", "body"),
 ])
 def test_request_validators(renderer: Renderer, fields: dict[str, Any], message: str, param: str) -> None:
     error = _error(lambda: _chat(renderer, **fields))
@@ -308,3 +308,41 @@ def test_max_tokens_can_be_written_explicitly_for_an_engine(renderer: Renderer) 
     assert [g["sampling_params"]["max_tokens"] for g in both] == [16, 16]
     other = _chat(renderer, max_tokens=20).request
     assert encode_generate_request(other, explicit_max_tokens=True) == encode_generate_request(other)
+
+
+def test_validators_run_in_vllms_order_and_count_what_they_see(renderer: Renderer) -> None:
+    # check_logprobs runs before validate_stream_options (pydantic: last defined, first run)
+    error = _error(lambda: _chat(renderer, stream_options={"include_usage": True}, top_logprobs=2))
+    assert error["param"] == "top_logprobs"
+    # check_tool_usage ran first and added tool_choice: the message counts 5 keys for a body of 4
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    error = _error(lambda: _chat(renderer, tools=tools, top_logprobs=2))
+    assert "'input': '<dict of 5 items>'" in error["message"]
+    # an empty stream_options is none to vLLM's validator
+    assert _chat(renderer, stream_options={}).request.stream_options is None
+
+
+def test_continue_final_message_with_the_default_generation_prompt(renderer: Renderer) -> None:
+    """vLLM's validator sees only flags the body wrote; the default add_generation_prompt=true then
+    meets transformers' own refusal."""
+    messages = USER + [{"role": "assistant", "content": "Hel"}]
+    error = _error(lambda: _chat(renderer, messages=messages, continue_final_message=True))
+    assert (error["type"], error["param"]) == ("BadRequestError", None)
+    assert error["message"].startswith("continue_final_message and add_generation_prompt are not compatible.")
+    rendered = _chat(renderer, messages=messages, continue_final_message=True, add_generation_prompt=False)
+    assert rendered.prompt.text.endswith("<|assistant|>\nHel")
+
+
+def test_completions_validators(renderer: Renderer) -> None:
+    def error(**fields: Any) -> dict[str, Any]:
+        body = json.dumps({"model": "tiny-llama", **fields}).encode()
+        return _error(lambda: renderer.render_completions(body))
+
+    empty = error(prompt="")
+    assert (empty["type"], empty["param"]) == ("Bad Request", "prompt")
+    assert "Either prompt or prompt_embeds must be provided and non-empty. (parameter=prompt)" in empty["message"]
+    assert error()["param"] == "prompt"
+    assert "`logprobs` must be a positive value or -1." in error(prompt="a", logprobs=-2)["message"]
+    # normalize_null_max_tokens ran before the cache salt check: max_tokens counted
+    assert "'input': '<dict of 4 items>'" in error(prompt="a", cache_salt="")["message"]
+    assert error(prompt=[])["message"] == "You must pass at least one prompt"
