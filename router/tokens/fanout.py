@@ -172,7 +172,7 @@ class FanOutCall(EngineCall):
             if derender.failed:
                 leg.over = True
                 break
-            if derender.stopped:
+            if self.stop_strings and derender.stopped:
                 break
         if derender.failed:
             attempt.status = 502

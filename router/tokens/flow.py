@@ -93,8 +93,10 @@ class TokensRoutes:
         if len(generates) == 1:
             await self._generate(writer, route, fields, attempt, generates[0], answer, bool(completion.stream))
             return
-        how = self._answer(bool(completion.stream), any(g.sampling_params.stop for g in generates))
-        call = FanOutCall(self.proxy, self.aborts, writer, route, fields, attempt, answer, how)
+        stop_strings = any(g.sampling_params.stop for g in generates)
+        how = self._answer(bool(completion.stream), stop_strings)
+        call = FanOutCall(self.proxy, self.aborts, writer, route, fields, attempt, answer, how,
+                          stop_strings=stop_strings)
         await call.run_all([generate_payload(g, stream=how != WHOLE) for g in generates])
 
     def _prompt_texts(self, prompt: object, prompt_ids: list[list[int]]) -> list[str]:
@@ -109,8 +111,10 @@ class TokensRoutes:
                         generate: GenerateRequest, derender: Derenderer, stream: bool) -> None:
         """The engine leg: streamed from the engine when the client streams, and when stop strings may
         end it early (then collected into one answer); else one whole answer."""
-        answer = self._answer(stream, bool(generate.sampling_params.stop))
-        call = EngineCall(self.proxy, self.aborts, writer, route, fields, attempt, derender, answer)
+        stop_strings = bool(generate.sampling_params.stop)
+        answer = self._answer(stream, stop_strings)
+        call = EngineCall(self.proxy, self.aborts, writer, route, fields, attempt, derender, answer,
+                          stop_strings=stop_strings)
         await call.run(generate_payload(generate, stream=answer != WHOLE))
 
     @staticmethod

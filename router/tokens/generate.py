@@ -91,12 +91,14 @@ class Derenderer(Protocol):
 class EngineCall:
     """One client request's engine leg (see the module's docstring)."""
 
-    __slots__ = ("proxy", "aborts", "writer", "route", "fields", "attempt", "derender", "answer", "headers",
-                 "cached_tokens")
+    __slots__ = ("proxy", "aborts", "writer", "route", "fields", "attempt", "derender", "answer", "stop_strings",
+                 "headers", "cached_tokens")
 
     def __init__(self, proxy: Proxy, aborts: EngineAborts, writer: ResponseWriter, route: Route,
-                 fields: OpenFields | None, attempt: Attempt, derender: Derenderer, answer: str) -> None:
-        """``answer``: ``STREAM``, ``WHOLE`` or ``COLLECT``."""
+                 fields: OpenFields | None, attempt: Attempt, derender: Derenderer, answer: str, *,
+                 stop_strings: bool) -> None:
+        """``answer``: ``STREAM``, ``WHOLE`` or ``COLLECT``; ``stop_strings``: the request has some (only
+        then can the derenderer end it early, so only then is that asked after each event)."""
         self.proxy = proxy
         self.aborts = aborts
         self.writer = writer
@@ -105,6 +107,7 @@ class EngineCall:
         self.attempt = attempt
         self.derender = derender
         self.answer = answer
+        self.stop_strings = stop_strings
         self.headers = engine_headers(attempt.request_id, attempt.session_id)
         self.cached_tokens = 0
 
@@ -179,6 +182,8 @@ class EngineCall:
         derender = self.derender
         writer = self.writer
         stream = self.answer == STREAM
+        stop_strings = self.stop_strings
+        stopped = False
         events = SSEEvents()
         ended = False  # the engine sent [DONE] (or an error event): nothing to abort
         broke = False  # the engine's stream broke off: nothing to abort either
@@ -188,6 +193,7 @@ class EngineCall:
         attempt.status = 200
         try:
             async for raw in upstream:
+                outs: list[bytes] = []  # what the events of this read add up to: one write
                 for data in events.feed(raw):
                     if data == STREAM_DONE:
                         ended = True
@@ -197,16 +203,19 @@ class EngineCall:
                     if stream:
                         out = derender.chunk(chunk)
                         if out:
-                            await writer.write(out)
-                            tail = out
+                            outs.append(out)
                     else:
                         derender.collect(chunk)
                     if derender.failed:
                         ended = True
                         break
-                    if derender.stopped:
+                    if stop_strings and derender.stopped:
+                        stopped = True
                         break
-                if ended or derender.stopped:
+                if outs:
+                    tail = outs[0] if len(outs) == 1 else b"".join(outs)
+                    await writer.write(tail)
+                if ended or stopped:
                     break
             else:
                 broke = True  # the stream ended without [DONE]: the engine's request is over

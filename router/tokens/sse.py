@@ -23,6 +23,9 @@ class SSEEvents:
 
     def feed(self, chunk: bytes) -> list[bytes]:
         """The data of each event completed by ``chunk`` (events without data are skipped)."""
+        if not self._buffer and chunk[:6] == b"data: " and chunk.find(b"\n", 6) == len(chunk) - 2 \
+                and chunk[-1:] == b"\n":
+            return [chunk[6:-2]]  # the usual case: one chunk, one single-line event
         buffer = self._buffer + chunk if self._buffer else chunk
         events: list[bytes] = []
         start = 0

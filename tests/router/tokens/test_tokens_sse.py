@@ -32,3 +32,14 @@ def test_an_unfinished_event_waits() -> None:
 
 def test_data_without_a_space() -> None:
     assert SSEEvents().feed(b"data:x\n\n") == [b"x"]
+
+
+@pytest.mark.parametrize("chunk", [b"data: x\n\n", b"data: a\ndata: b\n\n", b"data: x\n", b"data: x\n\ndata: y\n\n",
+                                   b"event: e\ndata: x\n\n", b"data: x\r\n\r\n"])
+def test_the_one_event_shortcut_agrees_with_the_general_parse(chunk: bytes) -> None:
+    general = SSEEvents()
+    general.feed(b"")  # nothing buffered, so the shortcut may apply; compare with a byte-by-byte parse
+    by_byte: list[bytes] = []
+    for i in range(len(chunk)):
+        by_byte += general.feed(chunk[i:i + 1])
+    assert SSEEvents().feed(chunk) == by_byte
