@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -45,6 +46,9 @@ ENGINE_ID_PREFIX = "generate-tokens-"
 ABORT_TIMEOUT_S = 10.0
 
 _encoder = msgspec.json.Encoder()
+_JSON_LINE = "Content-Type: application/json\r\n"
+#: what no header value may hold (``router.upstream.render_headers`` refuses it too)
+_UNSAFE = re.compile(r"[\r\n\x00]")
 _STREAM_USAGE = StreamOptions(include_usage=True, continuous_usage_stats=False)
 
 
@@ -55,11 +59,13 @@ def engine_request_id(request_id: str) -> str:
 
 def engine_headers(request_id: str, session_id: str | None) -> str:
     """The header lines of a generate (or abort) call: JSON, the request id, the session (the only
-    session channel vLLM reads on this path)."""
-    own = [("Content-Type", "application/json"), (REQUEST_ID_HEADER, request_id)]
-    if session_id is not None:
-        own.append((SESSION_HEADER, session_id))
-    return render_headers(own)
+    session channel vLLM reads on this path). Values with CR, LF or NUL are refused (a 400)."""
+    if _UNSAFE.search(request_id) is not None or (session_id is not None and _UNSAFE.search(session_id) is not None):
+        own = [(REQUEST_ID_HEADER, request_id)] + ([(SESSION_HEADER, session_id)] if session_id is not None else [])
+        render_headers(own)  # raises the 400 naming the header
+    if session_id is None:
+        return f"{_JSON_LINE}{REQUEST_ID_HEADER}: {request_id}\r\n"
+    return f"{_JSON_LINE}{REQUEST_ID_HEADER}: {request_id}\r\n{SESSION_HEADER}: {session_id}\r\n"
 
 
 def generate_payload(request: GenerateRequest, *, stream: bool) -> bytes:

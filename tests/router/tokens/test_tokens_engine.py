@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
+from contract.errors import BadRequestError
+
 from rendering.generate_request import (
     OUTPUT_DELTA,
     OUTPUT_FINAL_ONLY,
@@ -56,3 +60,11 @@ def test_max_tokens_16_is_written_for_the_engine() -> None:
     request = rendered(max_tokens=16, output_kind=OUTPUT_FINAL_ONLY)
     assert "max_tokens" not in json.loads(encode_generate_request(request))["sampling_params"]
     assert json.loads(generate_payload(request, stream=False))["sampling_params"]["max_tokens"] == 16
+
+
+def test_engine_headers_refuse_line_breaks() -> None:
+    with pytest.raises(BadRequestError):
+        engine_headers("a\r\nX-Evil: 1", None)
+    with pytest.raises(BadRequestError):
+        engine_headers("abc", "s\n1")
+    assert engine_headers("abc", None) == "Content-Type: application/json\r\nX-Request-Id: abc\r\n"
