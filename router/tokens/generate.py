@@ -199,7 +199,8 @@ class EngineCall:
                         ended = True
                         break
                     chunk = decode_stream_chunk(data)
-                    self._cached(chunk)
+                    if chunk.usage is not None:
+                        self._cached(chunk)
                     if stream:
                         out = derender.chunk(chunk)
                         if out:

@@ -33,9 +33,12 @@ class SSEEvents:
             end = buffer.find(b"\n\n", start)
             if end < 0:
                 break
-            data = _event_data(buffer[start:end])
-            if data is not None:
-                events.append(data)
+            if buffer.startswith(b"data: ", start) and buffer.find(b"\n", start, end) < 0:
+                events.append(buffer[start + 6:end])  # a single-line data event
+            else:
+                data = _event_data(buffer[start:end])
+                if data is not None:
+                    events.append(data)
             start = end + 2
         self._buffer = buffer[start:]
         return events
