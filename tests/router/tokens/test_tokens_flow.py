@@ -452,3 +452,14 @@ async def test_max_tokens_16_is_sent_to_the_engine(make_router: Any, tiny_model:
             usage = chunk.usage or usage
     assert default.usage.completion_tokens == 16 and chat.usage.completion_tokens == 16
     assert usage is not None and usage.completion_tokens == 16
+
+
+async def test_dead_engines_leave_the_live_one_serving(make_router: Any, tiny_model: Any) -> None:
+    engine = Engine("e0", tiny_model)
+    router = await make_router("raw", fakes=[engine], dead=2, named=True, **tokens_settings())
+    async with client_of(router) as client:
+        for i in range(6):  # sessions hashed to a dead engine go to the live one (health check or retry)
+            answer = await client.chat.completions.create(model="tiny-llama", messages=MESSAGES, max_tokens=2,
+                                                          extra_headers={"X-Session-ID": f"retry-{i}"})
+            assert answer.usage.completion_tokens == 2
+    assert sum(engine.engine.sessions.get(f"retry-{i}").requests for i in range(6)) == 6
