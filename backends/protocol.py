@@ -74,27 +74,6 @@ class ChatCompletionRequest(_OpenAISampling):
     add_generation_prompt: bool = True
 
 
-class ResponsesRequest(Struct):
-    #: a string (one user message) or a list of message items
-    input: str | list[Any] | None = None
-    model: str | None = None
-    instructions: str | None = None
-    max_output_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    stream: bool | None = False
-    store: bool | None = True
-    previous_response_id: str | None = None
-    metadata: dict[str, Any] | None = None
-    request_id: str | None = None
-    session_id: Any = None
-    vllm_xargs: dict[str, Any] | None = None
-    cache_salt: str | None = None
-    priority: int = 0
-    user: str | None = None
-
-
 # ---------------------------------------------------------------------------------------------
 # responses
 
@@ -192,68 +171,6 @@ class ChatCompletionStreamResponse(Struct):
     system_fingerprint: str | None = None
     usage: Usage | None | UnsetType = UNSET
     prompt_token_ids: list[int] | UnsetType = UNSET
-
-
-# ---- Responses API ---------------------------------------------------------------------------
-
-
-class OutputText(Struct):
-    text: str
-    type: str = "output_text"
-    annotations: list[Any] = msgspec.field(default_factory=list)
-    logprobs: list[Any] | None = None
-
-
-class OutputMessage(Struct):
-    id: str
-    content: list[OutputText]
-    role: str = "assistant"
-    status: str = "completed"
-    type: str = "message"
-
-
-class InputTokensDetails(Struct):
-    cached_tokens: int
-
-
-class OutputTokensDetails(Struct):
-    reasoning_tokens: int = 0
-
-
-class ResponseUsage(Struct):
-    input_tokens: int
-    output_tokens: int
-    total_tokens: int
-    input_tokens_details: InputTokensDetails
-    output_tokens_details: OutputTokensDetails = msgspec.field(default_factory=OutputTokensDetails)
-    # The same numbers under the chat/completions names, so one usage reader fits every route.
-    prompt_tokens_details: PromptTokensDetails | UnsetType = UNSET
-
-
-class ResponseObject(Struct):
-    id: str
-    created_at: int
-    model: str
-    output: list[OutputMessage]
-    status: str
-    usage: ResponseUsage | None
-    object: str = "response"
-    instructions: str | None = None
-    max_output_tokens: int | None = None
-    previous_response_id: str | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    metadata: dict[str, Any] | None = None
-    incomplete_details: dict[str, Any] | None = None
-    parallel_tool_calls: bool = True
-    tool_choice: str = "auto"
-    tools: list[Any] = msgspec.field(default_factory=list)
-    text: dict[str, Any] | None = None
-    truncation: str = "disabled"
-    background: bool = False
-    store: bool | None = None
-    user: str | None = None
-    error: Any = None
 
 
 # ---- misc -------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from backends.protocol import ResponseObject
+from rendering.responses_objects import ResponseObject
 
 DEFAULT_MAX_ENTRIES = 10_000
 
@@ -20,9 +20,9 @@ DEFAULT_MAX_ENTRIES = 10_000
 @dataclass(slots=True, eq=False)
 class StoredResponse:
     response: ResponseObject
-    #: the conversation as (role, text) messages, this response's answer last; instructions are
-    #: not part of it (OpenAI semantics: instructions do not carry over to the next turn)
-    conversation: list[tuple[str, str]]
+    #: the conversation as chat messages (``{"role", "content"}``), this response's answer last;
+    #: instructions are not part of it (OpenAI semantics: instructions do not carry over to the next turn)
+    conversation: list[dict[str, str]]
 
 
 class ResponseStore:

@@ -97,6 +97,13 @@ async def create(client: Any, **body: Any) -> tuple[Any, dict[str, Any]]:
     return resp, await resp.json()
 
 
+# vLLM's ResponsesResponse keys, in its order
+RESPONSE_KEYS = ["id", "created_at", "incomplete_details", "instructions", "metadata", "model", "object", "output",
+                 "parallel_tool_calls", "temperature", "tool_choice", "tools", "top_p", "background",
+                 "max_output_tokens", "max_tool_calls", "previous_response_id", "prompt", "reasoning", "service_tier",
+                 "status", "text", "top_logprobs", "truncation", "usage", "user", "input_messages", "output_messages"]
+
+
 async def test_responses_shape_store_and_get(client: Any) -> None:
     resp, data = await create(client, input="Hello responses", metadata={"k": "v"})
     assert resp.status == 200
@@ -108,7 +115,9 @@ async def test_responses_shape_store_and_get(client: Any) -> None:
     assert part["type"] == "output_text" and part["text"]
     u = data["usage"]
     assert u["total_tokens"] == u["input_tokens"] + u["output_tokens"]
-    assert u["input_tokens_details"] == {"cached_tokens": 0}
+    # vLLM 0.32's usage and object key sets (rendering.responses_objects, shared with the router's tokens mode)
+    assert u["input_tokens_details"] == {"cached_tokens": 0, "input_tokens_per_turn": [], "cached_tokens_per_turn": []}
+    assert list(data) == RESPONSE_KEYS
     assert data["metadata"] == {"k": "v"}
     got = await client.get(f"/v1/responses/{data['id']}")
     assert got.status == 200
