@@ -54,7 +54,7 @@ from bench.procs import LOOPBACK, REPO, Proc, free_port, start_backend, start_pr
 from bench.traffic import (NEXT_MESSAGE_TOKENS, TOPICS, Conversation, Stats, TrafficConfig, conversation_over,
                            run_turn)
 
-#: the backends' context length when --max-model-len is not given (session-backend's default)
+#: the backends' context length when --max-model-len is not given (passed to them explicitly)
 BACKEND_CONTEXT_TOKENS = 8192
 #: tokens mode's model (shipped in the repository) and its context length (its config.json)
 TOKENS_MODEL_DIR = os.path.join(REPO, "models", "tiny-llama")
@@ -443,7 +443,9 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     port_for = (lambda preferred: free_port()) if args.any_ports else port_or_free
-    backend_args = ["--max-model-len", str(args.max_model_len)] if args.max_model_len else []
+    # the context is always given: session-backend's own default is its model folder's (2,048 tokens for the
+    # shipped tiny-llama), and the conversations' budget is half of the context named here
+    backend_args = ["--max-model-len", str(context)]
     try:
         router_args: list[str] = []
         pd: dict[str, list[str]] | None = None

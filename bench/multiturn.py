@@ -121,7 +121,9 @@ def full_variants(seed: int) -> dict[str, Variant]:
     }
 
 
-QUICK_NUM_BLOCKS = 128
+#: 4,096 tokens per backend: the quick workload (24 sessions of 5 turns, ~2,100 prompt tokens at the last turn with
+#: the shipped tokenizer) fits one sequence but not the working set
+QUICK_NUM_BLOCKS = 256
 
 # ---------------------------------------------------------------------------------------------
 # Results
@@ -495,8 +497,14 @@ def _scrape(url: str) -> Samples:
         return parse_metrics(resp.read().decode())
 
 
+#: the backends' context length in tokens (the workload's conversations stay well under it)
+BACKEND_CONTEXT_TOKENS = 8192
+
+
 def start_backends(config: BenchConfig, log_dir: str) -> list[Proc]:
-    extra = ("--num-blocks", str(config.num_blocks), "--block-size", str(config.block_size), "--log-level", "WARNING")
+    # the context as before the backends served a model folder (its own default is the shipped model's 2,048)
+    extra = ("--num-blocks", str(config.num_blocks), "--block-size", str(config.block_size), "--log-level", "WARNING",
+             "--max-model-len", str(BACKEND_CONTEXT_TOKENS))
     with concurrent.futures.ThreadPoolExecutor(config.num_backends) as pool:
         futures = [pool.submit(start_backend, log_dir, *extra, port=port, speed=config.speed)
                    for port in free_ports(config.num_backends)]
