@@ -343,7 +343,8 @@ async def showcase(router_url: str, engine_urls: Sequence[str], model: str) -> l
     messages: list[dict[str, str]] = [{"role": "user", "content": "Hello! Who are you?"}]
     timeout = aiohttp.ClientTimeout(total=60)
     async with aiohttp.ClientSession(timeout=timeout) as http:
-        body = {"model": model, "messages": messages, "max_tokens": SHOWCASE_TOKENS}
+        # min_tokens (vLLM's extension): the simulated engine may draw EOS first, and an empty answer shows nothing
+        body = {"model": model, "messages": messages, "max_tokens": SHOWCASE_TOKENS, "min_tokens": 4}
         async with http.post(f"{router_url}/v1/chat/completions", json=body, headers=headers) as resp:
             answer = await resp.json()
             if resp.status != 200:
@@ -353,7 +354,7 @@ async def showcase(router_url: str, engine_urls: Sequence[str], model: str) -> l
         say(f"chat   {SHOWCASE_SESSION}: {content!r} (finish_reason {choice['finish_reason']}, "
             f"{usage['prompt_tokens']} prompt + {usage['completion_tokens']} completion tokens)")
         messages += [{"role": "assistant", "content": content}, {"role": "user", "content": "Tell me more."}]
-        body = {"model": model, "messages": messages, "max_tokens": SHOWCASE_TOKENS, "stream": True,
+        body = {"model": model, "messages": messages, "max_tokens": SHOWCASE_TOKENS, "min_tokens": 4, "stream": True,
                 "stream_options": {"include_usage": True}}
         deltas: list[str] = []
         finish = None
