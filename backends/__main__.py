@@ -91,6 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens-only", action="store_true",
                    help="serve only /inference/v1/generate, abort, /health, /metrics, /load, /v1/models "
                         "(vllm serve --tokens-only: no detokenization, stop strings refused)")
+    p.add_argument("--enable-prompt-tokens-details", action=argparse.BooleanOptionalAction, default=True,
+                   help="report usage.prompt_tokens_details.cached_tokens on /v1/chat/completions and /v1/completions "
+                        "when the prefix cache served part of the prompt (vLLM's flag, on by default here: the "
+                        "router's session accounting reads it)")
     p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV-cache block")
     p.add_argument("--num-blocks", type=int, default=d.num_blocks, help="KV-cache capacity in blocks")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="requests the scheduler runs at once")
@@ -218,7 +222,8 @@ async def serve(args: argparse.Namespace, model: RenderModel) -> None:
         app = create_render_app(model)
     else:
         app = create_app(config_from_args(args, model), model=model, scale_out=args.enable_scale_out,
-                         tokens_only=args.tokens_only, kv_allow=args.kv_allow, kv_pull_timeout_s=args.kv_pull_timeout,
+                         tokens_only=args.tokens_only, prompt_tokens_details=args.enable_prompt_tokens_details,
+                         kv_allow=args.kv_allow, kv_pull_timeout_s=args.kv_pull_timeout,
                          kv_side_channel_on_data_port=not dedicated)
     runner = JsonErrorAppRunner(app, access_log=None, handler_cancellation=True,
                            shutdown_timeout=args.shutdown_timeout)

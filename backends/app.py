@@ -85,6 +85,7 @@ def create_app(
     model: RenderModel | None = None,
     scale_out: bool = False,
     tokens_only: bool = False,
+    prompt_tokens_details: bool = True,
     registry: CollectorRegistry | None = None,
     max_stored_responses: int = DEFAULT_MAX_ENTRIES,
     max_body_bytes: int = MAX_BODY_BYTES,
@@ -99,6 +100,7 @@ def create_app(
     and ``config.max_model_len``); without one, the shipped model is loaded under ``config.model``
     with ``config.max_model_len``. The engine generates the model's word ids (``backends.vocabulary``)
     and its eos. ``scale_out``/``tokens_only`` choose the routes (module docstring).
+    ``prompt_tokens_details``: vLLM's ``--enable-prompt-tokens-details`` for the text routes' usage.
     ``registry`` defaults to a fresh one (never the global registry).
 
     P/D: ``kv_allow`` lists the ``HOST:PORT`` side channels a decode instance may pull from (empty:
@@ -123,7 +125,8 @@ def create_app(
     kv = KVTransfer(config, engine, registry, allow=AllowList(kv_allow), pull_timeout_s=kv_pull_timeout_s)
     app = web.Application(middlewares=[error_middleware], client_max_size=max_body_bytes)
     fe = Frontend(config=config, model=model, tokenizer=tokenizer, engine=engine, registry=registry,
-                  store=ResponseStore(max_stored_responses), kv=kv, tokens_only=tokens_only)
+                  store=ResponseStore(max_stored_responses), kv=kv, tokens_only=tokens_only,
+                  prompt_tokens_details=prompt_tokens_details)
     app[FRONTEND] = fe
     app[ENGINE] = engine
     app[REQUEST_IDS] = fe.ids

@@ -58,6 +58,9 @@ class Frontend:
     kv: "KVTransfer | None" = None
     #: ``--tokens-only``: no detokenization, so stop strings and text output are refused
     tokens_only: bool = False
+    #: vLLM's ``--enable-prompt-tokens-details`` (on by default here): the text routes' usage reports
+    #: ``prompt_tokens_details.cached_tokens`` when the prefix cache served part of the prompt
+    prompt_tokens_details: bool = True
     #: the model's renderer (``rendering.render``): chat prompts, /tokenize, the render routes
     renderer: Renderer = field(init=False)
 

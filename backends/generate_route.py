@@ -16,31 +16,28 @@ engine stops at ``max_model_len`` ("length"), as vLLM's scheduler does.
 
 from __future__ import annotations
 
-import time
-
 import msgspec
 from aiohttp import web
 
 from backends.engine.outputs import RequestOutput
 from backends.frontend import FRONTEND, Frontend
 from backends.generation import run_to_end
-from backends.generation_run import Choice, GenerationRun
+from backends.engine_run import (
+    engine_request_for,
+    generate_response,
+    pull_remote_prefill,
+    reply_headers,
+    returned_params,
+    stream_answer,
+    stream_chunk,
+    usage_of,
+)
+from backends.generation_run import Choice
 from backends.json_body import read_json_body
-from backends.openai_routes import pull_remote_prefill, reply_headers, returned_params, stream_answer
-from backends.validation import engine_request, sampling_params
 from contract.errors import BadRequestError
 from contract.session import SESSION_HEADER, session_from_headers
 from rendering.generate_request import GenerateRequest
-from rendering.generate_response import (
-    GenerateChoice,
-    GenerateResponse,
-    GenerateStreamChoice,
-    GenerateStreamChunk,
-    GenerateUsage,
-    PromptTokensDetails,
-    encode_generate_response,
-    encode_stream_chunk,
-)
+from rendering.generate_response import GenerateStreamChunk, encode_generate_response, encode_stream_chunk
 
 TOKENS_ONLY_STOP_MESSAGE = (
     "stop strings are not supported on a --tokens-only server because detokenization is disabled. "
@@ -82,15 +79,6 @@ def check_prompt(fe: Frontend, ids: list[int]) -> None:
         )
 
 
-def usage_of(run: GenerationRun) -> GenerateUsage:
-    return GenerateUsage(
-        prompt_tokens=run.prompt_tokens,
-        total_tokens=run.prompt_tokens + run.generated,
-        completion_tokens=run.generated,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=run.cached_tokens),
-    )
-
-
 async def generate(request: web.Request) -> web.StreamResponse:
     fe = request.app[FRONTEND]
     body: GenerateRequest = await read_json_body(request, _generate_decoder)
@@ -99,7 +87,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     fe.check_model(body.model)
     base = fe.base_request_id(request, body.request_id)
     sp = body.sampling_params
-    stops = sp.stop or None
+    stops = sp.stop_strings or None
     if body.output_mode not in ("tokens", "text"):
         raise BadRequestError(f"output_mode must be 'tokens' or 'text', got {body.output_mode!r}.",
                               param="output_mode")
@@ -129,15 +117,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
                               param="sampling_params.max_tokens")
     else:
         max_tokens = min(given_max_tokens, room)  # the engine stops at the context's end ("length")
-    params = sampling_params(
-        fe.config, n=sp.n, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, seed=sp.seed,
-        max_tokens=max_tokens, min_tokens=sp.min_tokens, stop=stops, stop_token_ids=sp.stop_token_ids,
-        ignore_eos=sp.ignore_eos, kv_transfer_params=body.kv_transfer_params, final_only=not body.stream,
-    )
     request_id = f"generate-tokens-{base}"
-    ecr = engine_request(fe, external_id=request_id, prompt_ids=prompt_ids, params=params,
-                         session_id=session, cache_salt=body.cache_salt, priority=body.priority)
-    run = GenerationRun(fe.tokenizer, sp.n, stops)
+    ecr, run = engine_request_for(fe, body, request_id=request_id, session=session, max_tokens=max_tokens,
+                                  stops=stops, kv_transfer_params=body.kv_transfer_params, engine_stream=bool(body.stream))
     headers = reply_headers(base, session)
     want_prompt = bool(body.return_token_ids)
     model = fe.config.model
@@ -145,16 +127,10 @@ async def generate(request: web.Request) -> web.StreamResponse:
     if not body.stream:
         await pull_remote_prefill(fe, body.kv_transfer_params, prompt_ids, body.cache_salt, run, ecr.request_id)
         await run_to_end(request, fe, ecr, run)
-        answer = GenerateResponse(
-            request_id=request_id, model=model, created=int(time.time()), usage=usage_of(run),
-            prompt_token_ids=prompt_ids if want_prompt else None,
-            kv_transfer_params=returned_params(fe, run, request), output_mode=body.output_mode,
-            choices=[
-                GenerateChoice(index=c.index, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                               token_ids=c.token_ids, text=run.final_text(c) if text_mode else msgspec.UNSET)
-                for c in run.choices
-            ],
-        )
+        answer = generate_response(run, request_id=request_id, model=model,
+                                   prompt_ids=prompt_ids if want_prompt else None,
+                                   kv_transfer_params=returned_params(fe, run, request), text_mode=text_mode,
+                                   output_mode=body.output_mode)
         return web.Response(body=encode_generate_response(answer), content_type="application/json", headers=headers)
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -162,22 +138,10 @@ async def generate(request: web.Request) -> web.StreamResponse:
     first = [True]
 
     def step(out: RequestOutput, moved: list[Choice]) -> bytes:
-        choices = []
-        for c in moved:
-            if not c.last_ids and not c.done:
-                continue  # steps with no new tokens are not sent; a finish always is
-            choices.append(GenerateStreamChoice(
-                index=c.index, finish_reason=c.finish_reason if c.done else None,
-                stop_reason=c.stop_reason if c.done else msgspec.UNSET, token_ids=c.last_ids,
-                text=run.stream_text(c) if text_mode else msgspec.UNSET,
-            ))
-        if not choices:
+        chunk = stream_chunk(run, moved, request_id=request_id, text_mode=text_mode, output_mode=body.output_mode,
+                             usage=continuous, prompt_ids=prompt_ids if (want_prompt and first[0]) else msgspec.UNSET)
+        if chunk is None:
             return b""
-        chunk = GenerateStreamChunk(
-            request_id=request_id, choices=choices, output_mode=body.output_mode,
-            usage=usage_of(run) if continuous else None,
-            prompt_token_ids=prompt_ids if (want_prompt and first[0]) else msgspec.UNSET,
-        )
         first[0] = False
         return encode_stream_chunk(chunk)
 
@@ -187,7 +151,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
         return encode_stream_chunk(GenerateStreamChunk(request_id=request_id, choices=[],
                                                        output_mode=body.output_mode, usage=usage_of(run)))
 
-    return await stream_answer(request, fe, body, prompt_ids, ecr, run, headers, step, tail)
+    return await stream_answer(request, fe, body.kv_transfer_params, body.cache_salt, prompt_ids, ecr, run, headers,
+                               step, tail)
 
 
 def add_routes(app: web.Application) -> None:

@@ -2,7 +2,8 @@
 
 Both paths close the engine stream in ``finally``: a client that disconnects (the handler is
 cancelled, a write fails, or the transport is gone when an output arrives) aborts the engine
-request at once, and so does a request whose choices all ended on a stop string.
+request at once, and so does a request whose choices all ended on a stop string (the run's own
+stop strings, or the derenderer's: ``stopped``).
 """
 
 from __future__ import annotations
@@ -31,14 +32,28 @@ def _start(fe: Frontend, ecr: EngineCoreRequest) -> AsyncGenerator[RequestOutput
     return cast(AsyncGenerator[RequestOutput, None], fe.engine.generate(ecr))
 
 
-async def run_to_end(request: web.Request, fe: Frontend, ecr: EngineCoreRequest, run: GenerationRun) -> None:
-    """Consume the engine's outputs until the request finishes (non-streaming responses)."""
+#: renders the frames of one engine step: (output, choices it moved) -> bytes to send (may be b"")
+StepRenderer = Callable[[RequestOutput, list[Choice]], bytes]
+#: renders what follows the last step (usage chunk, completion event, [DONE], ...)
+TailRenderer = Callable[[], bytes]
+#: whether stop strings applied outside the run ended every choice (the engine request is then aborted)
+StopCheck = Callable[[], bool]
+#: takes one engine step of a non-streaming answer: (output, choices it moved)
+StepTaker = Callable[[RequestOutput, list[Choice]], None]
+
+
+async def run_to_end(request: web.Request, fe: Frontend, ecr: EngineCoreRequest, run: GenerationRun,
+                     take: StepTaker | None = None, stopped: StopCheck | None = None) -> None:
+    """Consume the engine's outputs until the request finishes (non-streaming responses); ``take``
+    sees every step (a derenderer collecting a whole answer), ``stopped`` may end it early."""
     gen = _start(fe, ecr)
     fe.in_flight += 1
     try:
         async for out in gen:
-            run.apply(out)
-            if run.finished and not out.finished:
+            moved = run.apply(out)
+            if take is not None:
+                take(out, moved)
+            if (run.finished or (stopped is not None and stopped())) and not out.finished:
                 fe.engine.abort(ecr.request_id, "stop")  # every choice ended on a stop string
                 break
             if request.transport is None:
@@ -56,12 +71,6 @@ def _count_prompt(fe: Frontend, run: GenerationRun) -> None:
         kv.count_prompt(run.prompt_tokens, run.cached_tokens, run.remote)
 
 
-#: renders the frames of one engine step: (output, choices it moved) -> bytes to send (may be b"")
-StepRenderer = Callable[[RequestOutput, list[Choice]], bytes]
-#: renders what follows the last step (usage chunk, completion event, [DONE], ...)
-TailRenderer = Callable[[], bytes]
-
-
 async def stream_run(
     resp: web.StreamResponse,
     fe: Frontend,
@@ -70,6 +79,7 @@ async def stream_run(
     render_step: StepRenderer,
     render_tail: TailRenderer,
     done_marker: bool = True,
+    stopped: StopCheck | None = None,
 ) -> None:
     """Write SSE frames as the engine produces them; end with the tail (and ``[DONE]``)."""
     gen = _start(fe, ecr)
@@ -79,7 +89,7 @@ async def stream_run(
             frames = render_step(out, run.apply(out))
             if frames:
                 await resp.write(frames)
-            if run.finished and not out.finished:
+            if (run.finished or (stopped is not None and stopped())) and not out.finished:
                 fe.engine.abort(ecr.request_id, "stop")  # every choice ended on a stop string
                 break
         tail = render_tail()

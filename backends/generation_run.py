@@ -1,12 +1,11 @@
 """``GenerationRun``: the engine's step outputs of one request folded into per-choice results
-(tokens, text with stop strings applied, finish reasons) and usage."""
+(tokens, text with stop strings applied, finish reasons) and the counts usage is made of."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
 from backends.engine.outputs import RequestOutput
-from backends.protocol import PromptTokensDetails, Usage
 from backends.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -123,11 +122,3 @@ class GenerationRun:
         piece = choice.text[choice.sent : limit]
         choice.sent = limit
         return piece
-
-    def usage(self) -> Usage:
-        return Usage(
-            prompt_tokens=self.prompt_tokens,
-            total_tokens=self.prompt_tokens + self.generated,
-            completion_tokens=self.generated,
-            prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached_tokens),
-        )

@@ -20,11 +20,11 @@ import time
 from aiohttp import web
 
 from backends.engine.outputs import RequestOutput
+from backends.engine_run import reply_headers
 from backends.frontend import FRONTEND
 from backends.generation import json_response, run_to_end, stream_run
 from backends.generation_run import Choice, GenerationRun
 from backends.json_body import read_json_body
-from backends.openai_routes import reply_headers
 from backends.responses_store import StoredResponse
 from backends.sse import open_stream
 from backends.validation import engine_request, resolve_max_tokens, sampling_params

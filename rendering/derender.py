@@ -15,6 +15,9 @@ how the engine grouped ids into stream events (a whole answer and a stream give 
   (``POST /inference/v1/abort_requests``); later events are ignored.
 
 Usage: ``prompt_tokens`` from the engine's usage when it sends one (else the prompt's length);
+with ``prompt_tokens_details=True`` (vLLM's ``--enable-prompt-tokens-details``; off by default, as in
+vLLM) the whole answer's and the usage event's ``usage`` carry ``prompt_tokens_details.cached_tokens``
+from the engine's usage when it reports cached prompt tokens (none cached: null, as vLLM);
 ``completion_tokens`` counts the ids each choice consumed: every id up to and including the one
 that completed a stop string (as vLLM's engine, which stops there), none after it.
 
@@ -40,6 +43,8 @@ from rendering.detokenize import IncrementalDetokenizer
 from rendering.derender_logprobs import LogprobNamer
 from rendering.generate_response import (
     GenerateLogProbs,
+    GenerateUsage,
+    PromptTokensDetails,
     GenerateLogProbsContent,
     GenerateResponse,
     GenerateStreamChunk,
@@ -274,8 +279,12 @@ class _Base:
     """What chat and completions derender share: choices, usage, the stream's life."""
 
     def __init__(self, model: RenderModel, options: DerenderOptions, *, request_id: str, created: int | None,
-                 prompt_tokens: int, system_fingerprint: str | None) -> None:
+                 prompt_tokens: int, system_fingerprint: str | None, prompt_tokens_details: bool = False) -> None:
         self.model = model
+        #: vLLM's ``enable_prompt_tokens_details``: report the engine's cached prompt tokens in ``usage``
+        self.prompt_tokens_details = prompt_tokens_details
+        #: cached prompt tokens the engine reported, per prompt
+        self._cached: dict[int, int] = {}
         #: vLLM's ``system_fingerprint`` ("vllm-<version>-<hash8>" of the engine's config; None, as
         #: the derender route and ``--fingerprint-mode none`` answer, unless the caller has one)
         self.system_fingerprint = system_fingerprint
@@ -311,10 +320,28 @@ class _Base:
     def _expected(self) -> int:
         return self.options.n
 
+    def _note_cached(self, usage: GenerateUsage | None, prompt: int = 0) -> None:
+        """Keep the engine's cached prompt tokens (only when they are reported in answers)."""
+        if self.prompt_tokens_details and usage is not None:
+            details = usage.prompt_tokens_details
+            if isinstance(details, PromptTokensDetails):
+                self._cached[prompt] = details.cached_tokens
+
+    def _details(self) -> PromptTokensDetails | None:
+        cached = sum(self._cached.values())
+        return PromptTokensDetails(cached_tokens=cached) if cached else None
+
     def _whole_usage(self) -> UsageInfo:
         completion = self.completion_tokens
         return UsageInfo(prompt_tokens=self.prompt_tokens, total_tokens=self.prompt_tokens + completion,
-                         completion_tokens=completion)
+                         completion_tokens=completion, prompt_tokens_details=self._details())
+
+    def _final_usage(self) -> StreamUsage:
+        """The usage event's ``usage`` (nulls left out)."""
+        completion = self.completion_tokens
+        details = self._details()
+        return StreamUsage(prompt_tokens=self.prompt_tokens, total_tokens=self.prompt_tokens + completion,
+                           completion_tokens=completion, prompt_tokens_details=_UNSET_MARK if details is None else details)
 
     def _stream_usage(self, completion: int) -> bytes:
         """A chat event's continuous usage (vLLM sets ``completion_tokens_details`` there); the
@@ -334,12 +361,13 @@ class ChatDerender(_Base):
 
     def __init__(self, model: RenderModel, chat: ChatRequest | DerenderOptions, *, request_id: str,
                  created: int | None = None, prompt_ids: Sequence[int] | None = None,
-                 prompt_tokens: int | None = None, system_fingerprint: str | None = None) -> None:
+                 prompt_tokens: int | None = None, system_fingerprint: str | None = None,
+                 prompt_tokens_details: bool = False) -> None:
         options = chat if isinstance(chat, DerenderOptions) else DerenderOptions.from_chat(chat)
         if prompt_tokens is None:
             prompt_tokens = len(prompt_ids) if prompt_ids is not None else 0
         super().__init__(model, options, request_id=request_id, created=created, prompt_tokens=prompt_tokens,
-                         system_fingerprint=system_fingerprint)
+                         system_fingerprint=system_fingerprint, prompt_tokens_details=prompt_tokens_details)
         self._prompt_ids = prompt_ids  # not copied: a prompt can be 100k ids
         self._role_sent = False
         self._collecting = False
@@ -365,6 +393,7 @@ class ChatDerender(_Base):
         self._collecting = True
         if response.usage is not None and response.usage.prompt_tokens:
             self.prompt_tokens = response.usage.prompt_tokens
+        self._note_cached(response.usage)
         ids_of: dict[int, list[int]] = {}
         for gc in sorted(response.choices, key=_index):
             choice = self._choice(gc.index)
@@ -382,6 +411,7 @@ class ChatDerender(_Base):
             return
         if chunk.usage is not None and chunk.usage.prompt_tokens:
             self.prompt_tokens = chunk.usage.prompt_tokens
+        self._note_cached(chunk.usage)
         for gc in chunk.choices:
             choice = self._choice(gc.index)
             if choice.done:
@@ -467,8 +497,10 @@ class ChatDerender(_Base):
             return b""
         if chunk.error is not _UNSET_MARK:
             return self._error_event(chunk.error)
-        if chunk.usage is not None and chunk.usage.prompt_tokens:
-            self.prompt_tokens = chunk.usage.prompt_tokens
+        if chunk.usage is not None:
+            if chunk.usage.prompt_tokens:
+                self.prompt_tokens = chunk.usage.prompt_tokens
+            self._note_cached(chunk.usage)
         if not chunk.choices:
             return b""
         out = [] if self._role_sent else [self.start()]
@@ -510,11 +542,9 @@ class ChatDerender(_Base):
     def finish(self) -> bytes:
         """The usage event (if asked for) and ``data: [DONE]``."""
         if self.options.include_usage and not self.failed:
-            completion = self.completion_tokens
             usage = sse_event(ChatCompletionChunk(
                 id=self.request_id, created=self.created, model=self.model.name, choices=[],
-                usage=StreamUsage(prompt_tokens=self.prompt_tokens, total_tokens=self.prompt_tokens + completion,
-                                  completion_tokens=completion),
+                usage=self._final_usage(),
                 system_fingerprint=_or_unset(self.system_fingerprint),
             ))
             return usage + DONE_EVENT
@@ -532,7 +562,7 @@ class CompletionDerender(_Base):
     def __init__(self, model: RenderModel, request: CompletionRequest | DerenderOptions, *, request_id: str,
                  created: int | None = None, prompt_ids: Sequence[Sequence[int]] | None = None,
                  prompt_texts: Sequence[str] | None = None, prompt_tokens: Sequence[int] | None = None,
-                 system_fingerprint: str | None = None) -> None:
+                 system_fingerprint: str | None = None, prompt_tokens_details: bool = False) -> None:
         options = request if isinstance(request, DerenderOptions) else DerenderOptions.from_completion(request)
         self._prompt_ids = list(prompt_ids) if prompt_ids is not None else None
         self._prompt_texts = list(prompt_texts) if prompt_texts is not None else None
@@ -544,7 +574,8 @@ class CompletionDerender(_Base):
         else:
             self._prompt_counts = [0] * self._num_prompts
         super().__init__(model, options, request_id=request_id, created=created,
-                         prompt_tokens=sum(self._prompt_counts), system_fingerprint=system_fingerprint)
+                         prompt_tokens=sum(self._prompt_counts), system_fingerprint=system_fingerprint,
+                         prompt_tokens_details=prompt_tokens_details)
         self._echoed: set[int] = set()
         self._collecting = False
         self._collected_ids: dict[tuple[int, int], list[int]] = {}
@@ -589,6 +620,7 @@ class CompletionDerender(_Base):
         for prompt, response in enumerate(responses):
             if response.usage is not None and response.usage.prompt_tokens:
                 self._set_prompt_tokens(prompt, response.usage.prompt_tokens)
+            self._note_cached(response.usage, prompt)
             if prompt == 0:
                 kv = response.kv_transfer_params
                 ec = _ec(response.ec_transfer_params)
@@ -608,6 +640,7 @@ class CompletionDerender(_Base):
             return
         if chunk.usage is not None and chunk.usage.prompt_tokens:
             self._set_prompt_tokens(prompt, chunk.usage.prompt_tokens)
+        self._note_cached(chunk.usage, prompt)
         for gc in chunk.choices:
             choice = self._choice_of(prompt, gc.index)
             if choice.done:
@@ -675,6 +708,7 @@ class CompletionDerender(_Base):
             return self._error_event(chunk.error)
         if chunk.usage is not None and chunk.usage.prompt_tokens:
             self._set_prompt_tokens(prompt, chunk.usage.prompt_tokens)
+        self._note_cached(chunk.usage, prompt)
         opts = self.options
         out = []
         for gc in chunk.choices:
@@ -720,11 +754,9 @@ class CompletionDerender(_Base):
     def finish(self) -> bytes:
         """The usage event (if asked for) and ``data: [DONE]``."""
         if self.options.include_usage and not self.failed:
-            completion = self.completion_tokens
             return sse_event(CompletionChunk(
                 id=self.request_id, created=self.created, model=self.model.name, choices=[],
-                usage=StreamUsage(prompt_tokens=self.prompt_tokens, total_tokens=self.prompt_tokens + completion,
-                                  completion_tokens=completion),
+                usage=self._final_usage(),
                 system_fingerprint=_or_unset(self.system_fingerprint),
             )) + DONE_EVENT
         return DONE_EVENT

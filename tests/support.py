@@ -21,6 +21,13 @@ from bench.procs import (  # noqa: F401
 from router.config import RouterConfig, sectioned
 
 
+def cached_of(usage: dict[str, Any]) -> int:
+    """``usage.prompt_tokens_details.cached_tokens`` of an OpenAI answer; null (vLLM's answer with
+    ``--enable-prompt-tokens-details`` when nothing was cached) is 0."""
+    details = usage.get("prompt_tokens_details")
+    return 0 if details is None else int(details["cached_tokens"])
+
+
 def metric_sum(text: str, name: str, **labels: str) -> float:
     """Sum of the exposition's samples of ``name`` whose labels include ``labels`` (0 when none)."""
     from prometheus_client.parser import text_string_to_metric_families

@@ -14,6 +14,7 @@ from backends.app import create_app
 from backends.engine.config import EngineConfig
 from backends.engine.request import SESSION_ID_POSITION
 from backends.frontend import ENGINE
+from tests.support import cached_of
 
 MODEL = "sim-model"
 
@@ -50,6 +51,10 @@ async def post_stream(client: Any, path: str, body: dict[str, Any], **kw: Any) -
     return resp, [json.loads(e) for e in events[:-1]]
 
 
+def without_nulls(usage: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in usage.items() if v is not None}
+
+
 async def tokenize(client: Any, **body: Any) -> list[int]:
     resp, data = await post_json(client, "/tokenize", body)
     assert resp.status == 200
@@ -72,10 +77,12 @@ async def test_completion_shape_and_usage(client: Any) -> None:
     assert choice["finish_reason"] == "length" and choice["stop_reason"] is None
     assert len(choice["text"].split()) == 7  # every generated id is one readable word
     prompt_ids = await tokenize(client, prompt="Say hello")
+    # vLLM's UsageInfo: every key; nothing cached, so no prompt_tokens_details (null), as vLLM's
+    # --enable-prompt-tokens-details reports it
     assert data["usage"] == {"prompt_tokens": len(prompt_ids), "completion_tokens": 7,
                              "total_tokens": len(prompt_ids) + 7,
-                             "prompt_tokens_details": {"cached_tokens": 0}}
-    assert "token_ids" not in choice
+                             "prompt_tokens_details": None, "completion_tokens_details": None}
+    assert choice["token_ids"] is None  # vLLM writes every key of a whole answer
 
 
 async def test_completion_prompt_forms_and_return_token_ids(client: Any) -> None:
@@ -109,7 +116,8 @@ async def test_completion_stream_matches_non_stream(client: Any) -> None:
     assert "".join(c["choices"][0]["text"] for c in text_chunks) == full["choices"][0]["text"]
     assert [c["choices"][0]["finish_reason"] for c in text_chunks][-1] == "length"
     assert all(c["choices"][0]["finish_reason"] is None for c in text_chunks[:-1])
-    assert usage_chunk["choices"] == [] and usage_chunk["usage"] == full["usage"]
+    # the usage event leaves the nulls out (vLLM's exclude_unset)
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"] == without_nulls(full["usage"])
     assert "X-Request-ID" in resp.headers
 
 
@@ -207,7 +215,7 @@ async def test_chat_shape(client: Any) -> None:
     chat_ids = await tokenize(client, messages=msgs)
     assert data["prompt_token_ids"] == chat_ids
     assert data["usage"]["prompt_tokens"] == len(chat_ids)
-    assert data["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert data["usage"]["prompt_tokens_details"] is None  # nothing cached: null, as vLLM
 
 
 async def test_chat_stream(client: Any) -> None:
@@ -227,8 +235,19 @@ async def test_chat_stream(client: Any) -> None:
     assert [texts[0], texts[1]] == [c["message"]["content"] for c in full["choices"]]
     # the same prompt again: its full blocks now come from the prefix cache
     cached = full["usage"]["prompt_tokens"] // 16 * 16
-    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == {**full["usage"],
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == {**without_nulls(full["usage"]),
                                                                     "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+async def test_prompt_tokens_details_turned_off_reports_no_cached_tokens(aiohttp_client: Any) -> None:
+    """vLLM's default (no --enable-prompt-tokens-details): usage has no cached tokens, even on a cache hit."""
+    client = await aiohttp_client(create_app(EngineConfig(speed=0.0), prompt_tokens_details=False))
+    body = {"messages": [{"role": "user", "content": "the same words twice " * 8}], "max_tokens": 2}
+    await post_json(client, "/v1/chat/completions", body)
+    _, again = await post_json(client, "/v1/chat/completions", body)
+    assert again["usage"]["prompt_tokens"] >= 32 and again["usage"]["prompt_tokens_details"] is None
+    _, chunks = await post_stream(client, "/v1/chat/completions", {**body, "stream_options": {"include_usage": True}})
+    assert "prompt_tokens_details" not in chunks[-1]["usage"]
 
 
 async def test_chat_max_tokens_default_is_rest_of_context(aiohttp_client: Any) -> None:
@@ -455,7 +474,7 @@ async def test_sessions_list_and_get(client: Any) -> None:
     assert [e["session_id"] for e in limited["data"]] == ["s-a", "s-c"]
     one = await (await client.get("/v1/sessions/s-b")).json()
     assert one == {"requests": 1, "prompt_tokens": usage["s-b"][0]["prompt_tokens"],
-                   "cached_tokens": usage["s-b"][0]["prompt_tokens_details"]["cached_tokens"],
+                   "cached_tokens": cached_of(usage["s-b"][0]),
                    "generated_tokens": usage["s-b"][0]["completion_tokens"]}
     missing = await client.get("/v1/sessions/never-seen")
     assert missing.status == 404

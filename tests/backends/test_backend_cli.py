@@ -48,3 +48,8 @@ def test_an_unknown_log_level_is_refused(capsys: pytest.CaptureFixture[str]) -> 
         parse_args(["--log-level", "loud"])
     assert info.value.code == 2
     assert "invalid choice: 'LOUD'" in capsys.readouterr().err
+
+
+def test_prompt_tokens_details_is_on_unless_turned_off() -> None:
+    assert parse_args([]).enable_prompt_tokens_details is True
+    assert parse_args(["--no-enable-prompt-tokens-details"]).enable_prompt_tokens_details is False

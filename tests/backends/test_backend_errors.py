@@ -69,14 +69,16 @@ async def test_malformed_bodies(client: Any, path: str, raw: bytes, fragment: st
 @pytest.mark.parametrize(
     ("path", "body", "fragment", "param"),
     [
-        ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, "Expected `int | null`, got `str`", "max_tokens"),
-        ("/v1/completions", {"prompt": "x", "n": 1.5}, "Expected `int`", "n"),
-        ("/v1/completions", {"prompt": 5}, "Expected `str | array | null`", "prompt"),
-        ("/v1/completions", {"prompt": "x", "stream": "yes"}, "Expected `bool | null`", "stream"),
-        ("/v1/completions", {"prompt": "x", "vllm_xargs": [1]}, "Expected `object | null`", "vllm_xargs"),
-        ("/v1/chat/completions", {"messages": "hi"}, "Expected `array | null`", "messages"),
+        # the text routes validate with rendering/ (vLLM's request-validation answers: param body.<path>)
+        ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, "Expected `int | null`, got `str`",
+         "body.max_tokens"),
+        ("/v1/completions", {"prompt": "x", "n": 1.5}, "Expected `int`", "body.n"),
+        ("/v1/completions", {"prompt": 5}, "Expected `str | array | null`", "body.prompt"),
+        ("/v1/completions", {"prompt": "x", "stream": "yes"}, "Expected `bool | null`", "body.stream"),
+        ("/v1/completions", {"prompt": "x", "vllm_xargs": [1]}, "Expected `object | null`", "body.vllm_xargs"),
+        ("/v1/chat/completions", {"messages": "hi"}, "Expected `array`", "body.messages"),
         ("/v1/chat/completions", {"messages": [{"content": "no role"}]}, "missing required field `role`",
-         "messages[0]"),
+         "body.messages.0.role"),
         ("/inference/v1/generate", {"token_ids": ["a"], "sampling_params": {}}, "Expected `int`", "token_ids[0]"),
         ("/inference/v1/generate", {"token_ids": [1], "sampling_params": {"max_tokens": "x"}},
          "Expected `int | null`", "sampling_params.max_tokens"),
@@ -97,8 +99,8 @@ async def test_wrong_types(client: Any, path: str, body: dict[str, Any], fragmen
     [
         ("/inference/v1/generate", {"sampling_params": {}}, "missing required field `token_ids`", None),
         ("/v1/completions", {"max_tokens": 3}, "prompt", "prompt"),
-        ("/v1/chat/completions", {"max_tokens": 3}, "messages", "messages"),
-        ("/v1/chat/completions", {"messages": []}, "messages", "messages"),
+        ("/v1/chat/completions", {"max_tokens": 3}, "missing required field `messages`", "body.messages"),
+        ("/v1/chat/completions", {"messages": []}, "Cannot apply chat template to an empty conversation", None),
         ("/v1/responses", {"max_output_tokens": 3}, "input", "input"),
         ("/v1/responses", {"input": []}, "input", "input"),
         ("/detokenize", {}, "missing required field `tokens`", None),
@@ -121,14 +123,16 @@ async def test_missing_required_fields(client: Any, path: str, body: dict[str, A
          "Token id 1000000 is out of vocabulary", None),
         ("/inference/v1/generate", {"token_ids": [1, 393], "sampling_params": {}}, "Token id 393 is out of vocabulary",
          None),
-        ("/v1/completions", {"prompt": []}, "cannot be empty", "prompt"),
-        ("/v1/completions", {"prompt": [[]]}, "cannot be empty", "prompt"),
-        ("/v1/completions", {"prompt": [1, -2]}, "non-negative", "prompt"),
-        ("/v1/completions", {"prompt": [1, "x"]}, "list of token ids", "prompt"),
-        ("/v1/completions", {"prompt": [1, True]}, "list of token ids", "prompt"),
+        # rendering/'s answers (vLLM's render)
+        ("/v1/completions", {"prompt": []}, "You must pass at least one prompt", None),
+        ("/v1/completions", {"prompt": [[]]}, "No token_ids rendered", None),
+        ("/v1/completions", {"prompt": [1, -2]}, "greater than or equal to 0, got -2", "body.prompt.1"),
+        ("/v1/completions", {"prompt": [1, "x"]}, "list of token ids", "body.prompt"),
+        ("/v1/completions", {"prompt": [1, True]}, "list of token ids", "body.prompt"),
+        ("/v1/completions", {"prompt": [1, 393]}, "out of vocabulary", None),
         ("/v1/completions", {"prompt": ["a", "b"]}, "batch of 2 prompts", "prompt"),
         ("/v1/completions", {"prompt": [[1], [2]]}, "batch of 2 prompts", "prompt"),
-        ("/v1/completions", {"prompt": [{"a": 1}]}, "list of token ids", "prompt"),
+        ("/v1/completions", {"prompt": [{"a": 1}]}, "list of token ids", "body.prompt"),
         ("/detokenize", {"tokens": [-1]}, "-1", ""),  # the renderer's message and param (tests/rendering)
     ],
 )
@@ -148,9 +152,11 @@ async def test_prompt_longer_than_model_len(client: Any) -> None:
     await expect_error(await client.post("/inference/v1/generate",
                                          json={"token_ids": [3] * 128, "sampling_params": {}}),
                        400, "your request has 128 input tokens")
-    # prompt fits but prompt + max_tokens does not
-    await expect_error(await client.post("/v1/completions", json={"prompt": [3] * 100, "max_tokens": 50}),
-                       400, "'max_tokens' is too large: 50", param="max_tokens")
+    # prompt fits but prompt + max_tokens does not: vLLM caps max_tokens at the context left (get_max_tokens)
+    resp = await client.post("/v1/completions", json={"prompt": [3] * 100, "max_tokens": 50, "ignore_eos": True})
+    assert resp.status == 200
+    capped = await resp.json()
+    assert capped["usage"]["completion_tokens"] == 28 and capped["choices"][0]["finish_reason"] == "length"
     await still_serving(client)
 
 
@@ -167,19 +173,22 @@ async def test_context_is_capped_by_kv_capacity(aiohttp_client: Any) -> None:
 @pytest.mark.parametrize(
     ("body", "fragment", "param"),
     [
-        ({"n": 0}, "n must be at least 1, got 0", "n"),
-        ({"n": -3}, "n must be at least 1", "n"),
-        ({"n": 100000}, "at most max_num_seqs", "n"),
+        # rendering/'s checks (vLLM's render: SamplingParams' messages)
+        ({"n": 0}, "n must be at least 1, got 0", None),
+        ({"n": -3}, "n must be at least 1", None),
+        ({"n": 100000}, "n must be at most 16384", None),
         ({"max_tokens": 0}, "max_tokens must be at least 1, got 0", "max_tokens"),
         ({"max_tokens": -1}, "max_tokens must be at least 1", "max_tokens"),
         ({"temperature": -0.5}, "temperature must be non-negative", "temperature"),
         ({"top_p": 0}, "top_p must be in (0, 1]", "top_p"),
         ({"top_p": 1.5}, "top_p must be in (0, 1]", "top_p"),
-        ({"top_k": -2}, "top_k", "top_k"),
-        ({"min_tokens": -1}, "min_tokens must be non-negative", "min_tokens"),
-        ({"min_tokens": 5, "max_tokens": 2}, "min_tokens must be less than or equal", "min_tokens"),
+        ({"top_k": -2}, "top_k", None),
+        ({"min_tokens": -1}, "min_tokens must be greater than or equal to 0", None),
+        ({"min_tokens": 5, "max_tokens": 2}, "min_tokens must be less than or equal", None),
         ({"stop_token_ids": [-1]}, "stop_token_ids", "stop_token_ids"),
-        ({"stop": [""]}, "stop strings must not be empty", "stop"),
+        ({"stop": [""]}, "stop cannot contain an empty string", None),
+        # the engine's own bound (render does not know max_num_seqs)
+        ({"n": 300}, "n must be at most max_num_seqs (256), got 300", "n"),
     ],
 )
 async def test_bad_sampling_values(client: Any, body: dict[str, Any], fragment: str, param: str) -> None:
@@ -195,8 +204,9 @@ async def test_bad_sampling_values_on_other_routes(client: Any) -> None:
     await expect_error(await client.post("/inference/v1/generate",
                                          json={"token_ids": [1], "sampling_params": {"max_tokens": 0}}),
                        400, "sampling_params.max_tokens must be at least 1")
+    # vLLM checks max_completion_tokens as the max_tokens it becomes
     await expect_error(await client.post("/v1/chat/completions", json={"messages": CHAT, "max_completion_tokens": 0}),
-                       400, "max_completion_tokens must be at least 1", param="max_completion_tokens")
+                       400, "max_tokens must be at least 1", param="max_tokens")
     await expect_error(await client.post("/v1/responses", json={"input": "x", "top_p": 2}), 400, "top_p")
     await expect_error(await client.post("/v1/responses", json={"input": "x", "max_output_tokens": 0}), 400,
                        "max_output_tokens must be at least 1")
@@ -204,7 +214,8 @@ async def test_bad_sampling_values_on_other_routes(client: Any) -> None:
 
 async def test_unsupported_content(client: Any) -> None:
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
-    await expect_error(await client.post("/v1/chat/completions", json={"messages": image}), 400, "only text parts")
+    await expect_error(await client.post("/v1/chat/completions", json={"messages": image}), 400,
+                       "image_url content is not supported")
     await expect_error(await client.post("/v1/responses", json={"input": [{"type": "function_call_output"}]}),
                        400, "only message items")
     await expect_error(await client.post("/inference/v1/generate",

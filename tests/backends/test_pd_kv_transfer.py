@@ -25,7 +25,7 @@ from backends.frontend import ENGINE, FRONTEND
 from backends.kv_transfer.allow_list import AllowList, is_loopback_host, parse_allow_entry
 from backends.kv_transfer.metrics import FAILURE_REASONS
 from backends.kv_transfer.wire import PULL_PATH, RELEASE_PATH, KVPullRequest, parse_remote_params, prompt_digest
-from tests.support import eventually
+from tests.support import cached_of, eventually
 
 BS = 16
 PLACEHOLDER = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
@@ -185,7 +185,7 @@ async def test_decode_pulls_the_prompt_and_the_prefill_frees_it(prefill: Any, de
     status, data = await post(decode, path, body)
     assert status == 200, data
     prompt = data["usage"]["prompt_tokens"]
-    cached = data["usage"]["prompt_tokens_details"]["cached_tokens"]
+    cached = cached_of(data["usage"])
     assert data["usage"]["completion_tokens"] == 4
     # every full block came from the prefill; only the tail (at least one token) is computed here
     assert cached == (prompt - 1) // BS * BS and prompt > 3 * BS
@@ -216,7 +216,7 @@ async def test_decode_pulls_the_prompt_and_the_prefill_frees_it(prefill: Any, de
     assert (await (await decode.get("/v1/sessions/pd-sess")).json())["cached_tokens"] == cached
     # the same prompt again, computed on the decode alone: those blocks are its local cache now
     status, again = await post(decode, path, BODIES[path], session="pd-local")
-    assert status == 200 and again["usage"]["prompt_tokens_details"]["cached_tokens"] == cached
+    assert status == 200 and cached_of(again["usage"]) == cached
     d = await scrape(decode)
     assert d[("vllm:prefix_cache_hits_total", "")] == cached
     assert d[("vllm:prefix_cache_queries_total", "")] == 2 * prompt
@@ -231,7 +231,7 @@ async def test_streamed_decode_leg_reports_pulled_tokens(prefill: Any, decode: A
     events = [e[6:] for e in (await resp.text()).split("\n\n") if e.startswith("data: ")]
     assert events[-1] == "[DONE]"
     usage = json.loads(events[-2])["usage"]
-    assert usage["prompt_tokens_details"]["cached_tokens"] == (usage["prompt_tokens"] - 1) // BS * BS
+    assert cached_of(usage) == (usage["prompt_tokens"] - 1) // BS * BS
     assert (await scrape(prefill))[("session_backend_kv_held_requests", "")] == 0
 
 
@@ -247,11 +247,11 @@ async def test_pulled_prompt_costs_no_prefill_time(aiohttp_client: Any) -> None:
     started = time.monotonic()
     status, pulled = await post(decode, "/inference/v1/generate", {**body, "kv_transfer_params": params})
     pulled_s = time.monotonic() - started
-    assert status == 200 and pulled["usage"]["prompt_tokens_details"]["cached_tokens"] == 1984
+    assert status == 200 and cached_of(pulled["usage"]) == 1984
     started = time.monotonic()
     status, local = await post(decode, "/inference/v1/generate", {**body, "token_ids": tokens[::-1]})
     local_s = time.monotonic() - started
-    assert status == 200 and local["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert status == 200 and cached_of(local["usage"]) == 0
     assert local_s >= 0.5 and pulled_s < local_s / 2, (pulled_s, local_s)
 
 
@@ -267,7 +267,7 @@ async def test_dedicated_side_channel_listener(aiohttp_client: Any, aiohttp_serv
     params = await prefill_params(prefill, "/v1/completions")
     assert (params["remote_host"], params["remote_port"]) == ("127.0.0.1", side.port)
     status, data = await post(decode, "/v1/completions", {**BODIES["/v1/completions"], "kv_transfer_params": params})
-    assert status == 200 and data["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert status == 200 and cached_of(data["usage"]) > 0
     assert (await scrape(decode))[("session_backend_kv_pulls_total", "")] == 1
     assert (await scrape(prefill))[("session_backend_kv_held_requests", "")] == 0
 
@@ -281,7 +281,7 @@ async def test_advertised_host_name_on_the_data_port(aiohttp_client: Any) -> Non
     params = await prefill_params(prefill, "/v1/chat/completions")
     assert (params["remote_host"], params["remote_port"]) == ("localhost", prefill.server.port)
     data = await decode_with(decode, params)
-    assert data["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert cached_of(data["usage"]) > 0
     assert (await scrape(decode))[("session_backend_kv_pulls_total", "")] == 1
 
 
@@ -323,7 +323,7 @@ async def test_bad_params_recompute_and_are_counted(prefill: Any, decode: Any, r
     before = await failure_counts(decode)
     with caplog.at_level("WARNING", logger="backends.kv_transfer"):
         data = await decode_with(decode, spoil(params))
-    assert data["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # recomputed here
+    assert cached_of(data["usage"]) == 0  # recomputed here
     after = await failure_counts(decode)
     assert {r: after[r] - before[r] for r in FAILURE_REASONS} == {r: float(r == reason) for r in FAILURE_REASONS}
     assert any("recomputing the prompt locally" in rec.getMessage() and reason in rec.getMessage()
@@ -338,7 +338,7 @@ async def test_bad_params_recompute_and_are_counted(prefill: Any, decode: Any, r
 async def test_a_second_pull_finds_nothing(prefill: Any, decode: Any) -> None:
     params = await prefill_params(prefill, "/v1/chat/completions")
     first = await decode_with(decode, params)
-    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert cached_of(first["usage"]) > 0
     await decode_with(decode, params)
     assert (await failure_counts(decode))["not_found"] == 1
 
@@ -444,7 +444,7 @@ async def test_unpulled_blocks_are_freed_after_the_hold_timeout(aiohttp_client: 
 
     await wait_for(freed, timeout=5.0, what="held blocks to expire")
     data = await decode_with(decode, params, "/v1/completions")
-    assert data["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert cached_of(data["usage"]) == 0
     assert (await failure_counts(decode))["not_found"] == 1
 
 
@@ -504,7 +504,7 @@ async def test_release_frees_the_held_blocks_at_once(prefill: Any, decode: Any) 
     again = await prefill.post(RELEASE_PATH, json=params)
     assert again.status == 404
     data = await decode_with(decode, params, "/v1/completions")
-    assert data["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # recomputed
+    assert cached_of(data["usage"]) == 0  # recomputed
     assert (await failure_counts(decode))["not_found"] == 1
 
 

@@ -18,6 +18,7 @@ from backends.engine.request import SESSION_ID_POSITION, WIRE_FIELD_COUNT
 from backends.frontend import ENGINE
 from contract.errors import InvalidSessionIdError
 from contract.session import resolve_session_id, session_from_headers, validate_session_id
+from tests.support import cached_of
 
 # ---------------------------------------------------------------------------------------------
 # the module itself
@@ -111,7 +112,7 @@ def _usage(kind: str, data: dict[str, Any]) -> tuple[int, int, int]:
     u = data["usage"]
     if kind == "responses":
         return u["input_tokens"], u["output_tokens"], u["input_tokens_details"]["cached_tokens"]
-    return u["prompt_tokens"], u["completion_tokens"], u["prompt_tokens_details"]["cached_tokens"]
+    return u["prompt_tokens"], u["completion_tokens"], cached_of(u)
 
 
 async def _send(client: Any, kind: str, *, body: dict[str, Any] | None = None,
@@ -255,7 +256,7 @@ async def test_generate_header_reaches_engine_core_request(client: Any) -> None:
     stats = await (await client.get("/v1/sessions/tok-sess-1")).json()
     u = data["usage"]
     assert stats == {"requests": 1, "prompt_tokens": u["prompt_tokens"],
-                     "cached_tokens": u["prompt_tokens_details"]["cached_tokens"],
+                     "cached_tokens": cached_of(u),
                      "generated_tokens": u["completion_tokens"]}
     assert stats["prompt_tokens"] == 5
 

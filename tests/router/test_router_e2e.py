@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests.support import Proc, metric_sum, start_backend, start_router, wait_until
+from tests.support import Proc, cached_of, metric_sum, start_backend, start_router, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -75,7 +75,7 @@ def test_multi_turn_sessions_stick_and_hit_the_prefix_cache(topology: tuple[Proc
                                          {"X-Session-ID": sid})
             assert status == 200, data
             assert headers["X-Session-ID"] == sid
-            cached_by_turn[sid].append(data["usage"]["prompt_tokens_details"]["cached_tokens"])
+            cached_by_turn[sid].append(cached_of(data["usage"]))
             messages.append({"role": "assistant", "content": data["choices"][0]["message"]["content"]})
             messages.append({"role": "user", "content": "and then?"})
     for sid in conversations:

@@ -24,7 +24,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.config import load_config
-from tests.support import LOOPBACK, Proc, start_backend, start_router, wait_until
+from tests.support import LOOPBACK, Proc, cached_of, start_backend, start_router, wait_until
 
 BS = 16
 REPO = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "../../.."))
@@ -121,7 +121,7 @@ def check_turn(cluster: Cluster, session: str, usage: dict[str, Any], decode_url
     """The decode leg of one request pulled every full block and prefilled only the tail."""
     after = scrape(decode_url)
     prompt = usage["prompt_tokens"]
-    cached = usage["prompt_tokens_details"]["cached_tokens"]
+    cached = cached_of(usage)
 
     def delta(name: str, label: str = "") -> float:
         return after[(name, label)] - before[(name, label)]
@@ -237,7 +237,7 @@ def test_streamed_decode_leg_through_the_router(cluster: Cluster) -> None:
     assert text and chunks[-1]["choices"] == []
     usage = chunks[-1]["usage"]
     assert usage["completion_tokens"] == 20  # the client's max_tokens, not the prefill leg's 1
-    assert usage["prompt_tokens_details"]["cached_tokens"] >= (usage["prompt_tokens"] - 1) // BS * BS
+    assert cached_of(usage) >= (usage["prompt_tokens"] - 1) // BS * BS
     assert fallbacks(cluster.router.url) == 0
 
 
@@ -269,7 +269,7 @@ def test_prefill_loss_falls_back_to_decode_only(tmp_path: Any) -> None:
         assert scrape(prefill.url)[("vllm:kv_cache_usage_perc", "")] == 0
         late_body = {**body, "kv_transfer_params": data["kv_transfer_params"]}
         status, _, late = post(decode.url + "/v1/completions", late_body)
-        assert status == 200 and late["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert status == 200 and cached_of(late["usage"]) == 0
         assert scrape(decode.url)[("session_backend_kv_pull_failures_total", "not_found")] == 1
 
         # both routers hand off while the prefill is up
