@@ -42,15 +42,24 @@ full whenever it cannot:
   versions count as spaces) so that the tokenizer's regex engine agrees with it.
 
 Every known clean cut of the text is remembered as a *mark* ``(position, number of tokens before it)``
-in ``PromptState``: every ~``chunk_chars`` characters (the text is encoded chunk by chunk between
-clean cuts, which is also faster than one ``encode`` of a long text), the last clean cut before the
-end, and the end. The next turn finds where its text departs from the previous one, takes the last
-mark at or before that point that is also a clean cut of the new text, checks on a window of a few
-tokens around it that the tokenizer itself does not merge across it (else: a plain full encode), and
-tokenizes from there. Marks before the cut stay valid for the new text: a mark ``q < p`` only reads
+in ``PromptState``. A text (or new tail) of up to ``whole_chars`` characters is encoded in one call
+and marked only where it started and at its end: its inner cuts are an *open span*, found on demand
+by the next turn, so a request that never has a next turn pays for no mark. A longer one is encoded
+chunk by chunk between clean cuts (faster than one ``encode`` of a long text), marked every
+~``chunk_chars`` characters, at the last clean cut before the end, and at the end. The next turn
+finds where its text departs from the previous one. Inside the open span it takes the last position
+``p`` at or before that point that is a clean cut of both texts; the tokens before ``p`` are the old
+ids minus those of the old text from ``p`` to the span's end (``ids(x) == ids(x[:p]) + ids(x[p:])``
+for a clean cut, and the end is one), which one encode of that short old tail gives and checks (the
+old ids must end with it). Elsewhere it takes the last mark at or before the departure that is also
+a clean cut of the new text. Either way it checks on a window of a few characters around the cut that
+the tokenizer itself does not merge across it (else: a plain full encode), and tokenizes from there. Marks before the cut stay valid for the new text: a mark ``q < p`` only reads
 characters before ``p`` (an added token starting at ``q`` cannot reach over the clean cut ``p``).
 The answer's token ids are never reused: a template re-renders the assistant's
 turn as text, whose tokens need not be the ids the engine generated.
+
+Encodes that only need ids use the tokenizer's offset-free path (``encode_batch_fast``, the same
+pipeline without the character offsets: the same ids, ~25% less CPU) when the library has it.
 """
 
 from __future__ import annotations
@@ -80,14 +89,29 @@ _ASCII_SPACE = " \t\n\r\x0b\x0c"
 _MAYBE_SPACE = "\x1c\x1d\x1e\x1f\x85\xa0\u1680\u180e\u200b\u200c\u200d\u2028\u2029\u202f\u205f\u2060\u3000\ufeff"
 #: a character surely matched by \S: the class text used in the candidate regexes
 _SURE_NONSPACE_CLASS = r"[^\s" + re.escape(_MAYBE_SPACE) + "]"
-#: characters each side of a reused cut that are re-encoded to check it
-_WINDOW = 48
+#: characters each side of a reused cut that are re-encoded to check it (the proof needs none: the
+#: check only runs the real tokenizer over the two pieces that meet at the cut)
+_WINDOW = 16
 _ASCII_ALNUM = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789")
 
 #: the models whose tokens depend only on the piece they are given
 _PER_PIECE_MODELS = {"BPE", "WordPiece", "WordLevel", "Unigram"}
 #: post-processors that add no ids when ``add_special_tokens=False`` (ByteLevel's only trims offsets)
 _QUIET_POST_PROCESSORS = {"TemplateProcessing", "BertProcessing", "RobertaProcessing", "ByteLevel"}
+
+
+def ids_encoder(tokenizer: tokenizers.Tokenizer) -> Callable[[str], list[int]]:
+    """``text -> tokenizer.encode(text, add_special_tokens=False).ids``, through the offset-free batch path
+    when the library has it (the same ids: only the offsets, unused here, are left out)."""
+    fast = getattr(tokenizer, "encode_batch_fast", None)
+    if fast is None:
+        def encode(text: str) -> list[int]:
+            return tokenizer.encode(text, add_special_tokens=False).ids
+        return encode
+
+    def encode_fast(text: str) -> list[int]:
+        return fast([text], add_special_tokens=False)[0].ids
+    return encode_fast
 
 
 def _sure_nonspace(char: str) -> bool:
@@ -267,6 +291,9 @@ class PromptState:
     mark_count: array = field(default_factory=lambda: array("q"), repr=False)
     #: how many leading ids were reused from the previous state (0: encoded in full)
     reused_tokens: int = 0
+    #: where the open span starts (a mark, or 0): the text after it was encoded in one call and its
+    #: inner clean cuts are found on demand; -1: none (every cut chunking made is marked)
+    open_from: int = -1
     #: the encoder that made it (its tokenizer and rule); shared, not counted in ``nbytes``
     encoder: PromptEncoder | None = field(default=None, repr=False)
 
@@ -279,17 +306,23 @@ class PromptState:
 
 class PromptEncoder:
     """Encodes prompts for one tokenizer, incrementally when ``_analyze`` proves it can. Built once per
-    tokenizer (``Renderer`` holds one); ``encode_prompt`` builds one when it is not given it."""
+    tokenizer (``Renderer`` holds one); ``encode_prompt`` builds one when it is not given it.
+
+    ``whole_chars``: a text (or new tail) up to this long is encoded in one call, its inner cuts left
+    open (default ``8 * chunk_chars``); longer ones are encoded ``chunk_chars`` at a time."""
 
     def __init__(self, tokenizer: tokenizers.Tokenizer, *, chunk_chars: int = 512,
-                 max_back_marks: int = 8) -> None:
+                 max_back_marks: int = 8, whole_chars: int | None = None) -> None:
         self.tokenizer = tokenizer
         rule, reason = _analyze(tokenizer)
         #: None when every encode is a plain full one; ``reason`` says why
         self.rule = rule
         self.reason = reason
         self.chunk_chars = chunk_chars
+        self.whole_chars = 8 * chunk_chars if whole_chars is None else whole_chars
         self.max_back_marks = max_back_marks
+        #: ``text -> ids`` (no special tokens added), built once
+        self.ids = ids_encoder(tokenizer)
 
     def encode(self, text: str, previous: PromptState | None = None) -> PromptState:
         """``PromptState`` of ``text``: its ids are exactly ``tokenizer.encode(text, add_special_tokens=False).ids``."""
@@ -303,6 +336,17 @@ class PromptEncoder:
             return previous
         common = _common_prefix(old, text)
         positions, counts = previous.mark_pos, previous.mark_count
+        if 0 <= previous.open_from < common:
+            found = self._open_cut(previous, text, common)
+            if found is False:
+                return self._plain(text)
+            if found is not None:
+                p, k = found
+                if not self._window_agrees(text, p):
+                    return self._plain(text)
+                index = bisect_right(positions, previous.open_from)  # the marks up to the span's start
+                return self._from_cut(text, p, previous.token_ids[:k], positions[:index], counts[:index],
+                                      reused=k)
         index = bisect_right(positions, common)
         for _ in range(self.max_back_marks):
             if index <= 0:
@@ -317,29 +361,69 @@ class PromptEncoder:
                                       positions[:index + 1], counts[:index + 1], reused=k)
         return self._from_cut(text, 0, [], array("q"), array("q"))
 
+    def _open_cut(self, previous: PromptState, text: str, common: int) -> tuple[int, int] | bool | None:
+        """The last clean cut ``p`` of both ``previous.text`` and ``text`` in the previous state's open
+        span, at or before ``common`` (where the texts depart), with the number of old tokens before it:
+        the old ids minus those of ``old[p:]`` (one encode of that tail, which the old ids must end
+        with). None: no such cut worth it (the tail to encode would be longer than the reused head);
+        False: the tokenizer disagrees with the rule (encode in full)."""
+        rule = self.rule
+        assert rule is not None
+        old = previous.text
+        ids = previous.token_ids
+        floor = previous.open_from
+        n = len(old)
+        if common == n and rule.is_cut(text, n):
+            return n, len(ids)  # the new text extends the old one at a clean cut: nothing to encode
+        pattern = rule._candidates
+        if pattern is None:
+            return None
+        low = max(floor + 1, common - 2 * self.chunk_chars)
+        candidates = [m.start() for m in pattern.finditer(text, low, common + 1)]
+        for p in reversed(candidates):
+            if p <= floor or n - p > max(p - floor, self.chunk_chars):
+                return None  # re-encoding a long old tail would cost more than it saves
+            if rule.is_cut(old, p) and rule.is_cut(text, p):
+                tail = self.ids(old[p:])
+                k = len(ids) - len(tail)
+                if k <= 0 or ids[k:] != tail:
+                    return False
+                return p, k
+        return None
+
     def _window_agrees(self, text: str, p: int) -> bool:
         """The tokenizer itself splits the few dozen characters around ``p`` at ``p``: a cheap check of the
         proof on the real tokenizer (a disagreement means the rule is wrong: encode in full)."""
         start, end = max(0, p - _WINDOW), min(len(text), p + _WINDOW)
         if end == p:
             return True
-        encode = self.tokenizer.encode
-        whole = encode(text[start:end], add_special_tokens=False).ids
-        left = encode(text[start:p], add_special_tokens=False).ids
-        return whole[:len(left)] == left and whole[len(left):] == encode(text[p:end], add_special_tokens=False).ids
+        encode = self.ids
+        whole = encode(text[start:end])
+        left = encode(text[start:p])
+        return whole[:len(left)] == left and whole[len(left):] == encode(text[p:end])
 
     def _plain(self, text: str) -> PromptState:
-        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
-        return PromptState(text, ids, array("q"), array("q"), encoder=self)
+        return PromptState(text, self.ids(text), array("q"), array("q"), encoder=self)
 
     def _from_cut(self, text: str, start: int, ids: list[int], mark_pos: array, mark_count: array,
                   *, reused: int = 0) -> PromptState:
-        """Encode ``text[start:]`` (``start`` a clean cut, ``ids`` the ids of ``text[:start]``) chunk by
-        chunk between clean cuts, marking each cut and the last one before the end."""
+        """Encode ``text[start:]`` (``start`` a clean cut, ``ids`` the ids of ``text[:start]``): in one call
+        when it is short (marked at ``start`` and the end, its inner cuts left open), else chunk by chunk
+        between clean cuts, marking each cut and the last one before the end."""
         rule = self.rule
         assert rule is not None
-        encode = self.tokenizer.encode
+        encode = self.ids
         n = len(text)
+        if n - start <= self.whole_chars:
+            if start > 0 and (not mark_pos or mark_pos[-1] != start):
+                mark_pos.append(start)
+                mark_count.append(len(ids))
+            ids += encode(text[start:]) if start else encode(text)
+            if n > start:
+                mark_pos.append(n)
+                mark_count.append(len(ids))
+            return PromptState(text, ids, mark_pos, mark_count, reused_tokens=reused, encoder=self,
+                               open_from=start)
         step = self.chunk_chars
         a = start
         while a < n:
@@ -349,13 +433,13 @@ class PromptEncoder:
                 floor = max(a, n - step)
                 c = rule.prev_cut(text, n, floor)
                 if c > floor:
-                    ids += encode(text[a:c], add_special_tokens=False).ids
+                    ids += encode(text[a:c])
                     mark_pos.append(c)
                     mark_count.append(len(ids))
                     a = c
-                ids += encode(text[a:], add_special_tokens=False).ids
+                ids += encode(text[a:])
                 break
-            ids += encode(text[a:b], add_special_tokens=False).ids
+            ids += encode(text[a:b])
             mark_pos.append(b)
             mark_count.append(len(ids))
             a = b

@@ -63,7 +63,8 @@ def test_template_that_rewrote_history_encodes_in_full(tokenizer: Tokenizer) -> 
     text = "<s><|system|>\nTurn 2\n" + TURN2[3:]
     second = encode_prompt(tokenizer, text, first)
     assert second.token_ids == _ids(tokenizer, text)
-    assert second.reused_tokens < 8  # nothing after the changed system prompt is reused
+    # nothing from the changed system prompt on is reused (the cut found in the open span is before " 2")
+    assert 0 < second.reused_tokens <= len(_ids(tokenizer, "<s><|system|>\nTurn"))
 
 
 def test_edit_in_the_middle_reuses_up_to_the_last_mark_before_it(tokenizer: Tokenizer) -> None:
