@@ -19,7 +19,9 @@ from collections.abc import Iterable, Sequence
 import tokenizers
 from tokenizers.decoders import DecodeStream
 
-#: prompt ids given to the stream (a character is at most 4 bytes, so at most 4 ids)
+#: prompt ids given to the stream: a short tail first (cheap to check and to prefill), the longer
+#: one when the short one decodes to nothing (skipped special tokens) or ends inside a character
+_SHORT_TAIL = 8
 _PRIME_TAIL = 32
 _REPLACEMENT = "\ufffd"
 #: what DecodeStream raises when a tokenizer's output stopped growing monotonically (vLLM then
@@ -30,7 +32,19 @@ _INVALID_PREFIX = "Invalid prefix encountered"
 def prime_ids(tokenizer: tokenizers.Tokenizer, prompt_ids: Sequence[int], *,
               skip_special_tokens: bool = True) -> list[int]:
     """The prompt ids to prefill the decode stream with: the last ones, or all of them when the
-    prompt's text ends inside a character (then the result differs with the prefix)."""
+    prompt's text ends inside a character (then the result differs with the prefix).
+
+    The last 8 ids do when their text is not empty and ends with a whole character: that character's
+    bytes all lie in them, so the prompt's text ends with it too (any tail whose text ends on a
+    character boundary gives the whole prompt's steps); otherwise the last 32 are checked as below."""
+    if len(prompt_ids) > _SHORT_TAIL:
+        short = list(prompt_ids[-_SHORT_TAIL:])
+        try:
+            text = tokenizer.decode(short, skip_special_tokens=skip_special_tokens)
+        except (TypeError, OverflowError):
+            text = ""
+        if text and not text.endswith(_REPLACEMENT):
+            return short
     tail = list(prompt_ids[-_PRIME_TAIL:])
     if len(tail) < len(prompt_ids):
         try:
