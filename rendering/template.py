@@ -22,6 +22,7 @@ import jinja2
 import jinja2.ext
 import jinja2.meta
 import jinja2.nodes
+from jinja2.runtime import new_context
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from contract.errors import BadRequestError, ConfigError
@@ -86,6 +87,11 @@ class ChatTemplate:
         #: the names the template reads (kwargs it cannot see are not passed, as vLLM filters them)
         self.variables = frozenset(jinja2.meta.find_undeclared_variables(ast))
         self._specials = {k: v for k, v in special_tokens.items() if v is not None}
+        #: the template's globals (a ChainMap over the environment's) flattened once, and the base of
+        #: every render's variables: globals, then the special tokens (``Template.render`` would merge
+        #: the ChainMap into a new dict and iterate it again per request)
+        self._globals = dict(self._template.globals)
+        self._base = {**self._globals, **self._specials}
 
     def render(
         self,
@@ -97,15 +103,18 @@ class ChatTemplate:
         extra: Mapping[str, Any] | None = None,
     ) -> str:
         """The prompt text; ``BadRequestError`` when the template raises."""
-        context: dict[str, Any] = dict(self._specials)
+        context: dict[str, Any] = dict(self._base)
         if extra:
             context.update(extra)
         context["messages"] = messages
         context["tools"] = tools
         context["documents"] = documents
         context["add_generation_prompt"] = add_generation_prompt
+        template = self._template
         try:
-            return self._template.render(context)
+            # ``Template.render`` without its per-call merge of the globals: ``context`` has them already
+            return "".join(template.root_render_func(
+                new_context(template.environment, template.name, template.blocks, context, True, self._globals)))
         except Exception as exc:  # noqa: BLE001 - a template failing on a request is the request's 400
             raise BadRequestError(_reason(exc)) from exc
 
