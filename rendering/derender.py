@@ -75,6 +75,9 @@ __all__ = ["ChatDerender", "CompletionDerender", "DerenderOptions"]
 
 #: the end of a chat event for a choice still running (no token ids, no usage)
 _RUNNING_TAIL = b'},"logprobs":null,"finish_reason":null,"token_ids":null}]}\n\n'
+#: the end of a completions event for a choice still running (no logprobs, no ids, no usage)
+_RUNNING_COMPLETION_TAIL = (b',"logprobs":null,"finish_reason":null,"stop_reason":null,"prompt_token_ids":null,'
+                            b'"token_ids":null}]}\n\n')
 
 
 @dataclass(frozen=True)
@@ -580,6 +583,11 @@ class CompletionDerender(_Base):
         self._collecting = False
         self._collected_ids: dict[tuple[int, int], list[int]] = {}
         self._collected_kv: dict[str, Any] | None = None
+        opts = self.options
+        #: running events carry nothing but the text: constant bytes around it (as chat's)
+        self._plain = not (opts.echo or opts.return_token_ids or opts.continuous_usage or opts.logprobs)
+        self._head = (b'data: {"id":' + encode(request_id) + b',"object":"text_completion","created":'
+                      + str(self.created).encode() + b',"model":' + encode(model.name) + b',"choices":[{"index":')
 
     @property
     def _expected(self) -> int:
@@ -717,6 +725,10 @@ class CompletionDerender(_Base):
             if choice.done:
                 continue
             text, consumed = choice.take(gc.token_ids, gc.finish_reason, gc.stop_reason)
+            if self._plain and not choice.done:  # the common event: pre-encoded around the text
+                if text or consumed or choice.tokens:
+                    out.append(self._head + str(key).encode() + b',"text":' + encode(text) + _RUNNING_COMPLETION_TAIL)
+                continue
             entries = choice.step_logprobs(gc.logprobs, consumed)
             prompt_ids_out = None
             echoed = 0  # characters of prompt text in front of the generated text
