@@ -117,9 +117,12 @@ async def _answer(request: web.Request, fe: Frontend, generate: GenerateRequest,
             body = derender.collected()
         return web.Response(body=body, content_type="application/json", headers=headers)
 
-    def step(out: RequestOutput, moved: list[Choice]) -> bytes:
-        chunk = stream_chunk(run, moved, request_id=request_id)
-        return b"" if chunk is None else derender.chunk(chunk)
+    def step(out: RequestOutput, moved: list[Choice]) -> bytes:  # per token: no generate Structs
+        frames = b""
+        for c in moved:
+            if c.last_ids or c.done:
+                frames += derender.step(c.index, c.last_ids, c.finish_reason, c.stop_reason)
+        return frames
 
     def tail() -> bytes:
         # the engine's usage (cached prompt tokens), then the usage event; [DONE] is stream_run's

@@ -507,34 +507,48 @@ class ChatDerender(_Base):
         if not chunk.choices:
             return b""
         out = [] if self._role_sent else [self.start()]
-        plain = self._plain
         for gc in chunk.choices:
-            choice = self._choices.get(gc.index)
-            if choice is None:
-                choice = self._choice(gc.index)
-            elif choice.done:
-                continue
-            text, consumed = choice.take(gc.token_ids, gc.finish_reason, gc.stop_reason)
-            if not text and not consumed and not choice.tokens and not choice.done:
-                continue
-            if plain and not choice.done:  # the common event: pre-encoded around the text
-                out.append(self._content_head(gc.index) + encode(text) + _RUNNING_TAIL)
-                continue
-            token_ids = encode(consumed) if self.options.return_token_ids else b"null"
-            entries = choice.step_logprobs(gc.logprobs, consumed)
-            logprobs = (b"null" if entries is None or choice.namer is None
-                        else encode(choice.namer.chat(entries, self.options.top_logprobs)))
-            if choice.done:
-                tail = (b'},"logprobs":' + logprobs + b',"finish_reason":' + encode(choice.finish_reason)
-                        + b',"stop_reason":' + encode(choice.stop_reason) + b',"token_ids":' + token_ids + b"}]")
-            else:
-                tail = b'},"logprobs":' + logprobs + b',"finish_reason":null,"token_ids":' + token_ids + b"}]"
-            if self.options.continuous_usage:
-                tail += b',"usage":' + self._stream_usage(choice.tokens)
-            if choice.done and self.system_fingerprint is not None and not self.options.include_usage:
-                tail += b',"system_fingerprint":' + encode(self.system_fingerprint)
-            out.append(self._content_head(gc.index) + encode(text) + tail + b"}\n\n")
+            event = self._event(gc.index, gc.token_ids, gc.finish_reason, gc.stop_reason, gc.logprobs)
+            if event:
+                out.append(event)
         return out[0] if len(out) == 1 else b"".join(out)
+
+    def step(self, index: int, token_ids: list[int], finish_reason: str | None = None,
+             stop_reason: Any = _UNSET_MARK) -> bytes:
+        """``chunk`` for one choice's step (no logprobs), without a ``GenerateStreamChunk``: for an engine in
+        the same process (the backends' text routes), per token."""
+        if self.failed:
+            return b""
+        event = self._event(index, token_ids, finish_reason, stop_reason, None)
+        return event if self._role_sent else self.start() + event
+
+    def _event(self, index: int, token_ids: list[int] | None, finish_reason: str | None, stop_reason: Any,
+               logprobs_in: GenerateLogProbs | None) -> bytes:
+        """The SSE event of one choice's step (``b""``: nothing to send)."""
+        choice = self._choices.get(index)
+        if choice is None:
+            choice = self._choice(index)
+        elif choice.done:
+            return b""
+        text, consumed = choice.take(token_ids, finish_reason, stop_reason)
+        if not text and not consumed and not choice.tokens and not choice.done:
+            return b""
+        if self._plain and not choice.done:  # the common event: pre-encoded around the text
+            return self._content_head(index) + encode(text) + _RUNNING_TAIL
+        token_ids_out = encode(consumed) if self.options.return_token_ids else b"null"
+        entries = choice.step_logprobs(logprobs_in, consumed)
+        logprobs = (b"null" if entries is None or choice.namer is None
+                    else encode(choice.namer.chat(entries, self.options.top_logprobs)))
+        if choice.done:
+            tail = (b'},"logprobs":' + logprobs + b',"finish_reason":' + encode(choice.finish_reason)
+                    + b',"stop_reason":' + encode(choice.stop_reason) + b',"token_ids":' + token_ids_out + b"}]")
+        else:
+            tail = b'},"logprobs":' + logprobs + b',"finish_reason":null,"token_ids":' + token_ids_out + b"}]"
+        if self.options.continuous_usage:
+            tail += b',"usage":' + self._stream_usage(choice.tokens)
+        if choice.done and self.system_fingerprint is not None and not self.options.include_usage:
+            tail += b',"system_fingerprint":' + encode(self.system_fingerprint)
+        return self._content_head(index) + encode(text) + tail + b"}\n\n"
 
     def _content_head(self, index: int) -> bytes:
         head = self._heads.get(index)
@@ -717,51 +731,66 @@ class CompletionDerender(_Base):
         if chunk.usage is not None and chunk.usage.prompt_tokens:
             self._set_prompt_tokens(prompt, chunk.usage.prompt_tokens)
         self._note_cached(chunk.usage, prompt)
-        opts = self.options
         out = []
         for gc in chunk.choices:
-            key = prompt * opts.n + gc.index
-            choice = self._choice_of(prompt, gc.index)
-            if choice.done:
-                continue
-            text, consumed = choice.take(gc.token_ids, gc.finish_reason, gc.stop_reason)
-            if self._plain and not choice.done:  # the common event: pre-encoded around the text
-                if text or consumed or choice.tokens:
-                    out.append(self._head + str(key).encode() + b',"text":' + encode(text) + _RUNNING_COMPLETION_TAIL)
-                continue
-            entries = choice.step_logprobs(gc.logprobs, consumed)
-            prompt_ids_out = None
-            echoed = 0  # characters of prompt text in front of the generated text
-            if key not in self._echoed and (opts.echo or opts.return_token_ids):
-                self._echoed.add(key)
-                prompt_ids_out = list(self._prompt_id_list(prompt))
-                if opts.echo:
-                    prefix = self._prompt_text(prompt)
-                    echoed = len(prefix)
-                    text = prefix + ("" if opts.echo_only else text)
-            elif not text and not consumed and not choice.tokens and not choice.done:
-                continue
-            logprobs = None
-            if entries is not None and choice.namer is not None and not opts.echo_only:
-                logprobs, choice.lp_offset = choice.namer.completion(entries, choice.lp_offset + echoed)
-            event = CompletionChunk(
-                id=self.request_id, created=self.created, model=self.model.name,
-                choices=[CompletionStreamChoice(
-                    index=key, text=text, logprobs=logprobs,
-                    finish_reason=choice.finish_reason if choice.done else None,
-                    stop_reason=choice.stop_reason if choice.done else None,
-                    prompt_token_ids=prompt_ids_out,
-                    token_ids=consumed if opts.return_token_ids else None,
-                )],
-            )
-            if choice.done and self.system_fingerprint is not None and not opts.include_usage:
-                event.system_fingerprint = self.system_fingerprint
-            if opts.continuous_usage:
-                count = self._prompt_counts[prompt] if prompt < len(self._prompt_counts) else 0
-                event.usage = StreamUsage(prompt_tokens=count, total_tokens=count + choice.tokens,
-                                          completion_tokens=choice.tokens)
-            out.append(sse_event(event))
+            event = self._event(prompt, gc.index, gc.token_ids, gc.finish_reason, gc.stop_reason, gc.logprobs)
+            if event:
+                out.append(event)
         return b"".join(out)
+
+    def step(self, index: int, token_ids: list[int], finish_reason: str | None = None,
+             stop_reason: Any = _UNSET_MARK, prompt: int = 0) -> bytes:
+        """``chunk`` for one choice's step (no logprobs), without a ``GenerateStreamChunk``: for an engine in
+        the same process (the backends' text routes), per token."""
+        if self.failed:
+            return b""
+        return self._event(prompt, index, token_ids, finish_reason, stop_reason, None)
+
+    def _event(self, prompt: int, index: int, token_ids: list[int] | None, finish_reason: str | None,
+               stop_reason: Any, logprobs_in: GenerateLogProbs | None) -> bytes:
+        """The SSE event of one choice's step (``b""``: nothing to send)."""
+        opts = self.options
+        key = prompt * opts.n + index
+        choice = self._choice_of(prompt, index)
+        if choice.done:
+            return b""
+        text, consumed = choice.take(token_ids, finish_reason, stop_reason)
+        if self._plain and not choice.done:  # the common event: pre-encoded around the text
+            if text or consumed or choice.tokens:
+                return self._head + str(key).encode() + b',"text":' + encode(text) + _RUNNING_COMPLETION_TAIL
+            return b""
+        entries = choice.step_logprobs(logprobs_in, consumed)
+        prompt_ids_out = None
+        echoed = 0  # characters of prompt text in front of the generated text
+        if key not in self._echoed and (opts.echo or opts.return_token_ids):
+            self._echoed.add(key)
+            prompt_ids_out = list(self._prompt_id_list(prompt))
+            if opts.echo:
+                prefix = self._prompt_text(prompt)
+                echoed = len(prefix)
+                text = prefix + ("" if opts.echo_only else text)
+        elif not text and not consumed and not choice.tokens and not choice.done:
+            return b""
+        logprobs = None
+        if entries is not None and choice.namer is not None and not opts.echo_only:
+            logprobs, choice.lp_offset = choice.namer.completion(entries, choice.lp_offset + echoed)
+        event = CompletionChunk(
+            id=self.request_id, created=self.created, model=self.model.name,
+            choices=[CompletionStreamChoice(
+                index=key, text=text, logprobs=logprobs,
+                finish_reason=choice.finish_reason if choice.done else None,
+                stop_reason=choice.stop_reason if choice.done else None,
+                prompt_token_ids=prompt_ids_out,
+                token_ids=consumed if opts.return_token_ids else None,
+            )],
+        )
+        if choice.done and self.system_fingerprint is not None and not opts.include_usage:
+            event.system_fingerprint = self.system_fingerprint
+        if opts.continuous_usage:
+            count = self._prompt_counts[prompt] if prompt < len(self._prompt_counts) else 0
+            event.usage = StreamUsage(prompt_tokens=count, total_tokens=count + choice.tokens,
+                                      completion_tokens=choice.tokens)
+        return sse_event(event)
 
     def finish(self) -> bytes:
         """The usage event (if asked for) and ``data: [DONE]``."""
