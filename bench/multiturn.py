@@ -103,14 +103,14 @@ class BenchConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def quick_variants(seed: int) -> tuple[Variant, ...]:
-    spec = WorkloadSpec(sessions=24, turns=5, arrival_rate=3.0, think_s=0.6, user_words=(20, 60),
-                        answer_tokens=(30, 60), system_words=150, seed=seed)
+    spec = WorkloadSpec(sessions=24, turns=5, arrival_rate=3.0, think_s=0.6, user_tokens=(20, 60),
+                        answer_tokens=(30, 60), system_tokens=150, seed=seed)
     return (Variant("uniform", spec, True, "X-Session-ID sent; uniform sessions"),)
 
 
 def full_variants(seed: int) -> dict[str, Variant]:
-    uniform = WorkloadSpec(sessions=64, turns=8, arrival_rate=1.0, think_s=2.0, user_words=(40, 120),
-                           answer_tokens=(100, 200), system_words=300, seed=seed)
+    uniform = WorkloadSpec(sessions=64, turns=8, arrival_rate=1.0, think_s=2.0, user_tokens=(40, 120),
+                           answer_tokens=(100, 200), system_tokens=300, seed=seed)
     skewed = msgspec.structs.replace(uniform, heavy_share=0.1, heavy_turns_x=3.0, heavy_think_x=0.25)
     return {
         "uniform": Variant("uniform", uniform, True, "X-Session-ID sent; uniform sessions"),
@@ -121,9 +121,9 @@ def full_variants(seed: int) -> dict[str, Variant]:
     }
 
 
-#: 4,096 tokens per backend: the quick workload (24 sessions of 5 turns, ~2,100 prompt tokens at the last turn with
-#: the shipped tokenizer) fits one sequence but not the working set
-QUICK_NUM_BLOCKS = 256
+#: 2,048 tokens per backend: the quick workload (24 sessions of 5 turns, ~600 prompt tokens at the last turn)
+#: fits a few sequences but not the working set
+QUICK_NUM_BLOCKS = 128
 
 # ---------------------------------------------------------------------------------------------
 # Results

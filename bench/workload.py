@@ -15,16 +15,24 @@ counts are then identical across policies, and so is the oracle hit ratio.
 The skewed variant (``heavy_share > 0``) makes a few sessions much longer (``heavy_turns_x``
 times the turns) and busier (``heavy_think_x`` times the think time).
 
-Text is drawn from the session-backend tokenizer's word list, so one word is one token there.
+Sizes are in the backends' tokens: the system prompt and every user message are drawn from a fixed
+English word list (``backends.words``) until they encode to exactly the planned number of tokens
+with the model's tokenizer (``WordCosts``; by default the shipped ``models/tiny-llama``, which the
+backends serve). Its byte-level BPE splits text into pre-tokens at spaces, so a message's token count
+is the sum of its words' counts (" water" is 4 tokens there; the old word tokenizer counted 1).
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
+from pathlib import Path
 
 import msgspec
+import tokenizers
 
 from backends.words import WORDS
+from rendering.model import DEFAULT_MODEL_DIR
 
 
 class WorkloadSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -38,12 +46,12 @@ class WorkloadSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     arrival_rate: float = 1.0
     #: mean think time between turns, seconds (each pause is uniform in [0.5, 1.5] x this)
     think_s: float = 2.0
-    #: words per user message, inclusive range
-    user_words: tuple[int, int] = (40, 120)
+    #: tokens per user message (its content, encoded alone), inclusive range
+    user_tokens: tuple[int, int] = (40, 120)
     #: answer length in tokens, inclusive range (sent as max_tokens with ignore_eos)
     answer_tokens: tuple[int, int] = (100, 200)
-    #: words of the system prompt shared by every session
-    system_words: int = 300
+    #: tokens of the system prompt shared by every session (its content, encoded alone)
+    system_tokens: int = 300
     #: share of heavy sessions (0 = the uniform variant)
     heavy_share: float = 0.0
     heavy_turns_x: float = 3.0
@@ -58,12 +66,12 @@ class WorkloadSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise ValueError("arrival_rate must be > 0 sessions per second")
         if self.think_s < 0:
             raise ValueError("think_s must be >= 0")
-        for name in ("user_words", "answer_tokens"):
+        for name in ("user_tokens", "answer_tokens"):
             low, high = getattr(self, name)
             if not 1 <= low <= high:
                 raise ValueError(f"{name} must be a range (low, high) with 1 <= low <= high")
-        if self.system_words < 1:
-            raise ValueError("system_words must be at least 1")
+        if self.system_tokens < 1:
+            raise ValueError("system_tokens must be at least 1")
         if not 0 <= self.heavy_share <= 1:
             raise ValueError("heavy_share must be between 0 and 1")
         if self.heavy_turns_x < 1 or not 0 < self.heavy_think_x <= 1:
@@ -103,15 +111,56 @@ class Workload(msgspec.Struct, frozen=True):
         return max((s.start_s for s in self.sessions), default=0.0)
 
 
-def _sentence(rng: random.Random, words: int) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(words))
+#: the system prompt's first words; the rest are drawn
+SYSTEM_HEAD = "You are a helpful assistant."
 
 
-def generate(spec: WorkloadSpec) -> Workload:
-    """The workload of ``spec``: a pure function of it (same spec -> equal workload)."""
+class WordCosts:
+    """The word list with each word's token count in one tokenizer, for sizing text in its tokens."""
+
+    def __init__(self, tokenizer: tokenizers.Tokenizer, words: Sequence[str] = WORDS) -> None:
+        self.tokenizer = tokenizer
+        self.words = tuple(words)
+        # every word is drawn after a space, so it is costed as " word" (one pre-token)
+        encoded = tokenizer.encode_batch([" " + w for w in self.words], add_special_tokens=False)
+        self.cost = {w: len(e.ids) for w, e in zip(self.words, encoded, strict=True)}
+        cheapest = min(self.cost.values())
+        if cheapest != 1:
+            raise ValueError("the tokenizer has no one-token word in the word list; messages cannot be sized exactly")
+        #: fitting[k] = the words of at most k tokens (k up to the dearest word's count)
+        self.fitting = [tuple(w for w in self.words if self.cost[w] <= k) for k in range(max(self.cost.values()) + 1)]
+
+    @classmethod
+    def of_model(cls, model_dir: str | Path = DEFAULT_MODEL_DIR) -> WordCosts:
+        """The costs in a model folder's tokenizer (default: the shipped one the backends serve)."""
+        return cls(tokenizers.Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json")))
+
+    def count(self, text: str) -> int:
+        """``text``'s token count (no special tokens)."""
+        return len(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def text(self, rng: random.Random, head: str, tokens: int) -> str:
+        """``head`` followed by words drawn from ``rng``: exactly ``tokens`` tokens, or ``head`` and one
+        word if ``head`` alone takes that many (with tiny-llama: 14 tokens for the system prompt's head,
+        21 for a first message's "Conversation N of seed S:", 5 for "Next:")."""
+        remaining = max(1, tokens - self.count(head))
+        words: list[str] = []
+        while remaining > 0:
+            word = rng.choice(self.words)
+            if self.cost[word] > remaining:
+                word = rng.choice(self.fitting[min(remaining, len(self.fitting) - 1)])
+            words.append(word)
+            remaining -= self.cost[word]
+        return head + " " + " ".join(words)
+
+
+def generate(spec: WorkloadSpec, costs: WordCosts | None = None) -> Workload:
+    """The workload of ``spec`` sized in ``costs``' tokenizer (default: the shipped model's): a pure
+    function of both (same spec and tokenizer -> equal workload)."""
     spec.check()
+    costs = costs or WordCosts.of_model()
     rng = random.Random(spec.seed)
-    system = "You are a helpful assistant. " + _sentence(rng, spec.system_words)
+    system = costs.text(rng, SYSTEM_HEAD, spec.system_tokens)
     # heavy sessions: a fixed count, spread by the rng (at least one when the share is > 0)
     num_heavy = max(1, round(spec.sessions * spec.heavy_share)) if spec.heavy_share > 0 else 0
     heavy = set(rng.sample(range(spec.sessions), num_heavy))
@@ -128,7 +177,7 @@ def generate(spec: WorkloadSpec) -> Workload:
             # the first message names the session: derived session ids (hash of the system
             # prompt + first user message) are then distinct per conversation
             head = f"Conversation {index} of seed {spec.seed}:" if turn == 0 else "Next:"
-            text = f"{head} {_sentence(rng, rng.randint(*spec.user_words))}"
+            text = costs.text(rng, head, rng.randint(*spec.user_tokens))
             pause = think * rng.uniform(0.5, 1.5) if turn < turns - 1 else 0.0
             plans.append(TurnPlan(text, rng.randint(*spec.answer_tokens), round(pause, 4)))
         sessions.append(SessionPlan(index, f"mt-{spec.seed}-{index}", round(clock, 4), is_heavy, tuple(plans)))

@@ -23,7 +23,7 @@ from bench.multiturn import (
     percentile,
 )
 from bench.procs import REPO
-from bench.workload import WorkloadSpec, generate
+from bench.workload import WordCosts, WorkloadSpec, generate
 
 # -- the workload --------------------------------------------------------------------------------
 
@@ -37,7 +37,7 @@ def test_the_workload_is_a_pure_function_of_its_spec() -> None:
 
 
 def test_the_workload_has_the_planned_shape() -> None:
-    spec = WorkloadSpec(sessions=40, turns=5, arrival_rate=4.0, think_s=2.0, user_words=(3, 7),
+    spec = WorkloadSpec(sessions=40, turns=5, arrival_rate=4.0, think_s=2.0, user_tokens=(30, 40),
                         answer_tokens=(10, 20), heavy_share=0.1, heavy_turns_x=3.0, heavy_think_x=0.25, seed=3)
     w = generate(spec)
     assert len(w.sessions) == 40
@@ -59,6 +59,24 @@ def test_the_workload_has_the_planned_shape() -> None:
     assert len({s.turns[0].user for s in w.sessions}) == 40
     assert len({s.session_id for s in w.sessions}) == 40
     assert w.num_requests == 36 * 5 + 4 * 15
+
+
+def test_messages_are_sized_in_the_backends_tokens() -> None:
+    # the shipped model's tokenizer (what session-backend serves by default): each message's content
+    # encodes to exactly its planned count, though the words cost 1 to 11 tokens each there
+    costs = WordCosts.of_model()
+    assert {costs.cost[w] for w in costs.words} >= {1, 2, 3, 4, 5}
+    spec = WorkloadSpec(sessions=6, turns=4, user_tokens=(30, 90), system_tokens=200, seed=4)
+    w = generate(spec, costs)
+    assert costs.count(w.system_prompt) == 200
+    sizes = [costs.count(t.user) for s in w.sessions for t in s.turns]
+    assert all(30 <= n <= 90 for n in sizes) and len(set(sizes)) > 5
+    # by default the workload is sized in the shipped model's tokenizer
+    assert generate(spec) == w
+    # a head longer than the planned size still gets one word (never an empty body)
+    tiny = generate(WorkloadSpec(sessions=2, turns=2, user_tokens=(1, 1), system_tokens=1, seed=4), costs)
+    assert tiny.system_prompt.startswith("You are a helpful assistant. ") and len(tiny.system_prompt.split()) == 6
+    assert all(len(t.user.split()) == (6 if i == 0 else 2) for s in tiny.sessions for i, t in enumerate(s.turns))
 
 
 def test_a_bad_spec_is_refused() -> None:
