@@ -9,7 +9,8 @@ over, as in OpenAI's API). Streaming follows vLLM's event sequence: ``response.c
 ``response.output_item.done``, ``response.completed`` (each as ``event: <type>`` +
 ``data: {...}``; no ``[DONE]``, as in vLLM). The request fields, the input's conversion, the
 ``response`` object (vLLM's keys) and the events are ``rendering.responses_objects``', which the
-router's tokens mode answers with too.
+router's tokens mode answers with too; the turn is rendered by ``rendering.render`` as the chat request
+it is (``chat_body``), and runs on the engine as the other routes' requests do (``engine_run``).
 """
 
 from __future__ import annotations
@@ -20,15 +21,14 @@ import time
 from aiohttp import web
 
 from backends.engine.outputs import RequestOutput
-from backends.engine_run import reply_headers
+from backends.engine_run import engine_request_for, reply_headers
 from backends.frontend import FRONTEND
 from backends.generation import json_response, run_to_end, stream_run
 from backends.generation_run import Choice, GenerationRun
 from backends.json_body import read_json_body
 from backends.responses_store import StoredResponse
 from backends.sse import open_stream
-from backends.validation import engine_request, resolve_max_tokens, sampling_params
-from contract.errors import BadRequestError, NotFoundError
+from contract.errors import NotFoundError
 from contract.session import SESSION_HEADER, resolve_session_id
 from rendering.responses_objects import (
     OutputMessage,
@@ -36,7 +36,9 @@ from rendering.responses_objects import (
     ResponsesEvents,
     ResponsesRequest,
     ResponseUsage,
+    chat_body,
     chat_messages,
+    encode,
     message_item,
     response_object,
     response_usage,
@@ -63,21 +65,19 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         if previous is None:
             raise not_found(body.previous_response_id)
         history = previous.conversation
-    new_input = chat_messages(body.input, None)
-    conversation = history + new_input
+    conversation = history + chat_messages(body.input, None)
     messages = [{"role": "system", "content": body.instructions}] + conversation if body.instructions else conversation
-    try:
-        prompt_ids = fe.tokenizer.apply_chat_template([(m["role"], m["content"]) for m in messages])
-    except ValueError as exc:
-        raise BadRequestError(f"input: {exc}.", param="input") from None
-    max_tokens = resolve_max_tokens(fe.config, len(prompt_ids), body.max_output_tokens, "max_output_tokens")
-    params = sampling_params(fe.config, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
-                             max_tokens=max_tokens, final_only=not body.stream)
     response_id = body.request_id or f"resp_{secrets.token_hex(16)}"
     base = fe.base_request_id(request, response_id)
-    ecr = engine_request(fe, external_id=response_id, prompt_ids=prompt_ids, params=params,
-                         session_id=session, cache_salt=body.cache_salt, priority=body.priority or 0)
-    run = GenerationRun(fe.tokenizer, 1, None)
+    # rendered as the chat turn it is (rendering.render: the model's template, vLLM's checks and defaults)
+    generate = fe.renderer.render_chat(encode(chat_body(body, messages)), request_id=response_id).request
+    prompt_ids = generate.token_ids
+    sp = generate.sampling_params
+    ecr, run = engine_request_for(fe, generate, request_id=response_id, session=session,
+                                  max_tokens=sp.max_tokens if sp.max_tokens is not None else
+                                  fe.config.max_model_len - len(prompt_ids),
+                                  stops=sp.stop_strings or None, kv_transfer_params=None,
+                                  engine_stream=bool(body.stream))
     headers = reply_headers(base, session)
     created = int(time.time())
     events = ResponsesEvents(f"msg_{secrets.token_hex(12)}")

@@ -1,13 +1,10 @@
-"""The text routes' tokenizer: the loaded model's own (``rendering.model.RenderModel``), so that every
-route of a backend (text in/out, tokens in/out, render) speaks one vocabulary.
+"""The engine side's tokenizer: the loaded model's own (``rendering.model.RenderModel``), so that every
+route of a backend (text in/out, tokens in/out, render) speaks one vocabulary. Prompts are rendered by
+``rendering.render`` (chat template included); this holds what the engine and its runs need:
 
-- ``encode`` is Hugging Face tokenizers' ``encode`` (``add_bos`` = ``add_special_tokens``: the
-  tokenizer's own post-processor decides what that adds, as vLLM's completions route does);
-- ``apply_chat_template`` renders the model's chat template with ``rendering.template.ChatTemplate``
-  (the render code the router and render servers use) and encodes the text without adding special
-  tokens again (the template writes ``bos_token`` itself);
-- ``decode`` is the tokenizer's ``decode``. The engine generates only ids from
-  ``generation_ids`` (whole word tokens, ``backends.vocabulary``) and ``eos``, so decoding each step's
+- ``encode`` is Hugging Face tokenizers' ``encode`` (``add_bos`` = ``add_special_tokens``);
+- ``decode`` is the tokenizer's ``decode`` (a tokens-in request's ``output_mode: "text"``, the
+  Responses route's text). The engine generates only ids from ``generation_ids`` (whole word tokens, ``backends.vocabulary``) and ``eos``, so decoding each step's
   ids on their own gives exactly the text of the whole sequence.
 """
 
@@ -17,11 +14,10 @@ from collections.abc import Iterable, Sequence
 
 from backends.vocabulary import generation_ids
 from rendering.model import RenderModel
-from rendering.template import ChatTemplate
 
 
 class Tokenizer:
-    """One model's tokenizer and chat template, built once at start-up."""
+    """One model's tokenizer, built once at start-up."""
 
     def __init__(self, model: RenderModel) -> None:
         self.model = model
@@ -30,11 +26,6 @@ class Tokenizer:
         self.eos_token_id = model.eos_token_id
         #: the ids the engine generates (never special ids; eos aside)
         self.generation_ids = generation_ids(model.tokenizer)
-        self._template = (
-            ChatTemplate(model.chat_template, special_tokens={"bos_token": model.bos_token, "eos_token": model.eos_token})
-            if model.chat_template is not None
-            else None
-        )
 
     # ---- text <-> ids -------------------------------------------------------------------
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
@@ -57,18 +48,3 @@ class Tokenizer:
             if not 0 <= i < size:
                 return i
         return None
-
-    # ---- chat template -----------------------------------------------------------------
-    def apply_chat_template(
-        self, messages: Iterable[tuple[str, str]], add_generation_prompt: bool = True
-    ) -> list[int]:
-        """Token ids of ``(role, text)`` messages rendered with the model's chat template.
-
-        Raises ``ValueError`` when the model has no template; a template error is the template's
-        ``BadRequestError`` (vLLM answers 400 for it).
-        """
-        if self._template is None:
-            raise ValueError("the model has no chat template (no chat_template.jinja, none in tokenizer_config.json)")
-        text = self._template.render([{"role": role, "content": content} for role, content in messages],
-                                     add_generation_prompt=add_generation_prompt)
-        return self._tok.encode(text, add_special_tokens=False).ids

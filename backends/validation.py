@@ -1,8 +1,9 @@
-"""vLLM's rules for a generation request's values, and the ``EngineCoreRequest`` they become.
+"""The engine's checks of a generation request's sampling values, and the ``EngineCoreRequest`` they become.
 
-Prompt ids in the vocabulary, the context length, sampling values (``n``, temperature, top_p,
-top_k, min/max tokens, stops): a bad value is a 400 with vLLM's message. ``engine_request``
-builds the request that crosses the wire boundary into the engine.
+Sampling values (``n`` within ``max_num_seqs``, temperature, top_p, top_k, min/max tokens, stops): a bad
+value is a 400 (the text routes' requests were checked by ``rendering.render`` before, with vLLM's
+render messages; the tokens-in route's come straight from the client). ``engine_request`` builds the
+request that crosses the wire boundary into the engine.
 """
 
 from __future__ import annotations
@@ -13,49 +14,12 @@ from typing import Any
 from backends.engine.config import EngineConfig
 from backends.engine.request import EngineCoreRequest, SamplingParams
 from backends.frontend import Frontend
-from backends.tokenizer import Tokenizer
 from contract.errors import BadRequestError
 
 #: vLLM's RequestOutputKind.DELTA: each output carries only the new tokens
 OUTPUT_KIND_DELTA = 1
 #: vLLM's RequestOutputKind.FINAL_ONLY: one output when the request finishes (non-streaming)
 OUTPUT_KIND_FINAL_ONLY = 2
-
-
-def check_prompt_ids(tokenizer: Tokenizer, ids: list[int], param: str) -> None:
-    if not ids:
-        raise BadRequestError("The prompt cannot be empty; send at least one token.", param=param)
-    bad = tokenizer.out_of_vocab(ids)
-    if bad is not None:
-        if bad < 0:
-            raise BadRequestError(f"Token ids must be non-negative, got {bad}.", param=param)
-        raise BadRequestError(
-            f"Token id {bad} is out of vocabulary (the vocabulary has {tokenizer.vocab_size} ids).",
-            param=param,
-        )
-
-
-def resolve_max_tokens(config: EngineConfig, prompt_len: int, max_tokens: int | None, param: str) -> int:
-    """Check the prompt fits and return the number of tokens to generate at most."""
-    limit = config.max_model_len
-    if prompt_len >= limit:
-        raise BadRequestError(
-            f"This model's maximum context length is {limit} tokens. However, your request has "
-            f"{prompt_len} input tokens. Please reduce the length of the input.",
-            param="prompt" if param == "max_tokens" else "input",
-        )
-    if max_tokens is None:
-        return limit - prompt_len
-    if max_tokens < 1:
-        raise BadRequestError(f"{param} must be at least 1, got {max_tokens}.", param=param)
-    if prompt_len + max_tokens > limit:
-        raise BadRequestError(
-            f"'{param}' is too large: {max_tokens}. This model's maximum context length is {limit} "
-            f"tokens and your request has {prompt_len} input tokens "
-            f"({max_tokens} > {limit} - {prompt_len}).",
-            param=param,
-        )
-    return max_tokens
 
 
 def sampling_params(
@@ -120,14 +84,6 @@ def sampling_params(
         output_kind=OUTPUT_KIND_FINAL_ONLY if final_only and not stop else OUTPUT_KIND_DELTA,
         extra_args=extra,
     )
-
-
-def stop_list(stop: str | list[str] | None) -> list[str] | None:
-    if stop is None:
-        return None
-    if isinstance(stop, str):
-        return [stop] if stop else None
-    return stop or None
 
 
 def engine_request(

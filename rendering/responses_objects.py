@@ -5,7 +5,9 @@ the router's in tokens mode (``router.tokens.responses_route``) and the backends
 - ``ResponsesRequest``: the body's fields (vLLM's ``ResponsesRequest`` names); unknown fields are ignored.
 - ``chat_messages(input, instructions)``: the chat conversation vLLM builds of it (``instructions`` first as
   a system message, a string as one user message, message items in order: text parts joined by newlines,
-  an assistant item's first part).
+  an assistant item's first part); ``chat_body(request, messages)``: the ``/v1/chat/completions`` body a
+  turn is rendered from (the Responses sampling fields under their chat names, ``max_output_tokens`` as
+  ``max_tokens``).
 - ``ResponseObject`` (via ``response_object``): vLLM's ``ResponsesResponse``, every key in its order;
   ``temperature``, ``top_p`` and ``max_output_tokens`` report what the request ran with (the request's, else
   the model's ``generation_config.json`` defaults, else 1.0; the output budget bounded by the context left
@@ -28,7 +30,7 @@ from contract.errors import BadRequestError, InvalidJSONError
 from rendering.model import RenderModel
 
 __all__ = ["OutputMessage", "OutputText", "ResponseObject", "ResponseUsage", "ResponsesEvents", "ResponsesRequest",
-           "chat_messages", "decode_responses_request", "responses_request_decoder", "message_item", "response_object", "response_usage"]
+           "chat_body", "chat_messages", "decode_responses_request", "responses_request_decoder", "message_item", "response_object", "response_usage"]
 
 
 class ResponsesRequest(Struct):
@@ -132,6 +134,29 @@ def _text(role: str, content: Any, i: int) -> str:
     if role == "assistant":
         return texts[0] if texts else ""
     return "\n".join(texts)
+
+
+#: Responses fields passed to the chat render under the same name (vLLM's Responses sampling fields)
+_SAME_NAME = ("model", "temperature", "top_p", "top_k", "seed", "repetition_penalty", "stop", "ignore_eos",
+              "skip_special_tokens", "include_stop_str_in_output", "cache_salt", "priority", "session_id",
+              "vllm_xargs")
+
+
+def chat_body(request: ResponsesRequest, messages: list[dict[str, str]]) -> dict[str, Any]:
+    """The chat request of a Responses turn (``messages`` from ``chat_messages``), as a JSON-ready dict;
+    a 400 for a ``max_output_tokens`` below 1."""
+    chat: dict[str, Any] = {}
+    for name in _SAME_NAME:
+        value = getattr(request, name)
+        if value is not None:
+            chat[name] = value
+    chat["messages"] = messages
+    if request.max_output_tokens is not None:
+        if request.max_output_tokens < 1:
+            raise BadRequestError(f"max_output_tokens must be at least 1, got {request.max_output_tokens}.",
+                                  param="max_output_tokens")
+        chat["max_tokens"] = request.max_output_tokens
+    return chat
 
 
 # ---- the response object ---------------------------------------------------------------------------

@@ -44,6 +44,7 @@ from rendering.responses_objects import (
     ResponsesEvents,
     ResponsesRequest,
     ResponseUsage,
+    chat_body,
     chat_messages,
     decode_responses_request,
     encode,
@@ -60,12 +61,6 @@ from router.routes import ROUTES, Route
 SUPPORTED = ("tokens mode answers /v1/responses without storing anything: send \"store\": false (or leave it "
              "out) and the whole conversation as \"input\" message items")
 SSE_CONTENT_TYPE = "text/event-stream; charset=utf-8"
-
-
-#: Responses fields passed to the chat render under the same name (vLLM's Responses sampling fields)
-_SAME_NAME = ("model", "temperature", "top_p", "top_k", "seed", "repetition_penalty", "stop", "ignore_eos",
-              "skip_special_tokens", "include_stop_str_in_output", "cache_salt", "priority", "session_id",
-              "vllm_xargs")
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,14 +84,7 @@ def responses_turn(body: bytes) -> ResponsesTurn:
     """Read a ``/v1/responses`` body; 400 for what tokens mode does not do (``SUPPORTED``)."""
     request = decode_responses_request(body)
     _check_supported(request)
-    chat: dict[str, Any] = {}
-    for name in _SAME_NAME:
-        value = getattr(request, name)
-        if value is not None:
-            chat[name] = value
-    chat["messages"] = chat_messages(request.input, request.instructions)
-    if request.max_output_tokens is not None:
-        chat["max_tokens"] = request.max_output_tokens
+    chat = chat_body(request, chat_messages(request.input, request.instructions))
     chat["stream"] = bool(request.stream)
     if request.stream:
         chat["stream_options"] = {"include_usage": True}  # response.completed carries the usage

@@ -4,6 +4,8 @@ template's prefix property with generated answers (what makes multi-turn prefix 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import tokenizers
 from hypothesis import given, settings
@@ -12,9 +14,11 @@ from hypothesis import strategies as st
 from backends.tokenizer import Tokenizer
 from backends.vocabulary import generation_ids
 from rendering.model import DEFAULT_MODEL_DIR, load_model
+from rendering.render import Renderer
 
 MODEL = load_model(DEFAULT_MODEL_DIR)
 TOK = Tokenizer(MODEL)
+RENDERER = Renderer(MODEL)
 
 
 @given(st.text())
@@ -66,11 +70,17 @@ def test_special_ids_decode_to_nothing_and_bad_ids_raise() -> None:
     assert TOK.token_str(1) == "<s>"
 
 
+def chat_ids(messages: list[tuple[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    """The prompt ids the backends' chat route runs: ``rendering.render`` (the model's template)."""
+    body = {"messages": [{"role": r, "content": c} for r, c in messages], "add_generation_prompt": add_generation_prompt}
+    return RENDERER.render_chat(json.dumps(body).encode()).request.token_ids
+
+
 def test_chat_template_is_the_models() -> None:
-    ids = TOK.apply_chat_template([("user", "hi")])
+    ids = chat_ids([("user", "hi")])
     assert TOK.decode(ids, skip_special_tokens=False) == "<s><|user|>\nhi\n<|assistant|>\n"
     assert ids[0] == 1  # the template writes bos itself; encoding adds nothing
-    no_prompt = TOK.apply_chat_template([("user", "hi")], add_generation_prompt=False)
+    no_prompt = chat_ids([("user", "hi")], add_generation_prompt=False)
     assert TOK.decode(no_prompt, skip_special_tokens=False) == "<s><|user|>\nhi\n"
 
 
@@ -92,8 +102,8 @@ def test_next_turn_starts_with_previous_prompt_plus_answer(turns: list[tuple[str
             return
         answer_ids = [pool[p % len(pool)] for p in picks]
         messages.append(("user", user_text))
-        prompt = TOK.apply_chat_template(messages)
+        prompt = chat_ids(messages)
         answer = TOK.decode(answer_ids)
         messages.append(("assistant", answer))
-        next_prompt = TOK.apply_chat_template(messages + [("user", "next")])
+        next_prompt = chat_ids(messages + [("user", "next")])
         assert next_prompt[: len(prompt) + len(answer_ids)] == prompt + answer_ids
