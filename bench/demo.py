@@ -51,7 +51,7 @@ import aiohttp
 import msgspec
 
 from bench.procs import LOOPBACK, REPO, Proc, free_port, start_backend, start_process, start_router
-from bench.traffic import (NEXT_MESSAGE_TOKENS, TOPICS, Conversation, Stats, TrafficConfig, conversation_over,
+from bench.traffic import (TOPICS, Conversation, Stats, TrafficConfig, conversation_over, min_context_budget,
                            run_turn)
 
 #: the backends' context length when --max-model-len is not given (passed to them explicitly)
@@ -432,9 +432,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--max-context-tokens ({budget}) must not exceed the backends' context length ({context})")
     config = TrafficConfig(router="", sessions=args.sessions, turns=args.turns, seed=args.seed, stream_share=0.3,
                            max_context_tokens=budget, **({"model": TOKENS_MODEL} if args.tokens else {}))
-    if budget <= NEXT_MESSAGE_TOKENS + config.max_tokens[1]:
-        parser.error(f"--max-context-tokens must be more than {NEXT_MESSAGE_TOKENS + config.max_tokens[1]} "
-                     "(room for one message and its answer)")
+    if budget < min_context_budget(config.max_tokens[1]):
+        parser.error(f"--max-context-tokens must be at least {min_context_budget(config.max_tokens[1])} "
+                     "(room for the system prompt, one message and its answer)")
 
     log_dir = tempfile.mkdtemp(prefix="session-router-demo-")
     procs: list[Proc] = []

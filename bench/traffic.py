@@ -44,8 +44,12 @@ TOPICS = ("the tides", "sourdough", "rust lifetimes", "jazz harmony", "orbital m
 SYSTEM = ("You are a concise assistant for a long-running demo. Answer in a few sentences, stay on "
           "the topic and keep the conversation going.")
 MAX_BACKOFF_S = 10.0
-#: room kept for the next user message and its chat-template tokens when checking the token budget
-NEXT_MESSAGE_TOKENS = 64
+#: room kept for the next user message and its chat-template tokens when checking the token budget (with the
+#: backends' shipped tiny-llama tokenizer the longest next message here is 49 tokens, its template 14 more)
+NEXT_MESSAGE_TOKENS = 96
+#: a bound on a conversation's tokens before its first user message: the system prompt and its template. A
+#: byte-level BPE (the backends' tokenizer) never makes more tokens than the text has UTF-8 bytes
+OPENING_TOKENS = len(SYSTEM.encode()) + 32
 #: client errors that a retry may fix (the others end the conversation)
 RETRYABLE_4XX = frozenset({408, 409, 429})
 #: outcomes kept for the recent-window figures (``Stats.window``)
@@ -222,8 +226,8 @@ class Conversation:
             self.context_tokens = usage.prompt_tokens + usage.completion_tokens
             self.prompt_tokens += usage.prompt_tokens
             self.cached_tokens += usage.cached_tokens
-        else:  # no usage in the answer: a rough count (one token per word, plus the template's)
-            self.context_tokens = sum(len(m["content"].split()) + 4 for m in self.messages)
+        else:  # no usage in the answer: a bound (a byte-level BPE makes at most one token per byte, plus the template's)
+            self.context_tokens = sum(len(m["content"].encode()) + 16 for m in self.messages)
 
     def failed(self, status: int = 0) -> None:
         self.messages.pop()  # ask the same question again next time
@@ -237,7 +241,13 @@ class Conversation:
         ``max_context_tokens``."""
         if self.turns >= turns or self.abandoned:
             return True
-        return self.context_tokens + NEXT_MESSAGE_TOKENS + max_answer_tokens > max_context_tokens
+        context = max(self.context_tokens, OPENING_TOKENS)
+        return context + NEXT_MESSAGE_TOKENS + max_answer_tokens > max_context_tokens
+
+
+def min_context_budget(max_answer_tokens: int) -> int:
+    """The smallest ``max_context_tokens`` that lets a conversation's first turn be sent."""
+    return OPENING_TOKENS + NEXT_MESSAGE_TOKENS + max_answer_tokens
 
 
 def conversation_over(conv: Conversation, config: TrafficConfig) -> bool:
@@ -408,9 +418,9 @@ def parse_args(argv: Sequence[str] | None = None) -> TrafficConfig:
     for name in ("sessions", "turns"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1")
-    if args.max_context_tokens < NEXT_MESSAGE_TOKENS + d.max_tokens[1] + 1:
-        p.error(f"--max-context-tokens must be more than {NEXT_MESSAGE_TOKENS + d.max_tokens[1]} "
-                "(room for one message and its answer)")
+    if args.max_context_tokens < min_context_budget(d.max_tokens[1]):
+        p.error(f"--max-context-tokens must be at least {min_context_budget(d.max_tokens[1])} "
+                "(room for the system prompt, one message and its answer)")
     if args.conversations is not None and args.conversations < 1:
         p.error("--conversations must be at least 1")
     if args.think < 0 or args.report < 0:

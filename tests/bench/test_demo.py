@@ -23,7 +23,8 @@ import pytest
 from backends.app import create_app as create_backend_app
 from backends.engine.config import EngineConfig
 from bench.demo import RED, DemoTraffic, error_banner, port_or_free, ratio_line, render, router_lists_flag
-from bench.traffic import NEXT_MESSAGE_TOKENS, Conversation, Stats, TrafficConfig, Usage, run
+from bench.traffic import (NEXT_MESSAGE_TOKENS, OPENING_TOKENS, TOPICS, Conversation, Stats, TrafficConfig, Usage,
+                           min_context_budget, run)
 from tests.support import LOOPBACK, REPO, wait_until
 
 ROW = re.compile(r"^(conv-|demo-)")
@@ -66,6 +67,34 @@ async def test_traffic_conversations_end_before_the_context_and_new_ones_start(a
     assert stats.conversations == 6
     assert stats.ok > 6  # several turns per conversation
     assert 0 < stats.max_context_tokens <= 400
+
+
+async def test_the_budget_bounds_each_turn_in_the_backends_tokens(aiohttp_server: Any) -> None:
+    """What a turn adds, counted by the backends' tokenizer (the shipped model's byte-level BPE since
+    issue 13, ~5 tokens per English word), stays within the room ``over`` keeps for it: so a turn sent
+    under a budget <= the context never asks for more than the context (prompt + max_tokens)."""
+    backend = await aiohttp_server(create_backend_app(EngineConfig(speed=0.0)), host=LOOPBACK)
+    url = f"http://{LOOPBACK}:{backend.port}/tokenize"
+    topic = max(TOPICS, key=len)
+    conv = Conversation(999_999, topic, "s", "session-sim")
+    async with aiohttp.ClientSession() as http:
+        for _ in range(14):  # past two-digit question numbers
+            before = max(conv.context_tokens, OPENING_TOKENS)
+            body = conv.next_body(stream=False, max_tokens=48)
+            async with http.post(url, json={"model": "session-sim", "messages": body["messages"]}) as resp:
+                assert resp.status == 200, await resp.text()
+                prompt = len((await resp.json())["tokens"])
+            assert prompt <= before + NEXT_MESSAGE_TOKENS, (conv.turns, prompt, before)
+            answer = " ".join(["the", "two"] * 24)  # 48 one-token words, as the engine generates
+            conv.answered(answer, Usage(prompt_tokens=prompt, completion_tokens=48, cached_tokens=0))
+    # without usage, the context is bounded from above as well (at most one token per UTF-8 byte)
+    conv.answered("x", None)
+    assert conv.context_tokens >= prompt + 48
+    assert min_context_budget(48) == OPENING_TOKENS + NEXT_MESSAGE_TOKENS + 48
+    assert not Conversation(1, topic, "s", "m").over(turns=3, max_context_tokens=min_context_budget(48),
+                                                      max_answer_tokens=48)
+    assert Conversation(1, topic, "s", "m").over(turns=3, max_context_tokens=min_context_budget(48) - 1,
+                                                  max_answer_tokens=48)
 
 
 async def test_without_a_budget_the_context_fills_and_the_refused_conversation_is_replaced(
