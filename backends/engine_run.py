@@ -29,6 +29,7 @@ from backends.generation_run import Choice, GenerationRun
 from backends.sse import open_stream
 from backends.validation import engine_request, sampling_params
 from contract.session import SESSION_HEADER
+from rendering.derender import DerenderOptions
 from rendering.generate_request import GenerateRequest
 from rendering.generate_response import (
     GenerateChoice,
@@ -47,14 +48,16 @@ def reply_headers(request_id: str, session_id: str | None) -> dict[str, str]:
 
 
 def engine_request_for(fe: Frontend, body: GenerateRequest, *, request_id: str, session: str | None,
-                       max_tokens: int, stops: list[str] | None, kv_transfer_params: dict[str, Any] | None,
+                       max_tokens: int, text: bool, kv_transfer_params: dict[str, Any] | None,
                        engine_stream: bool) -> tuple[EngineCoreRequest, GenerationRun]:
     """The engine request of ``body`` and its run state.
 
-    ``stops``: stop strings the run applies itself (the tokens-in route with ``output_mode`` "text"); None
-    when a derenderer applies them. ``engine_stream``: the engine sends every step (a stream, or stop
-    strings to watch), else only the final output."""
+    ``text``: the run answers text itself and applies the stop strings (``rendering.derender.ChoiceText``
+    with the request's detokenize and stop options: a tokens-in request with stop strings or
+    ``output_mode`` "text", the Responses route); False when a derenderer answers. ``engine_stream``: the
+    engine sends every step (a stream, or stop strings to watch), else only the final output."""
     sp = body.sampling_params
+    stops = (sp.stop_strings or None) if text else None
     params = sampling_params(
         fe.config, n=sp.n, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, seed=sp.seed,
         max_tokens=max_tokens, min_tokens=sp.min_tokens, stop=stops, stop_token_ids=sp.stop_token_ids,
@@ -62,7 +65,14 @@ def engine_request_for(fe: Frontend, body: GenerateRequest, *, request_id: str, 
     )
     ecr = engine_request(fe, external_id=request_id, prompt_ids=body.token_ids, params=params, session_id=session,
                          cache_salt=body.cache_salt, priority=body.priority)
-    return ecr, GenerationRun(fe.tokenizer, sp.n, stops)
+    options = None
+    if text:
+        options = DerenderOptions(n=sp.n, stop=tuple(stops or ()),
+                                  include_stop_str_in_output=sp.include_stop_str_in_output,
+                                  skip_special_tokens=sp.skip_special_tokens,
+                                  spaces_between_special_tokens=sp.spaces_between_special_tokens,
+                                  min_tokens=sp.min_tokens)
+    return ecr, GenerationRun(fe.tokenizer, sp.n, options)
 
 
 async def pull_remote_prefill(fe: Frontend, params: dict[str, Any] | None, prompt_ids: list[int],

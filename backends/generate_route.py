@@ -119,7 +119,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
         max_tokens = min(given_max_tokens, room)  # the engine stops at the context's end ("length")
     request_id = f"generate-tokens-{base}"
     ecr, run = engine_request_for(fe, body, request_id=request_id, session=session, max_tokens=max_tokens,
-                                  stops=stops, kv_transfer_params=body.kv_transfer_params, engine_stream=bool(body.stream))
+                                  text=text_mode or bool(stops), kv_transfer_params=body.kv_transfer_params,
+                                  engine_stream=bool(body.stream))
     headers = reply_headers(base, session)
     want_prompt = bool(body.return_token_ids)
     model = fe.config.model

@@ -1,5 +1,6 @@
 """``GenerationRun``: the engine's step outputs of one request folded into per-choice results
-(tokens, text with stop strings applied, finish reasons) and the counts usage is made of."""
+(tokens, finish reasons, the text where this backend answers text itself) and the counts usage is
+made of."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from backends.engine.outputs import RequestOutput
 from backends.tokenizer import Tokenizer
+from rendering.derender import ChoiceText, DerenderOptions
 
 if TYPE_CHECKING:
     from backends.kv_transfer.agent import RemoteLoad
@@ -15,17 +17,17 @@ if TYPE_CHECKING:
 class Choice:
     """One child sequence's progress as seen by the frontend."""
 
-    __slots__ = ("index", "token_ids", "last_ids", "text", "sent", "finish_reason", "stop_reason", "done")
+    __slots__ = ("index", "token_ids", "last_ids", "text", "pending", "finish_reason", "stop_reason", "done")
 
-    def __init__(self, index: int) -> None:
+    def __init__(self, index: int, text: ChoiceText | None) -> None:
         self.index = index
         self.token_ids: list[int] = []
-        #: the ids the last applied output added
+        #: the ids the last applied output added (up to a stop string's end)
         self.last_ids: list[int] = []
-        #: the text so far, kept only when stop strings must be checked (else decoded at the end)
-        self.text = ""
-        #: how many characters of ``text`` were already streamed
-        self.sent = 0
+        #: the choice's text (detokenizer and stop strings), when the run answers text
+        self.text = text
+        #: text not streamed yet
+        self.pending: list[str] = []
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.done = False
@@ -34,23 +36,21 @@ class Choice:
 class GenerationRun:
     """Fold ``RequestOutput``s of one request (all its children) into choices and usage.
 
-    Stop strings are applied here (the engine works on token ids): the text is cut before the
-    first stop string, the choice finishes with ``finish_reason="stop"`` and ``stop_reason`` set to
-    that string, and when every choice is done the caller closes the engine stream (an abort).
-    While streaming, the last ``len(longest stop) - 1`` characters are held back, so a stop string
-    split across tokens is never sent.
+    With ``text`` options the run answers text itself, through ``rendering.derender.ChoiceText`` (the
+    coordinator's detokenizer and stop strings, vLLM's rules): a stop string ends its choice with
+    ``finish_reason="stop"`` and ``stop_reason`` set to it, the ids after it are dropped, and when every
+    choice is done the caller closes the engine stream (an abort). While streaming, the characters that
+    may start a stop string are held back until they cannot. Without ``text`` (a derenderer answers,
+    or ids are all that is asked for) only ids and counts are kept.
     """
 
     __slots__ = (
-        "tokenizer", "choices", "stops", "holdback", "prompt_tokens", "cached_tokens",
-        "generated", "kv_transfer_params", "remaining", "remote",
+        "model", "choices", "prompt_tokens", "cached_tokens", "generated", "kv_transfer_params", "remaining", "remote",
     )
 
-    def __init__(self, tokenizer: Tokenizer, n: int, stops: list[str] | None) -> None:
-        self.tokenizer = tokenizer
-        self.choices = [Choice(i) for i in range(n)]
-        self.stops = stops
-        self.holdback = max(len(s) for s in stops) - 1 if stops else 0
+    def __init__(self, tokenizer: Tokenizer, n: int, text: DerenderOptions | None = None) -> None:
+        model = tokenizer.model
+        self.choices = [Choice(i, None if text is None else ChoiceText(model, text, None, True)) for i in range(n)]
         self.prompt_tokens = 0
         self.cached_tokens = 0
         #: generated ids over all children (what the engine's accounting counts)
@@ -67,58 +67,44 @@ class GenerationRun:
         self.cached_tokens = out.num_cached_tokens
         if out.kv_transfer_params is not None:
             self.kv_transfer_params = out.kv_transfer_params
-        stops = self.stops
         for delta in out.deltas:
             self.generated += len(delta.token_ids)
             choice = self.choices[delta.index]
             if choice.done:
                 continue
             moved.append(choice)
-            choice.last_ids = delta.token_ids
-            choice.token_ids += delta.token_ids
-            if stops:
-                self._check_stops(choice, self.tokenizer.decode(delta.token_ids))
-                if choice.done:
-                    continue
-            if delta.finish_reason is not None:
-                choice.finish_reason = delta.finish_reason
-                choice.stop_reason = delta.stop_reason
-                choice.done = True
-                self.remaining -= 1
+            ids = delta.token_ids
+            text = choice.text
+            if text is not None:
+                piece, ids = text.take(ids, delta.finish_reason, delta.stop_reason)
+                if piece:
+                    choice.pending.append(piece)
+                if text.done:
+                    self._finish(choice, text.finish_reason, text.stop_reason)
+            elif delta.finish_reason is not None:
+                self._finish(choice, delta.finish_reason, delta.stop_reason)
+            choice.last_ids = ids
+            choice.token_ids += ids
         return moved
 
-    def _check_stops(self, choice: Choice, new_text: str) -> None:
-        start = max(0, len(choice.text) - self.holdback)
-        text = choice.text = choice.text + new_text
-        best = -1
-        hit = ""
-        for s in self.stops or ():
-            idx = text.find(s, start)
-            if idx >= 0 and (best < 0 or idx < best):
-                best, hit = idx, s
-        if best >= 0:
-            choice.text = text[:best]
-            choice.finish_reason = "stop"
-            choice.stop_reason = hit
-            choice.done = True
-            self.remaining -= 1
+    def _finish(self, choice: Choice, finish_reason: str | None, stop_reason: int | str | None) -> None:
+        choice.finish_reason = finish_reason
+        choice.stop_reason = stop_reason
+        choice.done = True
+        self.remaining -= 1
 
     @property
     def finished(self) -> bool:
         return self.remaining <= 0
 
     def final_text(self, choice: Choice) -> str:
-        if self.stops:
-            return choice.text
-        return self.tokenizer.decode(choice.token_ids)
+        """The whole text of ``choice`` (a run with ``text`` options)."""
+        return choice.text.text() if choice.text is not None else ""
 
     def stream_text(self, choice: Choice) -> str:
         """The text of ``choice`` that may be sent now (call once per ``apply`` that moved it)."""
-        if not self.stops:
-            return self.tokenizer.decode(choice.last_ids)
-        limit = len(choice.text) if choice.done else len(choice.text) - self.holdback
-        if limit <= choice.sent:
+        if not choice.pending:
             return ""
-        piece = choice.text[choice.sent : limit]
-        choice.sent = limit
+        piece = "".join(choice.pending)
+        choice.pending.clear()
         return piece

@@ -83,7 +83,7 @@ def _engine_call(fe: Frontend, generate: GenerateRequest, session: str | None,
     room = fe.config.max_model_len - len(generate.token_ids)
     max_tokens = room if sp.max_tokens is None else sp.max_tokens
     ecr, run = engine_request_for(fe, generate, request_id=generate.request_id, session=session,
-                                  max_tokens=max_tokens, stops=None, kv_transfer_params=kv_transfer_params,
+                                  max_tokens=max_tokens, text=False, kv_transfer_params=kv_transfer_params,
                                   engine_stream=stream or stop_strings)
     return ecr, run, stop_strings
 

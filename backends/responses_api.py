@@ -76,7 +76,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     ecr, run = engine_request_for(fe, generate, request_id=response_id, session=session,
                                   max_tokens=sp.max_tokens if sp.max_tokens is not None else
                                   fe.config.max_model_len - len(prompt_ids),
-                                  stops=sp.stop_strings or None, kv_transfer_params=None,
+                                  text=True, kv_transfer_params=None,
                                   engine_stream=bool(body.stream))
     headers = reply_headers(base, session)
     created = int(time.time())

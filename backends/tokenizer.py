@@ -4,8 +4,8 @@ route of a backend (text in/out, tokens in/out, render) speaks one vocabulary. P
 
 - ``encode`` is Hugging Face tokenizers' ``encode`` (``add_bos`` = ``add_special_tokens``);
 - ``decode`` is the tokenizer's ``decode`` (a tokens-in request's ``output_mode: "text"``, the
-  Responses route's text). The engine generates only ids from ``generation_ids`` (whole word tokens, ``backends.vocabulary``) and ``eos``, so decoding each step's
-  ids on their own gives exactly the text of the whole sequence.
+  Responses route's text). The engine generates only ids from ``generation_ids`` (whole word
+  tokens, ``backends.vocabulary``) and ``eos``.
 """
 
 from __future__ import annotations

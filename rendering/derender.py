@@ -71,7 +71,7 @@ from rendering.openai_objects import (
 from rendering.requests import ChatRequest, CompletionRequest
 from rendering.stop_strings import StopStrings, stop_list
 
-__all__ = ["ChatDerender", "CompletionDerender", "DerenderOptions"]
+__all__ = ["ChatDerender", "ChoiceText", "CompletionDerender", "DerenderOptions"]
 
 #: the end of a chat event for a choice still running (no token ids, no usage)
 _RUNNING_TAIL = b'},"logprobs":null,"finish_reason":null,"token_ids":null}]}\n\n'
@@ -165,8 +165,11 @@ def _message_text(content: Any) -> str:
     return "\n".join(part.text for part in content if getattr(part, "text", None) is not None)
 
 
-class _Choice:
-    """One choice's text: detokenizer, stop strings, token count, end."""
+class ChoiceText:
+    """One choice's text: detokenizer, stop strings, token count, end (``take`` one step's ids at a time).
+
+    Derender's own, and the backends' where an engine answers text itself (a tokens-in request's
+    ``output_mode: "text"``, stop strings on an engine that detokenizes, the Responses route)."""
 
     __slots__ = ("_detok", "_stops", "_min_tokens", "_include", "_eos", "tokens", "done", "finish_reason",
                  "stop_reason", "by_stop_string", "parts", "namer", "lp_entries", "lp_offset")
@@ -298,12 +301,12 @@ class _Base:
         self.failed = False
         #: the engine's error event, when one arrived
         self.error: StreamError | None = None
-        self._choices: dict[int, _Choice] = {}
+        self._choices: dict[int, ChoiceText] = {}
 
     # -- shared state ----------------------------------------------------------------------------
 
-    def _new_choice(self, prompt_ids: Sequence[int] | None, keep_text: bool) -> _Choice:
-        return _Choice(self.model, self.options, prompt_ids, keep_text)
+    def _new_choice(self, prompt_ids: Sequence[int] | None, keep_text: bool) -> ChoiceText:
+        return ChoiceText(self.model, self.options, prompt_ids, keep_text)
 
     @property
     def completion_tokens(self) -> int:
@@ -344,7 +347,8 @@ class _Base:
         completion = self.completion_tokens
         details = self._details()
         return StreamUsage(prompt_tokens=self.prompt_tokens, total_tokens=self.prompt_tokens + completion,
-                           completion_tokens=completion, prompt_tokens_details=_UNSET_MARK if details is None else details)
+                           completion_tokens=completion,
+                           prompt_tokens_details=_UNSET_MARK if details is None else details)
 
     def _stream_usage(self, completion: int) -> bytes:
         """A chat event's continuous usage (vLLM sets ``completion_tokens_details`` there); the
@@ -383,7 +387,7 @@ class ChatDerender(_Base):
         self._head = (b'data: {"id":' + enc_id + b',"object":"chat.completion.chunk","created":'
                       + str(self.created).encode() + b',"model":' + encode(model.name) + b',"choices":[{"index":')
 
-    def _choice(self, index: int) -> _Choice:
+    def _choice(self, index: int) -> ChoiceText:
         choice = self._choices.get(index)
         if choice is None:
             choice = self._choices[index] = self._new_choice(self._prompt_ids, self._collecting)
@@ -607,7 +611,7 @@ class CompletionDerender(_Base):
     def _expected(self) -> int:
         return self.options.n * self._num_prompts
 
-    def _choice_of(self, prompt: int, index: int) -> _Choice:
+    def _choice_of(self, prompt: int, index: int) -> ChoiceText:
         key = prompt * self.options.n + index
         choice = self._choices.get(key)
         if choice is None:

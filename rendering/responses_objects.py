@@ -30,7 +30,8 @@ from contract.errors import BadRequestError, InvalidJSONError
 from rendering.model import RenderModel
 
 __all__ = ["OutputMessage", "OutputText", "ResponseObject", "ResponseUsage", "ResponsesEvents", "ResponsesRequest",
-           "chat_body", "chat_messages", "decode_responses_request", "responses_request_decoder", "message_item", "response_object", "response_usage"]
+           "chat_body", "chat_messages", "decode_responses_request", "message_item", "response_object",
+           "response_usage", "responses_request_decoder"]
 
 
 class ResponsesRequest(Struct):
@@ -184,7 +185,8 @@ class ResponseUsage(Struct, kw_only=True):
 
 
 def response_usage(input_tokens: int, output_tokens: int, cached_tokens: int = 0) -> ResponseUsage:
-    return ResponseUsage(input_tokens=input_tokens, input_tokens_details=InputTokensDetails(cached_tokens=cached_tokens),
+    return ResponseUsage(input_tokens=input_tokens,
+                         input_tokens_details=InputTokensDetails(cached_tokens=cached_tokens),
                          output_tokens=output_tokens, output_tokens_details=OutputTokensDetails(),
                          total_tokens=input_tokens + output_tokens)
 

@@ -186,6 +186,38 @@ async def test_stop_string_truncates(client: Any) -> None:
     assert metric_value(text, "vllm:request_success_total", finished_reason="abort", **labels) == 0
 
 
+async def test_stop_strings_on_the_tokens_in_route_and_responses(client: Any) -> None:
+    """Where the backend answers text itself (a generate request with stop strings or output_mode "text", the
+    Responses route) it applies stop strings with the coordinator's code: cut before the match, the ids up to
+    the token that completed it, the choice ended "stop" with the string as stop_reason."""
+    gen = {"token_ids": [1, 300, 301], "sampling_params": {"max_tokens": 12, "seed": 8, "ignore_eos": True},
+           "output_mode": "text"}
+    _, full = await post_json(client, "/inference/v1/generate", gen)
+    text, ids = full["choices"][0]["text"], full["choices"][0]["token_ids"]
+    stop = " " + text.split(" ")[5]
+    cut = text.index(stop)
+    stopped_body = {**gen, "sampling_params": {**gen["sampling_params"], "stop": [stop]}}
+    _, stopped = await post_json(client, "/inference/v1/generate", stopped_body)
+    choice = stopped["choices"][0]
+    assert choice["text"] == text[:cut] and (choice["finish_reason"], choice["stop_reason"]) == ("stop", stop)
+    assert choice["token_ids"] == ids[:len(choice["token_ids"])] and len(choice["token_ids"]) < len(ids)
+    assert (await detokenized(client, choice["token_ids"])).endswith(stop)  # ends with the completing token
+    _, chunks = await post_stream(client, "/inference/v1/generate", stopped_body)
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == text[:cut]
+    assert chunks[-1]["choices"][0]["stop_reason"] == stop
+    # the Responses route: the answer ends before the stop string too
+    _, answer = await post_json(client, "/v1/responses", {"input": "stop here", "max_output_tokens": 12, "seed": 8})
+    words = answer["output"][0]["content"][0]["text"]
+    stop = " " + words.split(" ")[3]
+    _, cut_answer = await post_json(client, "/v1/responses", {"input": "stop here", "max_output_tokens": 12,
+                                                                "seed": 8, "stop": [stop]})
+    assert cut_answer["output"][0]["content"][0]["text"] == words[:words.index(stop)]
+
+
+async def detokenized(client: Any, ids: list[int]) -> str:
+    return (await post_json(client, "/detokenize", {"tokens": ids}))[1]["prompt"]
+
+
 async def test_stop_token_ids(client: Any) -> None:
     base = {"prompt": [1, 300, 301], "max_tokens": 10, "seed": 2, "ignore_eos": True, "return_token_ids": True}
     _, full = await post_json(client, "/v1/completions", base)

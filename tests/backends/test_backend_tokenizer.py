@@ -72,7 +72,8 @@ def test_special_ids_decode_to_nothing_and_bad_ids_raise() -> None:
 
 def chat_ids(messages: list[tuple[str, str]], add_generation_prompt: bool = True) -> list[int]:
     """The prompt ids the backends' chat route runs: ``rendering.render`` (the model's template)."""
-    body = {"messages": [{"role": r, "content": c} for r, c in messages], "add_generation_prompt": add_generation_prompt}
+    body = {"messages": [{"role": r, "content": c} for r, c in messages],
+            "add_generation_prompt": add_generation_prompt}
     return RENDERER.render_chat(json.dumps(body).encode()).request.token_ids
 
 

@@ -26,8 +26,8 @@ def test_running_events_equal_the_struct_encoding() -> None:
     for prompt in (0, 1):
         for index in (0, 1):
             for token in ids:
-                got = derender.chunk(GenerateStreamChunk(choices=[GenerateStreamChoice(index=index, token_ids=[token])]),
-                                     prompt=prompt)
+                event = GenerateStreamChunk(choices=[GenerateStreamChoice(index=index, token_ids=[token])])
+                got = derender.chunk(event, prompt=prompt)
                 sent += got
                 if got:
                     text = got.split(b'"text":', 1)[1].split(b',"logprobs"', 1)[0]
@@ -38,7 +38,8 @@ def test_running_events_equal_the_struct_encoding() -> None:
 
 def test_chat_step_equals_chunk() -> None:
     ids = MODEL.tokenizer.encode(" two fox jumps stop here", add_special_tokens=False).ids
-    for opts in (DerenderOptions(n=2), DerenderOptions(n=2, stop=("jumps",)), DerenderOptions(n=2, return_token_ids=True),
+    for opts in (DerenderOptions(n=2), DerenderOptions(n=2, stop=("jumps",)),
+                 DerenderOptions(n=2, return_token_ids=True),
                  DerenderOptions(n=2, include_usage=True, continuous_usage=True)):
         by_chunk = ChatDerender(MODEL, opts, request_id="chatcmpl-x", created=9, prompt_ids=[1, 2],
                                 system_fingerprint="fp")
