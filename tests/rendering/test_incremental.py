@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from tokenizers import AddedToken, Regex, Tokenizer, models, pre_tokenizers
@@ -265,3 +266,70 @@ def test_renderer_renders_the_next_turn_incrementally(renderer: Renderer) -> Non
     second = renderer.render_chat(body, previous=first.prompt)
     assert second.request.token_ids == renderer.render_chat(body).request.token_ids
     assert second.prompt.reused_tokens == len(first.request.token_ids) - 1
+
+
+def _counting(encoder: PromptEncoder) -> list[str]:
+    """Record every text the encoder hands the tokenizer."""
+    seen: list[str] = []
+    ids = encoder.ids
+
+    def counted(text: str) -> list[int]:
+        seen.append(text)
+        return ids(text)
+
+    encoder.ids = counted  # type: ignore[method-assign]
+    return seen
+
+
+def test_a_short_prompt_without_state_is_one_encode_and_no_inner_marks(tokenizer: Tokenizer) -> None:
+    encoder = PromptEncoder(tokenizer)
+    seen = _counting(encoder)
+    state = encoder.encode(TURN2)
+    assert seen == [TURN2] and state.token_ids == _ids(tokenizer, TURN2)
+    assert list(state.mark_pos) == [len(TURN2)] and list(state.mark_count) == [len(state.token_ids)]
+    assert state.open_from == 0
+
+
+def test_the_next_turn_finds_a_cut_in_the_open_span(tokenizer: Tokenizer) -> None:
+    encoder = PromptEncoder(tokenizer)
+    old = "<s><|user|>\n" + " ".join(f"word{i}" for i in range(40)) + " the end\n<|assistant|>\n"
+    new = old.replace(" the end\n", " the other end\n")
+    first = encoder.encode(old)
+    seen = _counting(encoder)
+    second = encoder.encode(new, first)
+    assert second.token_ids == _ids(tokenizer, new)
+    # the texts depart at "e"nd / "o"ther: the last clean cut at or before that is the space before it
+    cut = old.index(" end")
+    assert second.reused_tokens == len(_ids(tokenizer, old[:cut]))
+    assert seen[0] == old[cut:]  # the old tail after the cut, encoded once to count the tokens before it
+    assert seen[-1] == new[cut:]  # then the new tail; between them only the few-character check window
+    assert all(len(text) <= max(len(new) - cut, 2 * incremental._WINDOW) for text in seen)
+    assert second.open_from == cut and cut in second.mark_pos
+
+
+def test_old_tail_that_disagrees_means_a_full_encode(tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cut the rule wrongly claimed inside a word: the old ids do not end with the old tail's ids."""
+    encoder = PromptEncoder(tokenizer)
+    first = encoder.encode("<s>hello there")
+    assert encoder.rule is not None
+    monkeypatch.setattr(encoder.rule, "is_cut", lambda text, p: True)
+    monkeypatch.setattr(encoder.rule, "_candidates", re.compile(""))  # every position is a candidate
+    second = encoder.encode("<s>hello thorough", first)
+    assert second.token_ids == _ids(tokenizer, "<s>hello thorough") and second.reused_tokens == 0
+
+
+def test_a_long_prompt_is_encoded_in_chunks_with_marks(tokenizer: Tokenizer) -> None:
+    encoder = PromptEncoder(tokenizer, chunk_chars=64)
+    text = "<s>" + "the quick brown fox jumps over the lazy dog. " * 20
+    assert len(text) > encoder.whole_chars
+    seen = _counting(encoder)
+    state = encoder.encode(text)
+    assert state.token_ids == _ids(tokenizer, text) and len(seen) > 2
+    assert len(state.mark_pos) > 2 and state.open_from == -1
+
+
+def test_ids_encoder_gives_encode_ids(tokenizer: Tokenizer) -> None:
+    from rendering.incremental import ids_encoder
+    encode = ids_encoder(tokenizer)
+    for text in ("", TURN2, "你好 👍🏽 e\u0301 </s><s>", "\n\n  \t x"):
+        assert encode(text) == _ids(tokenizer, text)
