@@ -75,10 +75,33 @@ def _json(data: bytes, request: web.Request) -> web.Response:
     return web.Response(body=data, content_type="application/json", headers=headers)
 
 
+class _Nothing(msgspec.Struct):
+    """Reads no field: decoding with it only walks the JSON (its nesting and strings)."""
+
+
+_walk = msgspec.json.Decoder(_Nothing)
+
+
 async def _body(request: web.Request) -> bytes:
+    """The body, refused (400) when it is empty, nests deeper than msgspec reads (about 1,000 levels) or
+    is not UTF-8, even where the renderer would skip the offending field; every other fault is the
+    renderer's to answer, in vLLM's words."""
     data = await request.read()
     if not data:
         raise InvalidJSONError("Request body is empty; send a JSON object.")
+    try:
+        _walk.decode(data)
+    except msgspec.ValidationError:
+        pass  # JSON but not an object: the renderer says so
+    except msgspec.DecodeError:
+        return data  # not JSON: the renderer says so
+    except RecursionError:
+        raise InvalidJSONError("Request body nests JSON arrays or objects too deeply; flatten it.") from None
+    try:
+        data.decode("utf-8")  # msgspec does not check the strings of fields it skips; JSON is UTF-8
+    except UnicodeDecodeError as exc:
+        raise InvalidJSONError(f"Request body is not valid UTF-8 (bad byte at offset {exc.start}); "
+                               "JSON must be UTF-8 encoded.") from None
     return data
 
 

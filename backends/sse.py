@@ -26,7 +26,3 @@ async def open_stream(request: web.Request, headers: dict[str, str]) -> web.Stre
 
 def data_frame(payload: bytes) -> bytes:
     return b"data: " + payload + b"\n\n"
-
-
-def event_frame(event: str, payload: bytes) -> bytes:
-    return b"event: " + event.encode() + b"\ndata: " + payload + b"\n\n"
