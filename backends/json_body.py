@@ -38,13 +38,22 @@ def decode_body(data: bytes, decoder: msgspec.json.Decoder[Any]) -> Any:
     except msgspec.DecodeError as exc:
         raise InvalidJSONError(f"Request body is not valid JSON: {exc}") from None
     except RecursionError:  # msgspec's nesting bound (about 1,000 levels), also for skipped fields
-        raise InvalidJSONError("Request body nests JSON arrays or objects too deeply; flatten it.") from None
+        raise too_deep() from None
+    check_utf8(data)
+    return result
+
+
+def too_deep() -> InvalidJSONError:
+    return InvalidJSONError("Request body nests JSON arrays or objects too deeply; flatten it.")
+
+
+def check_utf8(data: bytes) -> None:
+    """A 400 for a body that is not UTF-8 (msgspec does not check the strings of fields it skips)."""
     try:
-        data.decode("utf-8")  # msgspec does not check the strings of fields it skips; JSON is UTF-8
+        data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise InvalidJSONError(f"Request body is not valid UTF-8 (bad byte at offset {exc.start}); "
                                "JSON must be UTF-8 encoded.") from None
-    return result
 
 
 def _param_of(message: str) -> str | None:

@@ -28,6 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, g
 
 from backends.frontend import REQUEST_ID_HEADER, REQUEST_ID_KEY, REQUEST_IDS, package_version
 from backends.http_errors import error_middleware
+from backends.json_body import check_utf8, too_deep
 from backends.protocol import ModelCard, ModelList
 from contract.errors import BadRequestError, InvalidJSONError
 from contract.ids import IdGenerator
@@ -96,12 +97,8 @@ async def _body(request: web.Request) -> bytes:
     except msgspec.DecodeError:
         return data  # not JSON: the renderer says so
     except RecursionError:
-        raise InvalidJSONError("Request body nests JSON arrays or objects too deeply; flatten it.") from None
-    try:
-        data.decode("utf-8")  # msgspec does not check the strings of fields it skips; JSON is UTF-8
-    except UnicodeDecodeError as exc:
-        raise InvalidJSONError(f"Request body is not valid UTF-8 (bad byte at offset {exc.start}); "
-                               "JSON must be UTF-8 encoded.") from None
+        raise too_deep() from None
+    check_utf8(data)
     return data
 
 

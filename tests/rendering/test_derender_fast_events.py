@@ -6,7 +6,9 @@ equal ``chunk``."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
+import pytest
 from msgspec import UNSET
 
 from rendering.derender import ChatDerender, CompletionDerender, DerenderOptions
@@ -36,40 +38,30 @@ def test_running_events_equal_the_struct_encoding() -> None:
     assert sent == expected and sent.count(b"data: ") >= 4 * (len(ids) - 1)
 
 
-def test_chat_step_equals_chunk() -> None:
-    ids = MODEL.tokenizer.encode(" two fox jumps stop here", add_special_tokens=False).ids
-    for opts in (DerenderOptions(n=2), DerenderOptions(n=2, stop=("jumps",)),
-                 DerenderOptions(n=2, return_token_ids=True),
-                 DerenderOptions(n=2, include_usage=True, continuous_usage=True)):
-        by_chunk = ChatDerender(MODEL, opts, request_id="chatcmpl-x", created=9, prompt_ids=[1, 2],
-                                system_fingerprint="fp")
-        by_step = ChatDerender(MODEL, opts, request_id="chatcmpl-x", created=9, prompt_ids=[1, 2],
-                               system_fingerprint="fp")
-        chunked = stepped = b""
-        for i, token in enumerate(ids):
-            finish = "length" if i == len(ids) - 1 else None
-            for index in (0, 1):
-                chunked += by_chunk.chunk(GenerateStreamChunk(choices=[GenerateStreamChoice(
-                    index=index, token_ids=[token], finish_reason=finish, stop_reason=None if finish else UNSET)]))
-                stepped += by_step.step(index, [token], finish, None)
-        assert stepped == chunked and by_step.stopped == by_chunk.stopped
-        assert stepped.count(b"data: ") >= 2 * 2  # the role events and at least one content event per choice
-        assert by_step.finish() == by_chunk.finish()
+def chat(opts: DerenderOptions) -> ChatDerender:
+    return ChatDerender(MODEL, opts, request_id="chatcmpl-x", created=9, prompt_ids=[1, 2], system_fingerprint="fp")
 
 
-def test_completion_step_equals_chunk() -> None:
+def completion(opts: DerenderOptions) -> CompletionDerender:
+    return CompletionDerender(MODEL, opts, request_id="cmpl-x", created=9, prompt_ids=[[1, 2]], prompt_texts=["hi"],
+                              system_fingerprint="fp")
+
+
+@pytest.mark.parametrize("make", [chat, completion])
+@pytest.mark.parametrize("opts", [
+    DerenderOptions(n=2), DerenderOptions(n=2, stop=("jumps",)), DerenderOptions(n=2, echo=True),
+    DerenderOptions(n=2, return_token_ids=True), DerenderOptions(n=2, include_usage=True, continuous_usage=True)])
+def test_step_equals_chunk(make: Callable[[DerenderOptions], ChatDerender | CompletionDerender],
+                           opts: DerenderOptions) -> None:
     ids = MODEL.tokenizer.encode(" two fox jumps stop here", add_special_tokens=False).ids
-    for opts in (DerenderOptions(n=2), DerenderOptions(n=2, stop=("jumps",)), DerenderOptions(n=2, echo=True),
-                 DerenderOptions(n=2, return_token_ids=True, include_usage=True, continuous_usage=True)):
-        made = [CompletionDerender(MODEL, opts, request_id="cmpl-x", created=9, prompt_ids=[[1, 2]],
-                                   prompt_texts=["hi"], system_fingerprint="fp") for _ in range(2)]
-        by_chunk, by_step = made
-        chunked = stepped = b""
-        for i, token in enumerate(ids):
-            finish = "length" if i == len(ids) - 1 else None
-            for index in (0, 1):
-                chunked += by_chunk.chunk(GenerateStreamChunk(choices=[GenerateStreamChoice(
-                    index=index, token_ids=[token], finish_reason=finish, stop_reason=None if finish else UNSET)]))
-                stepped += by_step.step(index, [token], finish, None)
-        assert stepped == chunked and stepped.count(b"data: ") >= 2 * 2
-        assert by_step.finish() == by_chunk.finish()
+    by_chunk, by_step = make(opts), make(opts)
+    chunked = stepped = b""
+    for i, token in enumerate(ids):
+        finish = "length" if i == len(ids) - 1 else None
+        for index in (0, 1):
+            chunked += by_chunk.chunk(GenerateStreamChunk(choices=[GenerateStreamChoice(
+                index=index, token_ids=[token], finish_reason=finish, stop_reason=None if finish else UNSET)]))
+            stepped += by_step.step(index, [token], finish, None)
+    assert stepped == chunked and by_step.stopped == by_chunk.stopped
+    assert stepped.count(b"data: ") >= 2 * 2  # at least one event per choice and step kind
+    assert by_step.finish() == by_chunk.finish()
