@@ -1,7 +1,11 @@
 """A lean HTTP load generator: keep-alive connections driven by callbacks, parsed with httptools.
 
 Each of ``concurrency`` connections sends one small completion request, waits for the whole
-response and sends the next at once (closed loop). Requests carry ``X-Session-ID`` from a pool
+response and sends the next at once (closed loop). With ``rate`` > 0 the run is open loop instead:
+requests start at fixed intervals of 1/``rate`` s (absolute times, so the mean rate holds), each on
+an idle connection of the ``concurrency`` kept open; a request whose time comes while all of them
+are busy waits for the next one to free up and counts as ``late`` (a rate the target cannot
+sustain shows as late requests and an achieved ``rps`` below ``rate``). Requests carry ``X-Session-ID`` from a pool
 of ``sessions`` ids, cycled. Connections are spread round-robin over the given base URLs (two
 backends for the "direct" baseline, one proxy otherwise). No coroutine per request, no JSON
 decoding: the client shares the machine with the proxies it measures, so it stays cheap.
@@ -60,6 +64,8 @@ class LoadSpec(msgspec.Struct, kw_only=True, frozen=True):
     bodies: list[str] = []
     #: group name -> PIDs whose summed CPU time is measured over the window
     cpu_groups: dict[str, list[int]] = {}
+    #: requests per second started at fixed intervals (open loop); 0 = closed loop
+    rate: float = 0.0
 
 
 class LoadResult(msgspec.Struct, kw_only=True):
@@ -77,6 +83,8 @@ class LoadResult(msgspec.Struct, kw_only=True):
     #: this load generator's own CPU per request
     client_cpu_us_per_req: float = 0.0
     first_error: str = ""
+    #: open loop: requests due in the window that found every connection busy and had to wait
+    late: int = 0
 
 
 def cpu_seconds(pid: int) -> float:
@@ -126,11 +134,16 @@ def build_requests(spec: LoadSpec, host: str) -> list[bytes]:
 class _Run:
     """Shared state of one run: the window, the samples, the stop flag."""
 
-    __slots__ = ("drained", "errors", "first_error", "in_flight", "latencies", "recording", "stopping", "stream",
-                 "ttfts")
+    __slots__ = ("backlog", "drained", "errors", "first_error", "idle", "in_flight", "late", "latencies",
+                 "open_loop", "recording", "stopping", "stream", "ttfts")
 
-    def __init__(self, stream: bool) -> None:
+    def __init__(self, stream: bool, open_loop: bool = False) -> None:
         self.stream = stream
+        self.open_loop = open_loop
+        #: open loop: connections waiting for a request's time, and requests due with none idle
+        self.idle: list[_Conn] = []
+        self.backlog = 0
+        self.late = 0
         self.recording = False
         self.stopping = False
         self.latencies: list[float] = []
@@ -145,6 +158,25 @@ class _Run:
         self.errors += 1
         if not self.first_error:
             self.first_error = what
+
+    def due(self) -> None:
+        """Open loop: a request's time has come; send it on an idle connection, or queue it."""
+        if self.stopping:
+            return
+        if self.idle:
+            self.idle.pop().send()
+            return
+        self.backlog += 1
+        if self.recording:
+            self.late += 1
+
+    def ready(self, conn: _Conn) -> None:
+        """Open loop: ``conn`` is free; it takes a queued request or waits for the next one due."""
+        if self.backlog:
+            self.backlog -= 1
+            conn.send()
+        else:
+            self.idle.append(conn)
 
     def finished(self) -> None:
         self.in_flight -= 1
@@ -173,7 +205,10 @@ class _Conn(asyncio.Protocol):
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.send()
+        if self.run.open_loop:
+            self.run.ready(self)
+        else:
+            self.send()
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -182,6 +217,8 @@ class _Conn(asyncio.Protocol):
             self._fail(f"bad response: {exc}")
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self in self.run.idle:
+            self.run.idle.remove(self)
         if self.busy:
             self.busy = False
             self.run.error(f"connection lost mid-request: {exc or 'closed by peer'}")
@@ -213,6 +250,8 @@ class _Conn(asyncio.Protocol):
         if run.stopping or not self.parser.should_keep_alive():
             assert self.transport is not None
             self.transport.close()
+        elif run.open_loop:
+            run.ready(self)
         else:
             self.send()
 
@@ -259,10 +298,25 @@ async def _slot(run: _Run, host: str, port: int, requests: list[bytes], offset: 
         offset = conn.index
 
 
+async def _pace(run: _Run, rate: float) -> None:
+    """Open loop: one request due every 1/``rate`` s, at absolute times (a late wake-up catches up)."""
+    loop = asyncio.get_running_loop()
+    interval = 1.0 / rate
+    due = loop.time()
+    while not run.stopping:
+        due += interval
+        delay = due - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        run.due()
+
+
 async def run_load(spec: LoadSpec) -> LoadResult:
     """Run ``spec`` on the running loop and return what was measured."""
+    if spec.rate < 0:
+        raise ValueError(f"rate must be >= 0 (0 = closed loop), got {spec.rate}")
     loop = asyncio.get_running_loop()
-    run = _Run(spec.stream)
+    run = _Run(spec.stream, open_loop=spec.rate > 0)
     targets = []
     for url in spec.urls:
         parts = urlsplit(url)
@@ -275,6 +329,8 @@ async def run_load(spec: LoadSpec) -> LoadResult:
         asyncio.create_task(_slot(run, *targets[i % len(targets)][:2], targets[i % len(targets)][2], i * step, conns))
         for i in range(spec.concurrency)
     ]
+    if run.open_loop:
+        tasks.append(asyncio.create_task(_pace(run, spec.rate)))
     try:
         await asyncio.sleep(spec.warmup_s)
         cpu0, client0, t0 = group_cpu(spec.cpu_groups), time.process_time(), time.perf_counter()
@@ -316,6 +372,7 @@ async def run_load(spec: LoadSpec) -> LoadResult:
         cpu_us_per_req={name: per_req(cpu1[name] - cpu0[name]) for name in cpu0},
         client_cpu_us_per_req=per_req(client1 - client0),
         first_error=run.first_error,
+        late=run.late,
     )
 
 
@@ -346,7 +403,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--path", default="/v1/completions")
     parser.add_argument("--stream", action="store_true")
     parser.add_argument("--max-tokens", type=int, default=None, help="default 8, or 16 with --stream")
-    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--concurrency", type=int, default=16,
+                        help="connections (closed loop: requests in flight; open loop: the most in flight)")
+    parser.add_argument("--rate", type=float, default=0.0,
+                        help="open loop: requests per second at fixed intervals (default 0: closed loop)")
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--warmup", type=float, default=0.5)
     parser.add_argument("--sessions", type=int, default=100)
@@ -360,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = LoadSpec(
         urls=args.url, path=args.path, stream=args.stream,
         max_tokens=args.max_tokens or (16 if args.stream else 8), concurrency=args.concurrency,
-        seconds=args.seconds, warmup_s=args.warmup, sessions=args.sessions,
+        seconds=args.seconds, warmup_s=args.warmup, sessions=args.sessions, rate=args.rate,
         cpu_groups={"pids": args.pid} if args.pid else {},
     )
     result = _run_blocking(spec)

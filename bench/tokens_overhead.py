@@ -26,6 +26,14 @@ is its router CPU per request minus that; the issue's target is added ≤ the te
 per request. Per streamed token: the slope of router CPU per request between the two stream
 lengths. TTFT added: tokens' TTFT p50 minus text's at c=16.
 
+**Matched rates** (``--rates 300 600``): CPU per request of an asyncio server falls as its rate
+rises (one loop iteration serves several events), and closed loop the text router runs at about
+twice tokens mode's rate; so with ``--rates`` every cell is open loop instead (``LoadSpec.rate``:
+requests start at fixed intervals over up to c connections), each router at the same request rate,
+non-stream only, and the verdict is per rate. The floor is given twice: with ``Tokenizer.encode``
+(the issue's words, "the bare ``encode`` + ``DecodeStream`` cost") and with
+``Tokenizer.encode_batch_fast`` (what the renderer calls: the same ids without character offsets).
+
 Rounds are interleaved (target order rotates) because the machine is shared and noisy; figures
 are medians over rounds with ``[lo–hi]``; ratios and differences are taken within each round
 (side by side) and then summarised the same way. CPU per request = utime+stime of the process
@@ -109,9 +117,11 @@ def rendered_prompts(model_dir: str, bodies: Sequence[str]) -> list[Prompt]:
     return out
 
 
-def bare_cost_us(model_dir: str, prompts: Sequence[Prompt], output_tokens: int, *, min_seconds: float = 0.3) -> float:
+def bare_cost_us(model_dir: str, prompts: Sequence[Prompt], output_tokens: int, *, min_seconds: float = 0.3,
+                 fast: bool = False) -> float:
     """CPU µs of ``encode`` of a prompt + a ``DecodeStream`` over ``output_tokens`` ids, per request,
-    averaged over the prompts (repeated until ``min_seconds`` of CPU)."""
+    averaged over the prompts (repeated until ``min_seconds`` of CPU). ``fast``: the encode is
+    ``encode_batch_fast([text])`` (no character offsets), as the renderer calls it."""
     import tokenizers
     from tokenizers.decoders import DecodeStream
 
@@ -123,7 +133,10 @@ def bare_cost_us(model_dir: str, prompts: Sequence[Prompt], output_tokens: int, 
     start = time.process_time()
     while True:
         for prompt, out in zip(prompts, outputs, strict=True):
-            tokenizer.encode(prompt.text, add_special_tokens=False)
+            if fast:
+                tokenizer.encode_batch_fast([prompt.text], add_special_tokens=False)
+            else:
+                tokenizer.encode(prompt.text, add_special_tokens=False)
             stream = DecodeStream(skip_special_tokens=True)
             for token in out:
                 stream.step(tokenizer, token)
@@ -238,14 +251,33 @@ def per_round(a: Cell | None, b: Cell | None, f: Callable[[LoadResult, LoadResul
 
 
 def mode_tokens(mode: str) -> int:
-    return NON_STREAM_TOKENS if mode == "non-stream" else int(mode.split()[1])
+    """Answer tokens of a mode label: ``non-stream``, ``stream N``, either with `` @R/s`` (open loop)."""
+    base = mode.split(" @")[0]
+    return NON_STREAM_TOKENS if base == "non-stream" else int(base.split()[1])
+
+
+def mode_label(mode: str, rate: float) -> str:
+    return f"{mode} @{rate:g}/s" if rate > 0 else mode
+
+
+def mode_rate(mode: str) -> float:
+    return float(mode.split(" @")[1].removesuffix("/s")) if " @" in mode else 0.0
 
 
 def render_report(cells: dict[tuple[str, str], Cell], targets: Sequence[Target], modes: Sequence[str],
                   bare: dict[str, list[float]], render_us: list[float], facts: dict[str, str],
-                  args: argparse.Namespace, pieces: Sequence[dict[str, float]] = ()) -> str:
+                  args: argparse.Namespace, pieces: Sequence[dict[str, float]] = (),
+                  bare_fast: dict[str, list[float]] | None = None) -> str:
     names = [t.name for t in targets]
-    stream_modes = [m for m in modes if m != "non-stream"]
+    stream_modes = [m for m in modes if not m.startswith("non-stream")]
+    rates = sorted({mode_rate(m) for m in modes if mode_rate(m) > 0})
+    if rates:
+        late = sum(r.late for cell in cells.values() for r in cell.rounds)
+        load = (f"open loop at {', '.join(f'{r:g}' for r in rates)} req/s (every target at the same rate; requests "
+                f"start at fixed intervals over up to c={args.concurrency} keep-alive connections; {late} requests "
+                f"in all found every connection busy and waited)")
+    else:
+        load = f"closed loop at c={args.concurrency}, keep-alive"
     lines = [
         f"## Tokens mode: router CPU per request, streaming derender, TTFT (issue 13) — {facts['date']}",
         "",
@@ -260,17 +292,20 @@ def render_report(cells: dict[tuple[str, str], Cell], targets: Sequence[Target],
         "--prompt-cache-bytes 0` (local render, a full render per request). "
         + ("**tokens(remote)**: tokens mode with `--render URL` of a `python -m backends --role render` (its CPU "
            "in the render column). " if "tokens(remote)" in names else "")
-        + f"**direct**: the text requests straight to the backends. Clients: `POST {CHAT_PATH}`, one body per "
+        + ("**direct**: the text requests straight to the backends. " if "direct" in names else "")
+        + f"Clients: `POST {CHAT_PATH}`, one body per "
         f"session from a pool of {args.sessions} (`X-Session-ID`), a 4-message chat of ~{args.chars} characters "
         f"(~{facts['prompt_tokens']} prompt tokens), `ignore_eos` so answers are exactly `max_tokens` long; "
-        f"non-stream {NON_STREAM_TOKENS} tokens, streams " + ", ".join(m.split()[1] for m in stream_modes)
-        + " tokens.",
-        f"- Method: closed loop at c={args.concurrency}, keep-alive; per cell {args.warmup:g} s warm-up, "
+        f"non-stream {NON_STREAM_TOKENS} tokens"
+        + (", streams " + ", ".join(m.split()[1] for m in stream_modes) + " tokens." if stream_modes else "."),
+        f"- Method: {load}; per cell {args.warmup:g} s warm-up, "
         f"{args.seconds:g} s measured; {args.rounds} rounds interleaved (target order rotates). Figures: median "
         "over rounds `[lo–hi]`; differences and ratios are taken within a round, then summarised. Router CPU = "
         "utime+stime of the router's process tree from /proc over the window, per completed request. **bare** = "
         "`Tokenizer.encode` of the rendered prompt + a `DecodeStream` stepped over the answer's ids, measured in "
-        "the benchmark process on the same prompts (once per round, between cells). Full local render "
+        "the benchmark process on the same prompts (once per round, between cells)"
+        + ("; **bare (fast)** the same with `Tokenizer.encode_batch_fast([text])`, the offset-free encode the "
+           "renderer calls" if bare_fast else "") + ". Full local render "
         f"(`Renderer.render_chat`, template + checks + encode) of the same bodies: {fmt(render_us)} µs.",
         "- **Target**: what tokens mode adds beyond tokenizing and detokenizing (tokens − bare) ≤ the text "
         "path's whole router CPU per request.",
@@ -285,7 +320,7 @@ def render_report(cells: dict[tuple[str, str], Cell], targets: Sequence[Target],
             if cell is None or not cell.rounds:
                 continue
             rs = cell.rounds
-            stream = mode != "non-stream"
+            stream = not mode.startswith("non-stream")
             target = next(t for t in targets if t.name == name)
             lines.append(
                 f"| {mode} | {name} | {fmt([r.rps for r in rs])} | {fmt([r.p50_ms for r in rs], 2)} | "
@@ -293,26 +328,38 @@ def render_report(cells: dict[tuple[str, str], Cell], targets: Sequence[Target],
                 f"{fmt([cpu(r) for r in rs]) if target.is_proxy else '—'} | "
                 f"{fmt([cpu(r, 'render') for r in rs]) if 'render' in rs[0].cpu_us_per_req else '—'} | "
                 f"{fmt([cpu(r, 'backends') for r in rs])} | {sum(r.errors for r in rs)} |")
+    fast_head = (" bare encode_batch_fast + DecodeStream µs | tokens − bare (fast) µs | ≤ text? (per round) |"
+                 if bare_fast else "")
     lines += [
         "",
         "| mode | text router CPU µs/req | tokens router CPU µs/req | bare encode + DecodeStream µs | tokens − bare "
-        "(added) µs | added ≤ text? (per round) |",
-        "|---|---:|---:|---:|---:|---|",
+        "(added) µs | added ≤ text? (per round) |" + fast_head,
+        "|---|---:|---:|---:|---:|---|" + ("---:|---:|---|" if bare_fast else ""),
     ]
+
+    def judged(added: list[float], text: Cell) -> str:
+        ok = sum(1 for i, a in enumerate(added) if i < len(text.rounds) and a <= cpu(text.rounds[i]))
+        verdict = "✅" if ok == len(added) else ("❌" if ok == 0 else "⚠️")
+        return (f"{verdict} {ok}/{len(added)} rounds; median {median(added):.0f} vs "
+                f"{median([cpu(r) for r in text.rounds]):.0f}")
+
     for mode in modes:
         text, tokens = cells.get((mode, "text")), cells.get((mode, "tokens"))
         if text is None or tokens is None:
             continue
         b = bare.get(mode, [])
         added = [cpu(t) - b[i] for i, t in enumerate(tokens.rounds) if i < len(b)]
-        ok = sum(1 for i, a in enumerate(added) if i < len(text.rounds) and a <= cpu(text.rounds[i]))
-        verdict = "✅" if ok == len(added) else ("❌" if ok == 0 else "⚠️")
-        lines.append(f"| {mode} | {fmt([cpu(r) for r in text.rounds])} | {fmt([cpu(r) for r in tokens.rounds])} | "
-                     f"{fmt(b)} | {fmt(added)} | {verdict} {ok}/{len(added)} rounds; median "
-                     f"{median(added):.0f} vs {median([cpu(r) for r in text.rounds]):.0f} |")
+        row = (f"| {mode} | {fmt([cpu(r) for r in text.rounds])} | {fmt([cpu(r) for r in tokens.rounds])} | "
+               f"{fmt(b)} | {fmt(added)} | {judged(added, text)} |")
+        if bare_fast:
+            f = bare_fast.get(mode, [])
+            added_fast = [cpu(t) - f[i] for i, t in enumerate(tokens.rounds) if i < len(f)]
+            row += f" {fmt(f)} | {fmt(added_fast)} | {judged(added_fast, text)} |"
+        lines.append(row)
     if pieces:
-        text_cpu = [cpu(r) for r in cells[("non-stream", "text")].rounds] if ("non-stream", "text") in cells else []
-        tokens_cpu = [cpu(r) for r in cells[("non-stream", "tokens")].rounds] if ("non-stream", "tokens") in cells else []
+        first = next(m for m in modes if m.startswith("non-stream"))
+        text_cpu = [cpu(r) for r in cells[(first, "text")].rounds] if (first, "text") in cells else []
+        tokens_cpu = [cpu(r) for r in cells[(first, "tokens")].rounds] if (first, "tokens") in cells else []
         total = [sum(p.values()) for p in pieces]
         lines += [
             "",
@@ -323,8 +370,10 @@ def render_report(cells: dict[tuple[str, str], Cell], targets: Sequence[Target],
             "|---|---:|",
             *(f"| `{name}` | {fmt([p[name] for p in pieces])} |" for name in PIECES),
             f"| sum of the pieces | {fmt(total)} |",
-            f"| tokens router CPU per request, measured (above) | {fmt(tokens_cpu)} |",
-            f"| text router CPU per request, measured (above): its HTTP, placement, metrics | {fmt(text_cpu)} |",
+            f"| tokens router CPU per request, measured (above{', ' + first if first != 'non-stream' else ''}) "
+            f"| {fmt(tokens_cpu)} |",
+            f"| text router CPU per request, measured (above{', ' + first if first != 'non-stream' else ''}): its "
+            f"HTTP, placement, metrics | {fmt(text_cpu)} |",
         ]
     if len(stream_modes) >= 2:
         short, long_ = stream_modes[0], stream_modes[-1]
@@ -368,6 +417,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--stream-tokens", type=int, nargs="+", default=None,
                    help="stream lengths in tokens (default 32 128; quick 4 12; not 16: vLLM's SamplingParams default, which a render leaves out and an engine reads as the rest of the context)")
     p.add_argument("--no-remote-render", action="store_true", help="skip the tokens(remote) row")
+    p.add_argument("--no-direct", action="store_true", help="skip the direct (no router) row")
+    p.add_argument("--rates", type=float, nargs="+", default=None, metavar="REQ_PER_S",
+                   help="open loop: every target at each of these request rates, non-stream only (default: "
+                        "closed loop at --concurrency, non-stream and streams)")
     p.add_argument("--model-dir", default=MODEL_DIR, help="the model folder (default models/tiny-llama)")
     p.add_argument("--section", default=SECTION, help=f"marked section of --out to write (default {SECTION})")
     p.add_argument("--out", default=DEFAULT_OUT, help="markdown file to write the report into")
@@ -381,6 +434,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.stream_tokens = sorted(args.stream_tokens or ([4, 12] if args.quick else [32, 128]))
     if min(args.rounds, args.concurrency, args.sessions, args.chars, *args.stream_tokens) < 1 or args.seconds <= 0:
         p.error("--rounds, --seconds, --concurrency, --sessions, --chars and --stream-tokens must be positive")
+    if args.rates is not None and min(args.rates) <= 0:
+        p.error("--rates must be positive")
     return args
 
 
@@ -395,12 +450,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     from rendering.model import load_model
 
     model = load_model(args.model_dir)
-    modes = ["non-stream", *(f"stream {n}" for n in args.stream_tokens)]
+    if args.rates:
+        modes = [mode_label("non-stream", rate) for rate in args.rates]
+    else:
+        modes = ["non-stream", *(f"stream {n}" for n in args.stream_tokens)]
     bodies = {m: chat_bodies(args.sessions, chars=args.chars, model=model.name, max_tokens=mode_tokens(m),
-                             stream=m != "non-stream") for m in modes}
-    prompts = rendered_prompts(args.model_dir, bodies["non-stream"])
+                             stream=not m.startswith("non-stream")) for m in modes}
+    non_stream = modes[0]
+    prompts = rendered_prompts(args.model_dir, bodies[modes[0]])
     facts["prompt_tokens"] = f"{median([len(p.token_ids) for p in prompts]):.0f}"
     bare: dict[str, list[float]] = {m: [] for m in modes}
+    bare_fast: dict[str, list[float]] = {m: [] for m in modes}
     render_us: list[float] = []
     pieces: list[dict[str, float]] = []
     cells: dict[tuple[str, str], Cell] = {}
@@ -424,8 +484,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     return out
                 return make
 
-            targets = [Target("direct", [e.url for e in engines], lambda: {"backends": engine_pids}, is_proxy=False),
-                       Target("text", [text.url], groups(text)), Target("tokens", [tokens.url], groups(tokens))]
+            targets = [] if args.no_direct else [
+                Target("direct", [e.url for e in engines], lambda: {"backends": engine_pids}, is_proxy=False)]
+            targets += [Target("text", [text.url], groups(text)), Target("tokens", [tokens.url], groups(tokens))]
             if not args.no_remote_render:
                 render = start_engine(tmp, args.model_dir, "--role", "render")
                 remote = start_router(tmp, *route, "--policy", "session",
@@ -437,17 +498,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             total = args.rounds * len(modes) * len(targets)
             done = 0
             for rnd in range(args.rounds):
-                render_us.append(render_cost_us(args.model_dir, bodies["non-stream"],
+                render_us.append(render_cost_us(args.model_dir, bodies[non_stream],
                                                 min_seconds=0.05 if args.quick else 0.3))
-                pieces.append(pieces_us(args.model_dir, bodies["non-stream"], NON_STREAM_TOKENS,
+                pieces.append(pieces_us(args.model_dir, bodies[non_stream], NON_STREAM_TOKENS,
                                         min_seconds=0.03 if args.quick else 0.2))
                 for index, mode in enumerate(modes):
                     bare[mode].append(bare_cost_us(args.model_dir, prompts, mode_tokens(mode),
                                                    min_seconds=0.05 if args.quick else 0.3))
+                    bare_fast[mode].append(bare_cost_us(args.model_dir, prompts, mode_tokens(mode),
+                                                        min_seconds=0.05 if args.quick else 0.3, fast=True))
                     shift = (rnd + index) % len(targets)
                     for target in targets[shift:] + targets[:shift]:
                         spec = LoadSpec(urls=target.urls, path=CHAT_PATH, model=model.name,
-                                        stream=mode != "non-stream", max_tokens=mode_tokens(mode),
+                                        stream=not mode.startswith("non-stream"), max_tokens=mode_tokens(mode),
+                                        rate=mode_rate(mode),
                                         concurrency=args.concurrency, seconds=args.seconds, warmup_s=args.warmup,
                                         sessions=args.sessions, bodies=bodies[mode], cpu_groups=target.groups())
                         result = loadgen.run(spec)
@@ -455,7 +519,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         done += 1
                         print(f"[{done}/{total}] round {rnd + 1} {mode:<11} {target.name:<15} {result.rps:7.0f} req/s "
                               f"p50 {result.p50_ms:7.2f} ms  ttft {result.ttft_p50_ms:6.2f} ms  router "
-                              f"{cpu(result):6.0f} us/req  errors {result.errors}"
+                              f"{cpu(result):6.0f} us/req  errors {result.errors}  late {result.late}"
                               + (f" ({result.first_error})" if result.first_error else ""), file=sys.stderr, flush=True)
             dead = [p for p in started if not p.alive()]
             if dead:
@@ -466,12 +530,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             for proc in reversed(started):
                 proc.stop()
 
-    report = render_report(cells, targets, modes, bare, render_us, facts, args, pieces)
+    report = render_report(cells, targets, modes, bare, render_us, facts, args, pieces, bare_fast)
     print(report)
     write_section(args.out, report, args.section)
     os.makedirs(os.path.dirname(os.path.abspath(args.jsonl)), exist_ok=True)
     with open(args.jsonl, "a", encoding="utf-8") as fh:
-        fh.write(msgspec.json.encode({"facts": facts, "bare_us": bare, "render_us": render_us, "pieces_us": pieces,
+        fh.write(msgspec.json.encode({"facts": facts, "bare_us": bare, "bare_fast_us": bare_fast, "render_us": render_us, "pieces_us": pieces,
                                       "cells": list(cells.values())}).decode() + "\n")
     errors = sum(r.errors for cell in cells.values() for r in cell.rounds)
     empty = [key for key, cell in cells.items() if not any(r.requests for r in cell.rounds)]

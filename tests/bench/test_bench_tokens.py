@@ -117,7 +117,7 @@ def _run(module: str, tmp_path: Path, *extra: str) -> tuple[str, str]:
 def test_tokens_overhead_quick_run(tmp_path: Path) -> None:
     text, jsonl = _run("bench.tokens_overhead", tmp_path)
     assert "<!-- tokens_overhead:begin -->" in text and "python -m bench.tokens_overhead --quick" in text
-    rows = [line.split("|")[1:-1] for line in text.splitlines() if re.match(r"\| (non-stream|stream \d+) \| \w", line)]
+    rows = [line.split("|")[1:-1] for line in text.splitlines() if re.match(r"\| (non-stream|stream \d+) \| [a-z]", line)]  # target rows
     seen = {(c[0].strip(), c[1].strip()) for c in rows if len(c) == 9}
     modes = ("non-stream", "stream 4", "stream 12")
     assert seen == {(m, t) for m in modes for t in ("direct", "text", "tokens", "tokens(remote)")}
@@ -145,3 +145,49 @@ def test_render_server_quick_run(tmp_path: Path) -> None:
     record: dict[str, Any] = msgspec.json.decode(jsonl.splitlines()[-1])
     assert record["same_ids"] == {"ours (`--role render`)": True} and record["local_us"][0] > 0
     assert record["bare_encode_us"][0] > 0
+
+
+def test_tokens_report_at_matched_rates_judges_both_floors() -> None:
+    args = argparse.Namespace(sessions=10, chars=1000, concurrency=16, warmup=0.5, seconds=3.0, rounds=2)
+    assert tokens_overhead.mode_label("non-stream", 300.0) == "non-stream @300/s"
+    assert tokens_overhead.mode_rate("non-stream @300/s") == 300.0 and tokens_overhead.mode_rate("stream 32") == 0.0
+    assert tokens_overhead.mode_tokens("non-stream @300/s") == tokens_overhead.NON_STREAM_TOKENS
+    assert tokens_overhead.mode_tokens("stream 32 @600/s") == 32
+    modes = ["non-stream @300/s", "non-stream @600/s"]
+    targets = [tokens_overhead.Target("text", []), tokens_overhead.Target("tokens", [])]
+    late = LoadResult(requests=100, errors=0, window_s=1.0, rps=99.0, p50_ms=2.0, p99_ms=3.0, late=3,
+                      cpu_us_per_req={"proxy": 400.0, "backends": 100.0})
+    cells = {
+        (modes[0], "text"): tokens_overhead.Cell(modes[0], "text", [_result(200), _result(220)]),
+        (modes[0], "tokens"): tokens_overhead.Cell(modes[0], "tokens", [late, _result(440)]),
+        (modes[1], "text"): tokens_overhead.Cell(modes[1], "text", [_result(150), _result(150)]),
+        (modes[1], "tokens"): tokens_overhead.Cell(modes[1], "tokens", [_result(350), _result(360)]),
+    }
+    bare = {modes[0]: [250.0, 250.0], modes[1]: [250.0, 250.0]}
+    fast = {modes[0]: [180.0, 180.0], modes[1]: [180.0, 180.0]}
+    facts = {"date": "d", "nproc": "2", "cpu": "c", "kernel": "k", "loadavg": "0", "python": "3.11", "aiohttp": "a",
+             "uvloop": "u", "httptools": "h", "msgspec": "m", "tokenizers": "t", "command": "cmd", "prompt_tokens": "300"}
+    text = tokens_overhead.render_report(cells, targets, modes, bare, [250.0], facts, args, bare_fast=fast)
+    assert "open loop at 300, 600 req/s" in text and "3 requests in all found every connection busy" in text
+    assert "**direct**" not in text and "streams" not in text
+    # 300/s: added (encode) 150, 190 vs text 200, 220 -> met; added (fast) 220, 260 -> not met
+    row = next(line for line in text.splitlines() if line.startswith("| non-stream @300/s | 210 [200–220] |"))
+    assert "| 170 [150–190] | ✅ 2/2 rounds; median 170 vs 210 | 180 [180–180] | 240 [220–260] | ❌ 0/2 rounds; " \
+           "median 240 vs 210 |" in row
+    # 600/s: added (encode) 100, 110 vs 150 -> met; added (fast) 170, 180 -> not met
+    row = next(line for line in text.splitlines() if line.startswith("| non-stream @600/s | 150 [150–150] |"))
+    assert "| ✅ 2/2 rounds; median 105 vs 150 |" in row and "| ❌ 0/2 rounds; median 175 vs 150 |" in row
+    assert "Streaming:" not in text  # no per-token slope across rates
+
+
+@pytest.mark.slow
+def test_tokens_overhead_quick_run_at_matched_rates(tmp_path: Path) -> None:
+    text, jsonl = _run("bench.tokens_overhead", tmp_path, "--rates", "40", "--no-remote-render", "--no-direct")
+    assert "open loop at 40 req/s" in text
+    rows = [line.split("|")[1:-1] for line in text.splitlines() if re.match(r"\| non-stream @40/s \| [a-z]", line)]
+    assert {c[1].strip() for c in rows if len(c) == 9} == {"text", "tokens"}
+    assert all(0 < float(c[2].split()[0]) <= 45 for c in rows if len(c) == 9), rows  # req/s held to the rate
+    assert re.search(r"^\| non-stream @40/s \| \d+ \| \d+ \| \d+ \| -?\d+ \| .* \| \d+ \| -?\d+ \| .* \|$", text, re.M)
+    record: dict[str, Any] = msgspec.json.decode(jsonl.splitlines()[-1])
+    assert all(v and v[0] > 0 for v in record["bare_fast_us"].values())
+    assert all(r["requests"] > 0 and r["errors"] == 0 for cell in record["cells"] for r in cell["rounds"])
