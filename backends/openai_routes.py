@@ -46,7 +46,7 @@ from backends.generation_run import Choice, GenerationRun
 from backends.json_body import read_json_body
 from contract.errors import BadRequestError
 from contract.session import SESSION_HEADER, resolve_session_id
-from rendering.derender import ChatDerender, CompletionDerender
+from rendering.derender import ChatDerender, CompletionDerender, echo_texts
 from rendering.generate_request import GenerateRequest
 from rendering.generate_response import GenerateStreamChunk
 from rendering.openai_objects import DONE_EVENT
@@ -159,7 +159,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
                               param="prompt")
     completion = decode_completion_request(body)  # the client fields derender reads (render checked them)
     (generate,) = generates
-    texts = [prompt_text(fe, completion.prompt, generate.token_ids)] if completion.echo else None
+    texts = echo_texts(fe.model, completion.prompt, [generate.token_ids]) if completion.echo else None
     derender = CompletionDerender(fe.model, completion, request_id=generate.request_id, created=int(time.time()),
                                   prompt_ids=[generate.token_ids], prompt_texts=texts,
                                   system_fingerprint=fe.fingerprint, prompt_tokens_details=fe.prompt_tokens_details)
@@ -167,18 +167,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
                          bool(completion.stream))
 
 
-def prompt_text(fe: Frontend, prompt: Any, prompt_ids: list[int]) -> str:
-    """The prompt as text, for ``echo``: as sent, or decoded when it was token ids."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return prompt
-    return fe.model.tokenizer.decode(prompt_ids, skip_special_tokens=False)
-
-
 def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
 
 
-__all__ = ["add_routes", "prompt_text"]
+__all__ = ["add_routes"]

@@ -71,7 +71,7 @@ from rendering.openai_objects import (
 from rendering.requests import ChatRequest, CompletionRequest
 from rendering.stop_strings import StopStrings, stop_list
 
-__all__ = ["ChatDerender", "ChoiceText", "CompletionDerender", "DerenderOptions"]
+__all__ = ["ChatDerender", "ChoiceText", "CompletionDerender", "DerenderOptions", "echo_texts"]
 
 #: the end of a chat event for a choice still running (no token ids, no usage)
 _RUNNING_TAIL = b'},"logprobs":null,"finish_reason":null,"token_ids":null}]}\n\n'
@@ -117,18 +117,8 @@ class DerenderOptions:
         echo_text = None
         if chat.echo and chat.messages and chat.messages[-1].role == role:
             echo_text = _message_text(chat.messages[-1].content)
-        opts = chat.stream_options
-        stream = bool(chat.stream)
         return cls(
-            n=chat.n or 1,
-            stop=stop_list(chat.stop),
-            include_stop_str_in_output=chat.include_stop_str_in_output,
-            skip_special_tokens=chat.skip_special_tokens,
-            spaces_between_special_tokens=chat.spaces_between_special_tokens,
-            min_tokens=chat.min_tokens,
-            include_usage=stream and opts is not None and bool(opts.include_usage),
-            continuous_usage=stream and opts is not None and bool(opts.include_usage) and bool(opts.continuous_usage_stats),
-            return_token_ids=bool(chat.return_token_ids),
+            **_shared_options(chat),
             role=role,
             echo_text=echo_text or None,
             logprobs=bool(chat.logprobs),
@@ -138,23 +128,40 @@ class DerenderOptions:
 
     @classmethod
     def from_completion(cls, request: CompletionRequest) -> DerenderOptions:
-        opts = request.stream_options
-        stream = bool(request.stream)
         return cls(
-            n=request.n or 1,
-            stop=stop_list(request.stop),
-            include_stop_str_in_output=request.include_stop_str_in_output,
-            skip_special_tokens=request.skip_special_tokens,
-            spaces_between_special_tokens=request.spaces_between_special_tokens,
-            min_tokens=request.min_tokens,
-            include_usage=stream and opts is not None and bool(opts.include_usage),
-            continuous_usage=stream and opts is not None and bool(opts.include_usage) and bool(opts.continuous_usage_stats),
-            return_token_ids=bool(request.return_token_ids),
+            **_shared_options(request),
             echo=request.echo,
             echo_only=request.echo and request.max_tokens == 0,
             logprobs=request.logprobs is not None,
             tokens_as_ids=bool(request.return_tokens_as_token_ids),
         )
+
+
+def _shared_options(request: ChatRequest | CompletionRequest) -> dict[str, Any]:
+    """The options chat and completions requests set alike (``DerenderOptions``' fields by name)."""
+    opts = request.stream_options
+    usage = bool(request.stream) and opts is not None and bool(opts.include_usage)
+    return {
+        "n": request.n or 1,
+        "stop": stop_list(request.stop),
+        "include_stop_str_in_output": request.include_stop_str_in_output,
+        "skip_special_tokens": request.skip_special_tokens,
+        "spaces_between_special_tokens": request.spaces_between_special_tokens,
+        "min_tokens": request.min_tokens,
+        "include_usage": usage,
+        "continuous_usage": opts is not None and usage and bool(opts.continuous_usage_stats),
+        "return_token_ids": bool(request.return_token_ids),
+    }
+
+
+def echo_texts(model: RenderModel, prompt: object, prompt_ids: Sequence[Sequence[int]]) -> list[str]:
+    """The prompts as text, for completions ``echo`` (``CompletionDerender``'s ``prompt_texts``): as
+    sent when they were text, else decoded from their ids (special tokens kept, as vLLM echoes them)."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
+        return list(prompt)
+    return [model.tokenizer.decode(list(ids), skip_special_tokens=False) for ids in prompt_ids]
 
 
 def _message_text(content: Any) -> str:

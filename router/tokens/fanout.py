@@ -26,7 +26,7 @@ from contract.errors import UpstreamError
 from rendering.generate_response import STREAM_DONE, decode_generate_response, decode_stream_chunk
 from router.membership import Backend
 from router.pd import Handoff
-from router.proxy import JSON_CONTENT_TYPE, event_boundary
+from router.proxy import JSON_CONTENT_TYPE
 from router.tokens.answers import CompletionAnswer
 from router.tokens.engine import GENERATE_PATH, engine_headers, engine_request_id
 from router.tokens.generate import GENERATE_ROUTE, SSE_CONTENT_TYPE, STREAM, WHOLE, EngineCall
@@ -151,13 +151,7 @@ class FanOutCall(EngineCall):
                 running -= 1
                 if isinstance(item, UpstreamError):
                     assert leg.backend is not None
-                    self.proxy.record_failure(leg.backend, item.reason, connect_error=False)
-                    if not stream:
-                        raise item
-                    attempt.status = item.status
-                    self.proxy.account_error(attempt)
-                    await writer.write(event_boundary(tail) + b"data: " + item.body() + b"\n\ndata: [DONE]\n\n")
-                    await writer.end()
+                    await self._broke_off(item, leg.backend, stream, tail)
                     return
                 continue
             chunk = decode_stream_chunk(item)
@@ -174,16 +168,7 @@ class FanOutCall(EngineCall):
                 break
             if self.stop_strings and derender.stopped:
                 break
-        if derender.failed:
-            attempt.status = 502
-            self.proxy.account_error(attempt)
-        else:
-            self._account()
-        if not stream:
-            writer.respond(200, self.client_headers(JSON_CONTENT_TYPE), derender.collected())
-            return
-        await writer.write(derender.finish())
-        await writer.end()
+        await self._end(stream)
 
     @staticmethod
     async def _read(leg: _Leg, queue: asyncio.Queue[tuple[_Leg, bytes | UpstreamError | None]]) -> None:

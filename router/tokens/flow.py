@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 
-from rendering.derender import ChatDerender, CompletionDerender
+from rendering.derender import ChatDerender, CompletionDerender, echo_texts
 from rendering.generate_request import GenerateRequest
 from rendering.model import RenderModel
 from rendering.requests import decode_chat_request, decode_completion_request
@@ -83,7 +83,7 @@ class TokensRoutes:
         prompt_ids = [generate.token_ids for generate in generates]
         attempt.prompt_ids = prompt_ids[0]
         created = int(time.time())
-        texts = self._prompt_texts(completion.prompt, prompt_ids) if completion.echo else None
+        texts = echo_texts(self.model, completion.prompt, prompt_ids) if completion.echo else None
 
         def derenderer() -> CompletionDerender:
             return CompletionDerender(self.model, completion, request_id=request_id, created=created,
@@ -98,14 +98,6 @@ class TokensRoutes:
         call = FanOutCall(self.proxy, self.aborts, writer, route, fields, attempt, answer, how,
                           stop_strings=stop_strings)
         await call.run_all([generate_payload(g, stream=how != WHOLE) for g in generates])
-
-    def _prompt_texts(self, prompt: object, prompt_ids: list[list[int]]) -> list[str]:
-        """The prompts as text, for ``echo``: as sent, or decoded when they were token ids."""
-        if isinstance(prompt, str):
-            return [prompt]
-        if isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
-            return list(prompt)  # type: ignore[arg-type]
-        return [self.model.tokenizer.decode(ids, skip_special_tokens=False) for ids in prompt_ids]
 
     async def _generate(self, writer: ResponseWriter, route: Route, fields: OpenFields | None, attempt: Attempt,
                         generate: GenerateRequest, derender: Derenderer, stream: bool) -> None:

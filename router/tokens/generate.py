@@ -222,29 +222,40 @@ class EngineCall:
                 broke = True  # the stream ended without [DONE]: the engine's request is over
         except UpstreamError as exc:
             broke = True
-            self.proxy.record_failure(backend, exc.reason, connect_error=False)
-            if not stream:
-                raise  # nothing reached the client: the proxy answers the error
-            attempt.status = exc.status
-            self.proxy.account_error(attempt)
-            await writer.write(event_boundary(tail) + b"data: " + exc.body() + b"\n\ndata: [DONE]\n\n")
-            await writer.end()
+            await self._broke_off(exc, backend, stream, tail)
             return
         finally:
             if not ended and not broke:
                 # stop strings ended every choice, or the client went away (cancelled)
                 self.aborts.abort(backend, [engine_request_id(attempt.request_id)], self.headers)
+        await self._end(stream)
+
+    async def _broke_off(self, exc: UpstreamError, backend: Backend, stream: bool, tail: bytes) -> None:
+        """The engine's stream broke off with ``exc``: raised again while nothing reached the client (the
+        proxy answers it), else written as the client stream's last event (after ``tail``, the last write)."""
+        self.proxy.record_failure(backend, exc.reason, connect_error=False)
+        if not stream:
+            raise exc
+        self.attempt.status = exc.status
+        self.proxy.account_error(self.attempt)
+        await self.writer.write(event_boundary(tail) + b"data: " + exc.body() + b"\n\ndata: [DONE]\n\n")
+        await self.writer.end()
+
+    async def _end(self, stream: bool) -> None:
+        """The engine's stream is read: its usage accounted (an engine error event: counted as an error),
+        then the collected answer, or the client stream's last events."""
+        derender = self.derender
         if derender.failed:
-            attempt.status = 502
-            self.proxy.account_error(attempt)
+            self.attempt.status = 502
+            self.proxy.account_error(self.attempt)
         else:
             self._account()
         if not stream:
             body = derender.collected()  # an engine error event: UpstreamProtocolError, answered by the proxy
-            writer.respond(200, self.client_headers(JSON_CONTENT_TYPE), body)
+            self.writer.respond(200, self.client_headers(JSON_CONTENT_TYPE), body)
             return
-        await writer.write(derender.finish())
-        await writer.end()
+        await self.writer.write(derender.finish())
+        await self.writer.end()
 
     # ------------------------------------------------------------------ usage
     def _cached(self, answer: GenerateResponse | GenerateStreamChunk) -> None:

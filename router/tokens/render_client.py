@@ -57,9 +57,8 @@ DETOKENIZE_PATH = "/detokenize"
 _JSON_HEADER = render_headers([("Content-Type", "application/json")])
 
 
-class RenderRejected(ClientError):
-    """A render server refused the request (its 4xx): answered to the client with the render server's
-    status and body as they came (vLLM's error shape: the render server is vLLM or ours)."""
+class _RelayedAnswer(SessionRouterError):
+    """An error answered to the client with a render server's own status and body, as they came."""
 
     def __init__(self, status: int, body: bytes, server: str) -> None:
         super().__init__(f"render server {server} answered {status}")
@@ -70,16 +69,13 @@ class RenderRejected(ClientError):
         return self._body
 
 
-class RenderServerError(SessionRouterError):
+class RenderRejected(_RelayedAnswer, ClientError):
+    """A render server refused the request (its 4xx): relayed as it came (vLLM's error shape: the render
+    server is vLLM or ours)."""
+
+
+class RenderServerError(_RelayedAnswer):
     """Every render server tried answered 5xx: the last answer, relayed as it came."""
-
-    def __init__(self, status: int, body: bytes, server: str) -> None:
-        super().__init__(f"render server {server} answered {status}")
-        self.status = status
-        self._body = body
-
-    def body(self) -> bytes:
-        return self._body
 
 
 class RenderAnswerError(UpstreamError):

@@ -20,6 +20,7 @@ from rendering.generate_response import (
 )
 from rendering.model import DEFAULT_MODEL_DIR, load_model
 from rendering.requests import ChatRequest, CompletionRequest
+from tests.rendering.byte_level import BYTE_CHARS
 
 MODEL = load_model(DEFAULT_MODEL_DIR)
 TOK = MODEL.tokenizer
@@ -31,20 +32,7 @@ def ids_of(text: str) -> list[int]:
 
 def byte_ids(text: str) -> list[int]:
     """One byte-level token per UTF-8 byte of ``text`` (each decodes to a lone byte)."""
-    byte_to_char = _byte_chars()
-    return [TOK.token_to_id(byte_to_char[b]) for b in text.encode()]
-
-
-def _byte_chars() -> dict[int, str]:
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
+    return [TOK.token_to_id(BYTE_CHARS[b]) for b in text.encode()]
 
 
 def lp(ids: list[int], tops: int = 2) -> GenerateLogProbs:

@@ -12,6 +12,7 @@ from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
 from rendering.detokenize import IncrementalDetokenizer, detokenize, prime_ids
+from tests.rendering.byte_level import CHAR_BYTES
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKENIZER = Tokenizer.from_file(str(ROOT / "models" / "tiny-llama" / "tokenizer.json"))
@@ -38,28 +39,10 @@ def _token_bytes(token_id: int) -> bytes | None:
     token = TOKENIZER.id_to_token(token_id)
     if token is None or token.startswith("<"):
         return None
-    table = _byte_decoder()
     try:
-        return bytes(table[ch] for ch in token)
+        return bytes(CHAR_BYTES[ch] for ch in token)
     except KeyError:
         return None
-
-
-_TABLE: dict[str, int] = {}
-
-
-def _byte_decoder() -> dict[str, int]:
-    if not _TABLE:
-        bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-        cs = bs[:]
-        n = 0
-        for b in range(256):
-            if b not in bs:
-                bs.append(b)
-                cs.append(256 + n)
-                n += 1
-        _TABLE.update({chr(c): b for b, c in zip(bs, cs)})
-    return _TABLE
 
 
 @pytest.mark.parametrize("case", range(len(GOLDEN)))
