@@ -21,7 +21,8 @@ from contract.errors import BadRequestError, InvalidJSONError
 from rendering.generate_request import StreamOptions
 
 __all__ = ["ChatRequest", "CompletionRequest", "ContentPart", "Message", "RequestValidationError",
-           "StreamOptions", "decode_chat_request", "decode_completion_request", "field_error", "validator_error"]
+           "StreamOptions", "decode_chat_request", "decode_completion_request", "field_error", "validator_error",
+           "vllm_validation_text"]
 
 
 class RequestValidationError(BadRequestError):
@@ -34,6 +35,17 @@ class VLLMValidationError(ValueError):
     """Named as vLLM's, so that ``repr()`` inside a validation message reads as vLLM's does."""
 
 
+def vllm_validation_text(message: str, *, parameter: str | None = None, value: Any = None) -> str:
+    """``message`` as vLLM's ``VLLMValidationError`` words it: ``(parameter=..., value=...)`` appended,
+    each part only when given."""
+    extras = []
+    if parameter is not None:
+        extras.append(f"parameter={parameter}")
+    if value is not None:
+        extras.append(f"value={value}")
+    return f"{message} ({', '.join(extras)})" if extras else message
+
+
 def validator_error(message: str, *, parameter: str | None = None, value: Any = None,
                     body_items: int = 0) -> RequestValidationError:
     """A request-model validator's refusal, worded as vLLM's handler words it.
@@ -44,12 +56,7 @@ def validator_error(message: str, *, parameter: str | None = None, value: Any = 
           {'type': 'value_error', 'loc': 'body', 'msg': 'Value error, <message> (parameter=...)',
            'input': '<dict of N items>', 'ctx': {'error': VLLMValidationError('<message>')}}
     """
-    extras = []
-    if parameter is not None:
-        extras.append(f"parameter={parameter}")
-    if value is not None:
-        extras.append(f"value={value}")
-    full = f"{message} ({', '.join(extras)})" if extras else message
+    full = vllm_validation_text(message, parameter=parameter, value=value)
     entry = {"type": "value_error", "loc": "body", "msg": f"Value error, {full}",
              "input": f"<dict of {body_items} items>", "ctx": {"error": VLLMValidationError(message)}}
     return RequestValidationError(f"1 validation error:\n  {entry}", param=parameter if parameter else "body")

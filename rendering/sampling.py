@@ -22,7 +22,7 @@ from typing import Any
 
 from contract.errors import BadRequestError
 from rendering.generate_request import OUTPUT_DELTA, OUTPUT_FINAL_ONLY, SamplingParams
-from rendering.requests import ChatRequest, CompletionRequest
+from rendering.requests import ChatRequest, CompletionRequest, vllm_validation_text
 
 _SAMPLING_EPS = 1e-5
 _MAX_TEMP = 1e-2
@@ -49,13 +49,7 @@ _STRUCTURED_FIELDS: dict[str, Any] = {
 
 def validation_error(message: str, *, parameter: str | None = None, value: Any = None) -> BadRequestError:
     """vLLM's ``VLLMValidationError`` as a 400: the message ends with ``(parameter=..., value=...)``."""
-    extras = []
-    if parameter is not None:
-        extras.append(f"parameter={parameter}")
-    if value is not None:
-        extras.append(f"value={value}")
-    text = f"{message} ({', '.join(extras)})" if extras else message
-    return BadRequestError(text, param=parameter)
+    return BadRequestError(vllm_validation_text(message, parameter=parameter, value=value), param=parameter)
 
 
 def chat_sampling_params(chat: ChatRequest, *, max_tokens: int, defaults: Mapping[str, Any]) -> SamplingParams:
