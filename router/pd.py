@@ -35,7 +35,7 @@ from router.membership import Backend, BackendPool
 from router.metrics import RouterMetrics
 from router.placement.base import Policy
 from router.routes import Route
-from router.upstream import UpstreamPool, UpstreamTimeouts, request_head
+from router.upstream import UpstreamPool, request_head
 
 log = logging.getLogger(__name__)
 
@@ -169,21 +169,13 @@ class PDHandoff:
         assert backend is not None
         payload = _encoder.encode(handoff.params)
         head = request_head("POST", RELEASE_PATH, f"{backend.host}:{backend.port}", handoff.headers, len(payload))
-        t = self.upstream.timeouts
-        timeouts = UpstreamTimeouts(min(t.connect_s, RELEASE_TIMEOUT_S), min(t.first_byte_s, RELEASE_TIMEOUT_S),
-                                    RELEASE_TIMEOUT_S)
-        upstream = None
         try:
-            upstream = await self.upstream.request(backend.host, backend.port, head, payload, timeouts=timeouts)
-            await upstream.read()
-            status = upstream.status
+            status = await self.upstream.control(backend.host, backend.port, head, payload,
+                                                 bound_s=RELEASE_TIMEOUT_S)
         except UpstreamError as exc:
             log.warning("P/D: could not release the KV held on %s (%s); it is freed after its hold timeout",
                         backend.name, exc.reason)
             status = 0
-        finally:
-            if upstream is not None:
-                upstream.close()
         if status == 200:
             result = "released"
         elif status == 404:

@@ -370,8 +370,7 @@ class Proxy:
                     f"no backend answered within total_timeout_s ({self.config.upstream.total_timeout_s:g} s), "
                     "retries included"
                 )
-            t = self.upstream.timeouts
-            timeouts = UpstreamTimeouts(min(t.connect_s, remaining), min(t.first_byte_s, remaining), remaining)
+            timeouts = self.upstream.timeouts.capped(remaining)
 
     def record_failure(self, backend: Backend, reason: str, *, connect_error: bool) -> None:
         self.metrics.upstream_errors.labels(backend.name, reason).inc()

@@ -34,7 +34,7 @@ from rendering.generate_request import (
     encode_generate_request,
 )
 from router.membership import Backend
-from router.upstream import UpstreamPool, UpstreamTimeouts, render_headers, request_head
+from router.upstream import UpstreamPool, render_headers, request_head
 
 log = logging.getLogger(__name__)
 
@@ -111,21 +111,12 @@ class EngineAborts:
     async def _abort(self, backend: Backend, request_ids: list[str], headers: str) -> None:
         payload = _encoder.encode({"request_ids": request_ids})
         head = request_head("POST", ABORT_PATH, f"{backend.host}:{backend.port}", headers, len(payload))
-        t = self.upstream.timeouts
-        timeouts = UpstreamTimeouts(min(t.connect_s, ABORT_TIMEOUT_S), min(t.first_byte_s, ABORT_TIMEOUT_S),
-                                    ABORT_TIMEOUT_S)
-        upstream = None
         status = 0
         try:
-            upstream = await self.upstream.request(backend.host, backend.port, head, payload, timeouts=timeouts)
-            await upstream.read()
-            status = upstream.status
+            status = await self.upstream.control(backend.host, backend.port, head, payload, bound_s=ABORT_TIMEOUT_S)
         except UpstreamError as exc:
             log.warning("tokens mode: could not abort %s on %s (%s); the engine runs it to its end",
                         ", ".join(request_ids), backend.name, exc.reason)
-        finally:
-            if upstream is not None:
-                upstream.close()
         if status and status != 200:
             log.warning("tokens mode: aborting %s on %s answered %d", ", ".join(request_ids), backend.name, status)
         if self.on_result is not None:

@@ -24,6 +24,10 @@ class UpstreamTimeouts(msgspec.Struct, frozen=True):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"upstream timeout {name} must be > 0, got {getattr(self, name)!r}")
 
+    def capped(self, bound_s: float) -> UpstreamTimeouts:
+        """These timeouts, none longer than ``bound_s``, and the whole exchange bounded by it."""
+        return UpstreamTimeouts(min(self.connect_s, bound_s), min(self.first_byte_s, bound_s), bound_s)
+
 
 class UpstreamLimits(msgspec.Struct, frozen=True):
     """Pool limits.

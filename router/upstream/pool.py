@@ -96,6 +96,16 @@ class UpstreamPool:
             conn.cancel(fut)
             raise
 
+    async def control(self, host: str, port: int, head: bytes, body: bytes, *, bound_s: float) -> int:
+        """Send a small control request (a P/D release, an engine abort) with every timeout capped at
+        ``bound_s``; read its answer, drop it and return its status. Raises as ``request``."""
+        upstream = await self.request(host, port, head, body, timeouts=self.timeouts.capped(bound_s))
+        try:
+            await upstream.read()
+            return upstream.status
+        finally:
+            upstream.close()
+
     def _send(
         self,
         conn: UpstreamConnection,
