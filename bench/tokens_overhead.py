@@ -118,10 +118,12 @@ def rendered_prompts(model_dir: str, bodies: Sequence[str]) -> list[Prompt]:
 
 
 def bare_cost_us(model_dir: str, prompts: Sequence[Prompt], output_tokens: int, *, min_seconds: float = 0.3,
-                 fast: bool = False) -> float:
+                 fast: bool = False, rate: float = 0.0) -> float:
     """CPU µs of ``encode`` of a prompt + a ``DecodeStream`` over ``output_tokens`` ids, per request,
     averaged over the prompts (repeated until ``min_seconds`` of CPU). ``fast``: the encode is
-    ``encode_batch_fast([text])`` (no character offsets), as the renderer calls it."""
+    ``encode_batch_fast([text])`` (no character offsets), as the renderer calls it. ``rate`` > 0:
+    paced, one request every 1/``rate`` s (sleeping between them, as a router idles between requests
+    at that rate: caches go cold), until ``min_seconds`` of wall time."""
     import tokenizers
     from tokenizers.decoders import DecodeStream
 
@@ -131,8 +133,14 @@ def bare_cost_us(model_dir: str, prompts: Sequence[Prompt], output_tokens: int, 
                for p in prompts]
     done = 0
     start = time.process_time()
+    wall = due = time.perf_counter()
     while True:
         for prompt, out in zip(prompts, outputs, strict=True):
+            if rate > 0:
+                due += 1.0 / rate
+                pause = due - time.perf_counter()
+                if pause > 0:
+                    time.sleep(pause)
             if fast:
                 tokenizer.encode_batch_fast([prompt.text], add_special_tokens=False)
             else:
@@ -142,7 +150,7 @@ def bare_cost_us(model_dir: str, prompts: Sequence[Prompt], output_tokens: int, 
                 stream.step(tokenizer, token)
         done += len(prompts)
         spent = time.process_time() - start
-        if spent >= min_seconds:
+        if (time.perf_counter() - wall if rate > 0 else spent) >= min_seconds:
             return spent / done * 1e6
 
 
@@ -267,7 +275,8 @@ def mode_rate(mode: str) -> float:
 def render_report(cells: dict[tuple[str, str], Cell], targets: Sequence[Target], modes: Sequence[str],
                   bare: dict[str, list[float]], render_us: list[float], facts: dict[str, str],
                   args: argparse.Namespace, pieces: Sequence[dict[str, float]] = (),
-                  bare_fast: dict[str, list[float]] | None = None) -> str:
+                  bare_fast: dict[str, list[float]] | None = None,
+                  paced: dict[str, dict[str, list[float]]] | None = None) -> str:
     names = [t.name for t in targets]
     stream_modes = [m for m in modes if not m.startswith("non-stream")]
     rates = sorted({mode_rate(m) for m in modes if mode_rate(m) > 0})
@@ -356,6 +365,24 @@ def render_report(cells: dict[tuple[str, str], Cell], targets: Sequence[Target],
             added_fast = [cpu(t) - f[i] for i, t in enumerate(tokens.rounds) if i < len(f)]
             row += f" {fmt(f)} | {fmt(added_fast)} | {judged(added_fast, text)} |"
         lines.append(row)
+    if paced:
+        lines += [
+            "",
+            "The same verdict against floors **paced at the cell's rate** (the bare work done once every 1/rate s "
+            "in this process, sleeping in between, as the router idles between requests: cold caches cost the bare "
+            "tokenizer work too):",
+            "",
+            "| mode | floor | floor µs | tokens − floor µs | ≤ text? (per round) |",
+            "|---|---|---:|---:|---|",
+        ]
+        for mode in modes:
+            text, tokens = cells.get((mode, "text")), cells.get((mode, "tokens"))
+            if text is None or tokens is None:
+                continue
+            for floor, values in paced.items():
+                f = values.get(mode, [])
+                added = [cpu(t) - f[i] for i, t in enumerate(tokens.rounds) if i < len(f)]
+                lines.append(f"| {mode} | {floor} | {fmt(f)} | {fmt(added)} | {judged(added, text)} |")
     if pieces:
         first = next(m for m in modes if m.startswith("non-stream"))
         text_cpu = [cpu(r) for r in cells[(first, "text")].rounds] if (first, "text") in cells else []
@@ -461,6 +488,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     facts["prompt_tokens"] = f"{median([len(p.token_ids) for p in prompts]):.0f}"
     bare: dict[str, list[float]] = {m: [] for m in modes}
     bare_fast: dict[str, list[float]] = {m: [] for m in modes}
+    paced: dict[str, dict[str, list[float]]] = {
+        "encode + DecodeStream, paced": {m: [] for m in modes},
+        "encode_batch_fast + DecodeStream, paced": {m: [] for m in modes}} if args.rates else {}
     render_us: list[float] = []
     pieces: list[dict[str, float]] = []
     cells: dict[tuple[str, str], Cell] = {}
@@ -507,6 +537,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                    min_seconds=0.05 if args.quick else 0.3))
                     bare_fast[mode].append(bare_cost_us(args.model_dir, prompts, mode_tokens(mode),
                                                         min_seconds=0.05 if args.quick else 0.3, fast=True))
+                    for floor, values in paced.items():
+                        values[mode].append(bare_cost_us(args.model_dir, prompts, mode_tokens(mode),
+                                                         min_seconds=0.2 if args.quick else 1.5,
+                                                         fast="batch_fast" in floor, rate=mode_rate(mode)))
                     shift = (rnd + index) % len(targets)
                     for target in targets[shift:] + targets[:shift]:
                         spec = LoadSpec(urls=target.urls, path=CHAT_PATH, model=model.name,
@@ -530,12 +564,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             for proc in reversed(started):
                 proc.stop()
 
-    report = render_report(cells, targets, modes, bare, render_us, facts, args, pieces, bare_fast)
+    report = render_report(cells, targets, modes, bare, render_us, facts, args, pieces, bare_fast, paced)
     print(report)
     write_section(args.out, report, args.section)
     os.makedirs(os.path.dirname(os.path.abspath(args.jsonl)), exist_ok=True)
     with open(args.jsonl, "a", encoding="utf-8") as fh:
-        fh.write(msgspec.json.encode({"facts": facts, "bare_us": bare, "bare_fast_us": bare_fast, "render_us": render_us, "pieces_us": pieces,
+        fh.write(msgspec.json.encode({"facts": facts, "bare_us": bare, "bare_fast_us": bare_fast, "bare_paced_us": paced, "render_us": render_us, "pieces_us": pieces,
                                       "cells": list(cells.values())}).decode() + "\n")
     errors = sum(r.errors for cell in cells.values() for r in cell.rounds)
     empty = [key for key, cell in cells.items() if not any(r.requests for r in cell.rounds)]

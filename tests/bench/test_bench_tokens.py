@@ -9,6 +9,7 @@ import argparse
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -178,6 +179,20 @@ def test_tokens_report_at_matched_rates_judges_both_floors() -> None:
     row = next(line for line in text.splitlines() if line.startswith("| non-stream @600/s | 150 [150–150] |"))
     assert "| ✅ 2/2 rounds; median 105 vs 150 |" in row and "| ❌ 0/2 rounds; median 175 vs 150 |" in row
     assert "Streaming:" not in text  # no per-token slope across rates
+    paced = {"encode, paced": {modes[0]: [300.0, 300.0], modes[1]: [260.0, 260.0]}}
+    text = tokens_overhead.render_report(cells, targets, modes, bare, [250.0], facts, args, bare_fast=fast, paced=paced)
+    # 300/s: 400-300, 440-300 = 100, 140 vs 200, 220; 600/s: 350-260, 360-260 = 90, 100 vs 150
+    assert "| non-stream @300/s | encode, paced | 300 [300–300] | 120 [100–140] | ✅ 2/2 rounds; median 120 vs 210 |" in text
+    assert "| non-stream @600/s | encode, paced | 260 [260–260] | 95 [90–100] | ✅ 2/2 rounds; median 95 vs 150 |" in text
+
+
+def test_a_paced_floor_sleeps_between_requests_and_counts_cpu_only() -> None:
+    prompts = tokens_overhead.rendered_prompts(tokens_overhead.MODEL_DIR, chat_bodies(
+        4, chars=300, model="tiny-llama", max_tokens=8, stream=False))
+    started, cpu0 = time.perf_counter(), time.process_time()
+    cost = tokens_overhead.bare_cost_us(tokens_overhead.MODEL_DIR, prompts, 8, min_seconds=0.2, rate=50.0)
+    # ~10-12 requests over 0.2 s of wall time (not 0.2 s of CPU, as many as fit, as unpaced)
+    assert time.perf_counter() - started >= 0.2 and time.process_time() - cpu0 < 0.1 and cost > 0
 
 
 @pytest.mark.slow
@@ -190,4 +205,6 @@ def test_tokens_overhead_quick_run_at_matched_rates(tmp_path: Path) -> None:
     assert re.search(r"^\| non-stream @40/s \| \d+ \| \d+ \| \d+ \| -?\d+ \| .* \| \d+ \| -?\d+ \| .* \|$", text, re.M)
     record: dict[str, Any] = msgspec.json.decode(jsonl.splitlines()[-1])
     assert all(v and v[0] > 0 for v in record["bare_fast_us"].values())
+    assert all(v and v[0] > 0 for floor in record["bare_paced_us"].values() for v in floor.values())
+    assert re.search(r"^\| non-stream @40/s \| encode \+ DecodeStream, paced \| \d+ \| -?\d+ \| ", text, re.M)
     assert all(r["requests"] > 0 and r["errors"] == 0 for cell in record["cells"] for r in cell["rounds"])
