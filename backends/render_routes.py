@@ -19,6 +19,7 @@ render/derender routes to its own (``add_render_routes``).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -184,8 +185,14 @@ def _decode(decoder: msgspec.json.Decoder[Any], data: bytes) -> Any:
         raise BadRequestError(f"The request body is not valid JSON: {exc}") from None
 
 
-def _given(raw: msgspec.Raw) -> bool:
-    return len(raw) > 0 and bytes(raw) != b"null"
+def _client_request(svc: RenderService, raw: msgspec.Raw, decode: Callable[[bytes], Any]) -> Any:
+    """The client's request the derender follows (decoded, its model checked); vLLM's defaults
+    (``DerenderOptions()``) when the body sent none."""
+    if len(raw) == 0 or bytes(raw) == b"null":
+        return DerenderOptions()
+    request = decode(bytes(raw))
+    svc.renderer.check_model(request.model)
+    return request
 
 
 def _no_stream(stream: bool) -> None:
@@ -200,12 +207,7 @@ async def derender_chat(request: web.Request) -> web.Response:
     body: ChatDerenderBody = _decode(_chat_derender_decoder, await _body(request))
     _no_stream(body.stream)
     svc.renderer.check_model(body.model)
-    if _given(body.chat_request):
-        chat = decode_chat_request(bytes(body.chat_request))
-        svc.renderer.check_model(chat.model)
-        options: Any = chat
-    else:
-        options = DerenderOptions()
+    options = _client_request(svc, body.chat_request, decode_chat_request)
     response = body.generate_response
     derender = ChatDerender(svc.model, options, request_id=response.request_id, prompt_ids=body.prompt_token_ids,
                             prompt_tokens=body.prompt_tokens)
@@ -220,12 +222,7 @@ async def derender_completions(request: web.Request) -> web.Response:
     if not body.generate_responses:
         raise BadRequestError("generate_responses must hold at least one generate answer.",
                               param="generate_responses")
-    if _given(body.completion_request):
-        completion = decode_completion_request(bytes(body.completion_request))
-        svc.renderer.check_model(completion.model)
-        options: Any = completion
-    else:
-        options = DerenderOptions()
+    options = _client_request(svc, body.completion_request, decode_completion_request)
     counts = body.prompt_tokens
     derender = CompletionDerender(
         svc.model, options, request_id=body.generate_responses[0].request_id, prompt_ids=body.prompt_token_ids,
