@@ -225,6 +225,14 @@ class ChoiceText:
             self.lp_entries.extend(entries)
         return entries
 
+    def take_logged(self, ids: list[int] | None, finish_reason: str | None, stop_reason: Any,
+                    logprobs: GenerateLogProbs | None) -> list[int]:
+        """``take`` for a whole answer (the text stays in the choice), the step's logprobs kept with
+        it: the ids consumed."""
+        _, consumed = self.take(ids, finish_reason, stop_reason)
+        self.step_logprobs(logprobs, consumed)
+        return consumed
+
     def take(self, ids: list[int] | None, finish_reason: str | None,
              stop_reason: Any) -> tuple[str, list[int]]:
         """Consume one step's ids; answer the text to send and the ids consumed."""
@@ -364,9 +372,13 @@ class _Base:
         return b'{"prompt_tokens":%d,"total_tokens":%d,"completion_tokens":%d,"completion_tokens_details":null}' % (
             prompt, prompt + completion, completion)
 
-    def _error_event(self, error: StreamError) -> bytes:
+    def _fail(self, error: StreamError) -> None:
+        """The engine sent an error event: the answer is that error."""
         self.failed = True
         self.error = error
+
+    def _error_event(self, error: StreamError) -> bytes:
+        self._fail(error)
         return b'data: {"error":' + encode(error) + b"}\n\n"
 
 
@@ -411,17 +423,15 @@ class ChatDerender(_Base):
         ids_of: dict[int, list[int]] = {}
         for gc in sorted(response.choices, key=_index):
             choice = self._choice(gc.index)
-            _, consumed = choice.take(gc.token_ids, gc.finish_reason or "stop", gc.stop_reason)
-            choice.step_logprobs(gc.logprobs, consumed)
-            ids_of[gc.index] = consumed
+            ids_of[gc.index] = choice.take_logged(gc.token_ids, gc.finish_reason or "stop", gc.stop_reason,
+                                                  gc.logprobs)
         return self._whole_bytes(ids_of, response.kv_transfer_params, _ec(response.ec_transfer_params))
 
     def collect(self, chunk: GenerateStreamChunk) -> None:
         """Take one generate stream event for a whole answer (see ``collected``)."""
         self._collecting = True
         if chunk.error is not _UNSET_MARK:
-            self.failed = True
-            self.error = chunk.error
+            self._fail(chunk.error)
             return
         if chunk.usage is not None and chunk.usage.prompt_tokens:
             self.prompt_tokens = chunk.usage.prompt_tokens
@@ -430,8 +440,7 @@ class ChatDerender(_Base):
             choice = self._choice(gc.index)
             if choice.done:
                 continue
-            _, consumed = choice.take(gc.token_ids, gc.finish_reason, gc.stop_reason)
-            choice.step_logprobs(gc.logprobs, consumed)
+            consumed = choice.take_logged(gc.token_ids, gc.finish_reason, gc.stop_reason, gc.logprobs)
             self._collected_ids.setdefault(gc.index, []).extend(consumed)
         if chunk.kv_transfer_params is not _UNSET_MARK:
             self._collected_kv = chunk.kv_transfer_params
@@ -659,8 +668,7 @@ class CompletionDerender(_Base):
                 ec = _ec(response.ec_transfer_params)
             for gc in sorted(response.choices, key=_index):
                 choice = self._choice_of(prompt, gc.index)
-                _, consumed = choice.take(gc.token_ids, gc.finish_reason or "stop", gc.stop_reason)
-                choice.step_logprobs(gc.logprobs, consumed)
+                consumed = choice.take_logged(gc.token_ids, gc.finish_reason or "stop", gc.stop_reason, gc.logprobs)
                 taken.append((prompt, gc.index, consumed))
         return self._whole_bytes(taken, kv, ec)
 
@@ -668,8 +676,7 @@ class CompletionDerender(_Base):
         """Take one generate stream event of prompt ``prompt`` for a whole answer (``collected``)."""
         self._collecting = True
         if chunk.error is not _UNSET_MARK:
-            self.failed = True
-            self.error = chunk.error
+            self._fail(chunk.error)
             return
         if chunk.usage is not None and chunk.usage.prompt_tokens:
             self._set_prompt_tokens(prompt, chunk.usage.prompt_tokens)
@@ -678,8 +685,7 @@ class CompletionDerender(_Base):
             choice = self._choice_of(prompt, gc.index)
             if choice.done:
                 continue
-            _, consumed = choice.take(gc.token_ids, gc.finish_reason, gc.stop_reason)
-            choice.step_logprobs(gc.logprobs, consumed)
+            consumed = choice.take_logged(gc.token_ids, gc.finish_reason, gc.stop_reason, gc.logprobs)
             self._collected_ids.setdefault((prompt, gc.index), []).extend(consumed)
         if prompt == 0 and chunk.kv_transfer_params is not _UNSET_MARK:
             self._collected_kv = chunk.kv_transfer_params
