@@ -109,18 +109,27 @@ def test_chat_stream_logprobs_follow_the_consumed_ids() -> None:
     assert events[0]["choices"][0]["logprobs"] is None
 
 
+def stream_offsets(d: CompletionDerender, ids: list[int],
+                   engine: GenerateLogProbs) -> tuple[list[int], list[str], list[dict[str, Any]]]:
+    """Stream ``ids`` through ``d``, one per event with its logprobs: each event's ``text_offset``
+    and token, and the events."""
+    assert engine.content is not None
+    out = b""
+    for k, token_id in enumerate(ids):
+        out += d.chunk(GenerateStreamChunk(choices=[GenerateStreamChoice(
+            index=0, token_ids=[token_id], logprobs=GenerateLogProbs(content=[engine.content[k]]))]))
+    events = [json.loads(b[len(b"data: "):]) for b in out.split(b"\n\n") if b]
+    offsets = [e["choices"][0]["logprobs"]["text_offset"][0] for e in events]
+    tokens = [e["choices"][0]["logprobs"]["tokens"][0] for e in events]
+    return offsets, tokens, events
+
+
 def test_completion_logprobs_offsets_run_on_over_a_stream() -> None:
     ids = ids_of(" hello world")
     request = msgspec.convert({"prompt": "p", "stream": True, "logprobs": 1}, CompletionRequest)
     d = CompletionDerender(MODEL, request, request_id="cmpl", created=1, prompt_ids=[[5]])
     engine = lp(ids)
-    out = b""
-    for k, token_id in enumerate(ids):
-        out += d.chunk(GenerateStreamChunk(choices=[GenerateStreamChoice(
-            index=0, token_ids=[token_id], logprobs=GenerateLogProbs(content=[engine.content[k]]))]))  # type: ignore[index]
-    events = [json.loads(b[len(b"data: "):]) for b in out.split(b"\n\n") if b]
-    offsets = [e["choices"][0]["logprobs"]["text_offset"][0] for e in events]
-    tokens = [e["choices"][0]["logprobs"]["tokens"][0] for e in events]
+    offsets, tokens, _ = stream_offsets(d, ids, engine)
     assert offsets == [sum(len(t) for t in tokens[:k]) for k in range(len(tokens))]
     whole = json.loads(CompletionDerender(MODEL, msgspec.convert({"prompt": "p", "logprobs": 1}, CompletionRequest),
                                           request_id="cmpl", created=1, prompt_ids=[[5]]).whole(
@@ -138,13 +147,7 @@ def test_completion_stream_offsets_follow_tokens_while_stop_strings_hold_text_ba
     request = msgspec.convert({"prompt": "p", "stream": True, "logprobs": 0, "stop": ["zzzzzz"]}, CompletionRequest)
     d = CompletionDerender(MODEL, request, request_id="cmpl", created=1)
     engine = lp(ids)
-    out = b""
-    for k, token_id in enumerate(ids):
-        out += d.chunk(GenerateStreamChunk(choices=[GenerateStreamChoice(
-            index=0, token_ids=[token_id], logprobs=GenerateLogProbs(content=[engine.content[k]]))]))  # type: ignore[index]
-    events = [json.loads(b[len(b"data: "):]) for b in out.split(b"\n\n") if b]
-    offsets = [e["choices"][0]["logprobs"]["text_offset"][0] for e in events]
-    tokens = [e["choices"][0]["logprobs"]["tokens"][0] for e in events]
+    offsets, tokens, events = stream_offsets(d, ids, engine)
     # the text sent lags behind the tokens (5 characters held for the stop string) ...
     assert len(events[0]["choices"][0]["text"]) < len(tokens[0])
     # ... the offsets do not
