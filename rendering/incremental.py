@@ -45,7 +45,7 @@ Every known clean cut of the text is remembered as a *mark* ``(position, number 
 in ``PromptState``. A text (or new tail) of up to ``whole_chars`` characters is encoded in one call
 and marked only where it started and at its end: its inner cuts are an *open span*, found on demand
 by the next turn, so a request that never has a next turn pays for no mark. A longer one is encoded
-chunk by chunk between clean cuts (faster than one ``encode`` of a long text), marked every
+chunk by chunk between clean cuts (no dearer than one ``encode`` of a text that long), marked every
 ~``chunk_chars`` characters, at the last clean cut before the end, and at the end. The next turn
 finds where its text departs from the previous one. Inside the open span it takes the last position
 ``p`` at or before that point that is a clean cut of both texts; the tokens before ``p`` are the old
@@ -309,7 +309,10 @@ class PromptEncoder:
     tokenizer (``Renderer`` holds one); ``encode_prompt`` builds one when it is not given it.
 
     ``whole_chars``: a text (or new tail) up to this long is encoded in one call, its inner cuts left
-    open (default ``8 * chunk_chars``); longer ones are encoded ``chunk_chars`` at a time."""
+    open (default ``64 * chunk_chars``, 32,768 characters: one call costs no more than chunks up to
+    there, measured ~15% less at 5-22k characters; beyond, about the same, and chunking leaves marks
+    every ``chunk_chars`` for a next turn that departs far back); longer ones are encoded ``chunk_chars``
+    at a time."""
 
     def __init__(self, tokenizer: tokenizers.Tokenizer, *, chunk_chars: int = 512,
                  max_back_marks: int = 8, whole_chars: int | None = None) -> None:
@@ -319,7 +322,7 @@ class PromptEncoder:
         self.rule = rule
         self.reason = reason
         self.chunk_chars = chunk_chars
-        self.whole_chars = 8 * chunk_chars if whole_chars is None else whole_chars
+        self.whole_chars = 64 * chunk_chars if whole_chars is None else whole_chars
         self.max_back_marks = max_back_marks
         #: ``text -> ids`` (no special tokens added), built once
         self.ids = ids_encoder(tokenizer)

@@ -70,7 +70,7 @@ def test_template_that_rewrote_history_encodes_in_full(tokenizer: Tokenizer) -> 
 
 def test_edit_in_the_middle_reuses_up_to_the_last_mark_before_it(tokenizer: Tokenizer) -> None:
     history = "".join(f"<|user|>\nquestion number {i} is here\n<|assistant|>\nanswer {i}\n" for i in range(60))
-    encoder = PromptEncoder(tokenizer, chunk_chars=64)
+    encoder = PromptEncoder(tokenizer, chunk_chars=64, whole_chars=512)
     first = encoder.encode("<s>" + history, None)
     edited = "<s>" + history.replace("question number 40 ", "question number forty ")
     second = encoder.encode(edited, first)
@@ -319,13 +319,25 @@ def test_old_tail_that_disagrees_means_a_full_encode(tokenizer: Tokenizer, monke
 
 
 def test_a_long_prompt_is_encoded_in_chunks_with_marks(tokenizer: Tokenizer) -> None:
-    encoder = PromptEncoder(tokenizer, chunk_chars=64)
+    encoder = PromptEncoder(tokenizer, chunk_chars=64, whole_chars=256)
     text = "<s>" + "the quick brown fox jumps over the lazy dog. " * 20
     assert len(text) > encoder.whole_chars
     seen = _counting(encoder)
     state = encoder.encode(text)
     assert state.token_ids == _ids(tokenizer, text) and len(seen) > 2
     assert len(state.mark_pos) > 2 and state.open_from == -1
+
+
+def test_a_stateless_1k_token_prompt_is_one_encode_call(tokenizer: Tokenizer) -> None:
+    """The default encoder encodes a ~1,000-token chat (~5,500 characters) in one call: measured cheaper
+    than chunks there (bench/render_server.py), and marked only at its end (the rest is an open span)."""
+    encoder = PromptEncoder(tokenizer)
+    text = "<s>" + "the quick brown fox jumps over the lazy dog. " * 125
+    assert 5000 < len(text) <= encoder.whole_chars
+    seen = _counting(encoder)
+    state = encoder.encode(text)
+    assert state.token_ids == _ids(tokenizer, text) and seen == [text]
+    assert list(state.mark_pos) == [len(text)] and state.open_from == 0
 
 
 def test_ids_encoder_gives_encode_ids(tokenizer: Tokenizer) -> None:

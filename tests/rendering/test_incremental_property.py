@@ -183,8 +183,9 @@ def shipped() -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def shipped_encoder(shipped: Tokenizer) -> PromptEncoder:
-    # small chunks, so that conversations of a few hundred characters have marks inside them
-    return PromptEncoder(shipped, chunk_chars=24)
+    # small chunks (and one-call texts up to 8 chunks, as before the default grew), so that conversations
+    # of a few hundred characters have marks inside them
+    return PromptEncoder(shipped, chunk_chars=24, whole_chars=192)
 
 
 CORPUS = [
@@ -269,7 +270,7 @@ def test_marks_are_clean_cuts(name: str, shipped: Tokenizer, shipped_encoder: Pr
 def test_other_tokenizer_families(family: str) -> None:
     make, rule = FAMILIES[family]
     tokenizer = make()
-    encoder = PromptEncoder(tokenizer, chunk_chars=24)
+    encoder = PromptEncoder(tokenizer, chunk_chars=24, whole_chars=192)
     assert (encoder.rule.family if encoder.rule else None) == rule, encoder.reason
     templates = [ChatTemplate(TEMPLATES[n], special_tokens=SPECIALS) for n in ("shipped", "added_sep")]
 
