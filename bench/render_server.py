@@ -41,7 +41,7 @@ import msgspec
 from bench.chat_prompts import chat_bodies
 from bench.loadgen import LoadResult, LoadSpec
 from bench.procs import LOOPBACK, Proc, free_port, launch
-from bench.router_overhead import LoadGen, machine_facts, process_tree, write_section
+from bench.router_overhead import LoadGen, failures, machine_facts, process_tree, publish
 from bench.tokens_overhead import MODEL_DIR, bare_cost_us, fmt, median, render_cost_us, rendered_prompts, start_engine
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -239,15 +239,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             for _, proc in reversed(servers):
                 proc.stop()
 
-    report = render_report(local, cells, same_ids, facts, args, vllm_note, bare)
-    print(report)
-    write_section(args.out, report, args.section)
-    os.makedirs(os.path.dirname(os.path.abspath(args.jsonl)), exist_ok=True)
-    with open(args.jsonl, "a", encoding="utf-8") as fh:
-        fh.write(msgspec.json.encode({"facts": facts, "local_us": local, "bare_encode_us": bare, "same_ids": same_ids,
-                                      "cells": list(cells.values())}).decode() + "\n")
-    errors = sum(r.errors for cell in cells.values() for r in cell.rounds)
-    empty = [key for key, cell in cells.items() if not any(r.requests for r in cell.rounds)]
+    publish(render_report(local, cells, same_ids, facts, args, vllm_note, bare), args.out, args.section, args.jsonl,
+            {"facts": facts, "local_us": local, "bare_encode_us": bare, "same_ids": same_ids,
+             "cells": list(cells.values())})
+    errors, empty = failures(cells)
     if errors or empty or not all(same_ids.values()):
         print(f"benchmark had {errors} failed requests; servers without a completed request: {empty}; "
               f"same token ids: {same_ids}", file=sys.stderr)

@@ -39,8 +39,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import msgspec
 
@@ -333,6 +334,32 @@ def write_section(path: str, section: str, name: str = SECTION) -> None:
     os.replace(tmp, path)
 
 
+def publish(report: str, out: str, section: str, jsonl: str, record: dict[str, object]) -> None:
+    """Print a run's report, write it into its marked section of ``out`` and append its raw
+    ``record`` as one JSON line to ``jsonl``."""
+    print(report)
+    write_section(out, report, section)
+    os.makedirs(os.path.dirname(os.path.abspath(jsonl)), exist_ok=True)
+    with open(jsonl, "a", encoding="utf-8") as fh:
+        fh.write(msgspec.json.encode(record).decode() + "\n")
+
+
+class _Round(Protocol):
+    errors: int
+    requests: int
+
+
+class _Rounds(Protocol):
+    @property
+    def rounds(self) -> Sequence[_Round]: ...
+
+
+def failures(cells: Mapping[str, _Rounds]) -> tuple[int, list[str]]:
+    """The failed requests of a run (any benchmark's cells), and the cells that completed no request."""
+    errors = sum(r.errors for cell in cells.values() for r in cell.rounds)
+    return errors, [key for key, cell in cells.items() if not any(r.requests for r in cell.rounds)]
+
+
 def machine_facts(nginx_binary: str | None, argv: Sequence[str]) -> dict[str, str]:
     def version(dist: str) -> str:
         try:
@@ -477,14 +504,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             for proc in reversed(started):
                 proc.stop()
 
-    report = render(cells, targets, facts, args)
-    print(report)
-    write_section(args.out, report, args.section)
-    os.makedirs(os.path.dirname(os.path.abspath(args.jsonl)), exist_ok=True)
-    with open(args.jsonl, "a", encoding="utf-8") as fh:
-        fh.write(msgspec.json.encode({"facts": facts, "cells": list(cells.values())}).decode() + "\n")
-    errors = sum(r.errors for cell in cells.values() for r in cell.rounds)
-    empty = [key for key, cell in cells.items() if not any(r.requests for r in cell.rounds)]
+    publish(render(cells, targets, facts, args), args.out, args.section, args.jsonl,
+            {"facts": facts, "cells": list(cells.values())})
+    errors, empty = failures(cells)
     if errors or empty:
         print(f"benchmark had {errors} failed requests; cells without a completed request: {empty}", file=sys.stderr)
         return 1

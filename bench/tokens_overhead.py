@@ -60,7 +60,7 @@ import msgspec
 from bench.chat_prompts import chat_bodies
 from bench.loadgen import LoadResult, LoadSpec
 from bench.procs import LOOPBACK, Proc, free_port, start_process, start_router
-from bench.router_overhead import LoadGen, machine_facts, process_tree, write_section
+from bench.router_overhead import LoadGen, failures, machine_facts, process_tree, publish
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(BENCH_DIR)
@@ -564,15 +564,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             for proc in reversed(started):
                 proc.stop()
 
-    report = render_report(cells, targets, modes, bare, render_us, facts, args, pieces, bare_fast, paced)
-    print(report)
-    write_section(args.out, report, args.section)
-    os.makedirs(os.path.dirname(os.path.abspath(args.jsonl)), exist_ok=True)
-    with open(args.jsonl, "a", encoding="utf-8") as fh:
-        fh.write(msgspec.json.encode({"facts": facts, "bare_us": bare, "bare_fast_us": bare_fast, "bare_paced_us": paced, "render_us": render_us, "pieces_us": pieces,
-                                      "cells": list(cells.values())}).decode() + "\n")
-    errors = sum(r.errors for cell in cells.values() for r in cell.rounds)
-    empty = [key for key, cell in cells.items() if not any(r.requests for r in cell.rounds)]
+    publish(render_report(cells, targets, modes, bare, render_us, facts, args, pieces, bare_fast, paced),
+            args.out, args.section, args.jsonl,
+            {"facts": facts, "bare_us": bare, "bare_fast_us": bare_fast, "bare_paced_us": paced,
+             "render_us": render_us, "pieces_us": pieces, "cells": list(cells.values())})
+    errors, empty = failures(cells)
     if errors or empty:
         print(f"benchmark had {errors} failed requests; cells without a completed request: {empty}", file=sys.stderr)
         return 1
