@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import subprocess
 import sys
 import tempfile
@@ -122,7 +121,7 @@ def render_report(local: list[float], cells: dict[str, Cell], same_ids: dict[str
         f"concurrent), keep-alive, {args.warmup:g} s warm-up + {args.seconds:g} s "
         "measured per cell; CPU = utime+stime of the server's process tree from /proc per completed request. "
         f"{args.rounds} rounds interleaved; median `[lo–hi]`; local/server ratios per round.",
-        f"- Same token ids as the local render for a sample body: "
+        "- Same token ids as the local render for a sample body: "
         + ", ".join(f"{name} {'yes' if ok else '**no**'}" for name, ok in same_ids.items()) + ".",
         f"- **Target**: local render ≤ ⅓ of the render server's CPU per request. {vllm_note}",
         "",
@@ -181,8 +180,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from rendering.model import load_model
     from rendering.render import Renderer
 
-    facts = machine_facts(None, raw_argv)
-    facts["command"] = "python -m bench.render_server" + "".join(f" {shlex.quote(a)}" for a in raw_argv)
+    facts = machine_facts(None, raw_argv, "bench.render_server")
     facts["tokenizers"], facts["jinja2"] = tokenizers.__version__, jinja2.__version__
     facts["vllm"] = "not run"
     model = load_model(args.model_dir)

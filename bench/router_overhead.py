@@ -360,7 +360,17 @@ def failures(cells: Mapping[str, _Rounds]) -> tuple[int, list[str]]:
     return errors, [key for key, cell in cells.items() if not any(r.requests for r in cell.rounds)]
 
 
-def machine_facts(nginx_binary: str | None, argv: Sequence[str]) -> dict[str, str]:
+def exit_status(cells: Mapping[str, _Rounds]) -> int:
+    """A benchmark's exit status: 1 (said on stderr) when a request failed or a cell completed none."""
+    errors, empty = failures(cells)
+    if errors or empty:
+        print(f"benchmark had {errors} failed requests; cells without a completed request: {empty}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def machine_facts(nginx_binary: str | None, argv: Sequence[str], module: str = "bench.router_overhead") -> dict[str, str]:
+    """The machine, its load and the versions a run depends on, and the command (``python -m module argv``)."""
     def version(dist: str) -> str:
         try:
             return importlib.metadata.version(dist)
@@ -386,7 +396,7 @@ def machine_facts(nginx_binary: str | None, argv: Sequence[str]) -> dict[str, st
         "httptools": version("httptools"),
         "msgspec": version("msgspec"),
         "nginx": nginx_version(nginx_binary) if nginx_binary else "nginx not installed",
-        "command": "python -m bench.router_overhead" + ("".join(f" {shlex.quote(a)}" for a in argv)),
+        "command": f"python -m {module}" + "".join(f" {shlex.quote(a)}" for a in argv),
     }
 
 
@@ -506,11 +516,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     publish(render(cells, targets, facts, args), args.out, args.section, args.jsonl,
             {"facts": facts, "cells": list(cells.values())})
-    errors, empty = failures(cells)
-    if errors or empty:
-        print(f"benchmark had {errors} failed requests; cells without a completed request: {empty}", file=sys.stderr)
-        return 1
-    return 0
+    return exit_status(cells)
 
 
 if __name__ == "__main__":

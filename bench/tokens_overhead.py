@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import statistics
 import sys
 import tempfile
@@ -60,7 +59,7 @@ import msgspec
 from bench.chat_prompts import chat_bodies
 from bench.loadgen import LoadResult, LoadSpec
 from bench.procs import LOOPBACK, Proc, free_port, start_process, start_router
-from bench.router_overhead import LoadGen, failures, machine_facts, process_tree, publish
+from bench.router_overhead import LoadGen, exit_status, machine_facts, process_tree, publish
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(BENCH_DIR)
@@ -471,8 +470,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(raw_argv)
     import tokenizers
 
-    facts = machine_facts(None, raw_argv)
-    facts["command"] = "python -m bench.tokens_overhead" + "".join(f" {shlex.quote(a)}" for a in raw_argv)
+    facts = machine_facts(None, raw_argv, "bench.tokens_overhead")
     facts["tokenizers"] = tokenizers.__version__
     from rendering.model import load_model
 
@@ -568,11 +566,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.out, args.section, args.jsonl,
             {"facts": facts, "bare_us": bare, "bare_fast_us": bare_fast, "bare_paced_us": paced,
              "render_us": render_us, "pieces_us": pieces, "cells": list(cells.values())})
-    errors, empty = failures(cells)
-    if errors or empty:
-        print(f"benchmark had {errors} failed requests; cells without a completed request: {empty}", file=sys.stderr)
-        return 1
-    return 0
+    return exit_status(cells)
 
 
 if __name__ == "__main__":
