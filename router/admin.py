@@ -15,7 +15,6 @@ Errors are raised (``contract.errors``); the app's ``error_middleware`` answers 
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 from urllib.parse import urlsplit
 
@@ -91,8 +90,8 @@ async def add_backend(request: web.Request) -> web.Response:
     except BackendNotAllowed as exc:
         raise PermissionDeniedError(str(exc), param="url") from None
     _check_unique(candidate, spec.pool, state)  # again: a concurrent call may have added it meanwhile
-    backend = pool.add(candidate)
-    await state.health.check_backend(backend)
+    # checked before it takes traffic; unique once more right before it enters (the check awaited)
+    backend = await state.changes.add(spec.pool, candidate, recheck=lambda: _check_unique(candidate, spec.pool, state))
     return json_response(_view(backend), status=201)
 
 
@@ -145,13 +144,7 @@ async def remove_backend(request: web.Request) -> web.Response:
     backend = state.find_backend(name)
     if backend is None:
         raise NotFoundError(f"no backend named {name!r}; GET /admin/backends lists them")
-    backend.draining = True
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + state.config.drain_timeout_s
-    while backend.in_flight > 0 and loop.time() < deadline:
-        await asyncio.sleep(0.05)
-    drained = backend.in_flight == 0
-    state.pools[backend.pool].remove(backend.url)
+    drained = await state.changes.remove(backend)
     return json_response({"name": backend.name, "url": backend.url, "removed": True, "drained": drained})
 
 

@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry
 from contract.errors import MethodNotAllowedError, NotFoundError, SessionRouterError
 from router import admin, endpoints
 from router.access_log import AccessLog
+from router.backend_changes import BackendChanges
 from router.config import RouterConfig
 from router.exchange import REQUEST_ID_HEADER
 from router.front.aiohttp_adapter import proxy_handler
@@ -86,6 +87,7 @@ def build_state(config: RouterConfig, registry: CollectorRegistry | None = None)
                               UpstreamLimits(max_head_bytes=config.upstream.max_head_bytes,
                                              max_body_bytes=config.upstream.max_body_bytes)),
         health=health,
+        changes=BackendChanges(pools, health, config.drain_timeout_s),
         access_log=AccessLog(config.front.access_log, config.front.access_log_file) if config.front.access_log != "off" else None,
     )
     metrics.attach_live(state.all_pools, sessions)

@@ -12,6 +12,7 @@ from aiohttp import web
 
 from contract.ids import IdGenerator
 from router.access_log import AccessLog
+from router.backend_changes import BackendChanges
 from router.config import RouterConfig
 from router.health import HealthChecker
 from router.membership import POOL_DECODE, POOL_DEFAULT, Backend, BackendPool
@@ -33,6 +34,8 @@ class RouterState:
     upstream: UpstreamPool
     #: started and stopped by the app's lifecycle (``cleanup_ctx``)
     health: HealthChecker
+    #: adds and removes backends at runtime: the one path of the admin API and of discovery
+    changes: BackendChanges
     #: aiohttp client for everything off the hot path (health checks, /v1/models, admin)
     http: aiohttp.ClientSession | None = None
     request_ids: IdGenerator = field(default_factory=IdGenerator)
