@@ -57,6 +57,24 @@ class RequestView(Protocol):
         ...
 
     @property
+    def agent_headers(self) -> Sequence[tuple[str, str]]:
+        """(lower-case name, value) of every agent session header and ``x-parent-session-id``
+        received (``router.sessions.agents.CAPTURED_HEADERS``; the configured session header is
+        never one of them), in order; empty when none. They are forwarded as received too."""
+        ...
+
+    @property
+    def authorization(self) -> str | None:
+        """The ``Authorization`` header's value (the first one), if any: read only to derive a
+        session id (``router.sessions.derive.sender_key`` hashes it); never stored or logged."""
+        ...
+
+    @property
+    def peer(self) -> str | None:
+        """The client's address (IP, no port) as the connection shows it; None when unknown."""
+        ...
+
+    @property
     def content_length(self) -> int | None:
         """The declared ``Content-Length`` (None for chunked or no body)."""
         ...

@@ -1,7 +1,7 @@
 """The data path: session -> placement -> upstream -> client, for every proxied route.
 
-Read top to bottom: ``Proxy.handle`` resolves the session (the shared contract), stamps one
-when none resolves, places the request with the configured policy, sends the original body
+Read top to bottom: ``Proxy.handle`` resolves the session (the shared contract; else an agent
+client's own session header, ``router.sessions.agents``), stamps one when none resolves, places the request with the configured policy, sends the original body
 bytes to the chosen backend over the pooled raw upstream client, retries on another
 candidate while nothing has reached the client yet, then relays the response (streams chunk
 by chunk) and accounts it to the session.
@@ -19,7 +19,7 @@ answered before any session bookkeeping and without reaching a backend.
 Routes the router does not name (``OTHER``: ``/v1/embeddings``, ``/v1/audio/...``, ``/version``,
 any method) are forwarded by ``Proxy.forwards`` to one backend, body bytes unchanged, with the same
 limits, retries and failover: session placement when a session resolves (the ``X-Session-ID``
-header, or ``session_id``/``vllm_xargs`` in a JSON object body), else the policy's plain choice;
+header, or ``session_id``/``vllm_xargs`` in a JSON object body, or an agent's session header), else the policy's plain choice;
 ``GET``/``POST /v1/responses/{id}...`` goes to the backend that created the response when the
 router saw it. Never forwarded: the router's own paths (``ROUTER_PATHS``, ``ROUTER_PREFIXES``) and
 ``proxy_deny``, matched on a canonical form of the path (``canonical_path``; all in ``router.routes``).
@@ -63,7 +63,8 @@ from router.placement.base import Outcome, Placement, Policy
 from router.pd import PD_ROUTE_KINDS, Handoff, PDHandoff
 from router.routes import AMBIGUOUS, NAMED_PATHS, OPEN_KINDS, ROUTER_PATHS, ROUTER_PREFIXES, Route, canonical_path, path_rules
 from contract.session import SESSION_HEADER, resolve_session_id, session_from_headers
-from router.sessions.derive import derive_chat_session, derive_responses_session, mint_session
+from router.sessions.agents import agent_session, parent_session
+from router.sessions.derive import derive_chat_session, derive_responses_session, mint_session, sender_key
 from router.sessions.responses import ResponseIndex
 from router.sessions.table import SessionTable
 from router.upstream import UpstreamPool, UpstreamResponse, UpstreamTimeouts, render_headers, request_head
@@ -211,31 +212,37 @@ class Proxy:
             session_id = session_from_headers(headers, self.session_header)
         else:
             session_id = resolve_session_id(fields.session_id, headers, fields.vllm_xargs, self.session_header)
+        agents = request.agent_headers  # agent clients' own headers (router.sessions.agents); usually none
+        if session_id is None and agents:
+            session_id = agent_session(agents)
         if kind == "other":
             attempt.home = self._stored_response(request.path_qs)
         elif session_id is None:
-            session_id = self._stamp(route, cast(RoutingFields, fields))
+            session_id = self._stamp(request, route, cast(RoutingFields, fields))
         attempt.session_id = session_id
         if session_id is not None:
             entry = self.sessions.touch(session_id)
+            if agents and not entry.requests:  # created by this request: the parent its agent names
+                entry.parent = parent_session(agents, session_id)
             entry.requests += 1
             attempt.entry = entry
         return fields
 
-    def _stamp(self, route: Route, fields: RoutingFields) -> str | None:
+    def _stamp(self, request: RequestView, route: Route, fields: RoutingFields) -> str | None:
         mode = self.config.sessions.stamp
         if mode == "none":
             return None
         if mode == "derive":
             derived: str | None = None
             if route.kind == "chat":
-                derived = derive_chat_session(fields.messages)
+                if fields.messages:
+                    derived = derive_chat_session(fields.messages, sender_key(request.authorization, request.peer))
             elif route.kind == "responses":
                 known = self._previous_response(fields)
                 if known is not None and known[1] is not None:
                     derived = known[1]
-                else:
-                    derived = derive_responses_session(fields.input)
+                elif fields.input:
+                    derived = derive_responses_session(fields.input, sender_key(request.authorization, request.peer))
             if derived is not None:
                 return derived
         return mint_session()

@@ -14,6 +14,7 @@ from aiohttp import web
 
 from contract.errors import PayloadTooLargeError, RequestTimeoutError
 from router.exchange import DROP_REQUEST, REQUEST_ID_HEADER, Headers, drop_connection_options
+from router.sessions.agents import CAPTURED_HEADERS
 from router.upstream import render_headers
 
 if TYPE_CHECKING:
@@ -24,14 +25,17 @@ if TYPE_CHECKING:
 class AiohttpRequest:
     """``RequestView`` over ``web.Request``."""
 
-    __slots__ = ("_request", "_body_timeout_s", "_session_header", "_drop")
+    __slots__ = ("_request", "_body_timeout_s", "_session_header", "_drop", "_agent_names")
 
     def __init__(self, request: web.Request, body_timeout_s: float, session_header: str,
-                 drop: frozenset[str] = DROP_REQUEST) -> None:
+                 drop: frozenset[str] = DROP_REQUEST, agent_names: tuple[str, ...] = CAPTURED_HEADERS) -> None:
+        """``agent_names``: the agent headers to read (``CAPTURED_HEADERS`` without the configured
+        session header, which is the vLLM channel whatever its name)."""
         self._request = request
         self._body_timeout_s = body_timeout_s
         self._session_header = session_header
         self._drop = drop
+        self._agent_names = agent_names
 
     @property
     def method(self) -> str:
@@ -52,6 +56,19 @@ class AiohttpRequest:
     @property
     def request_id(self) -> str | None:
         return self._request.headers.get(REQUEST_ID_HEADER)
+
+    @property
+    def agent_headers(self) -> Sequence[tuple[str, str]]:
+        headers = self._request.headers
+        return [(name, value.strip(" \t")) for name in self._agent_names for value in headers.getall(name, ())]
+
+    @property
+    def authorization(self) -> str | None:
+        return self._request.headers.get("Authorization")
+
+    @property
+    def peer(self) -> str | None:
+        return self._request.remote
 
     @property
     def content_length(self) -> int | None:
@@ -120,10 +137,11 @@ def proxy_handler(proxy: "Proxy", route: "Route") -> Callable[[web.Request], Awa
     body_timeout = proxy.config.front.body_timeout_s
     session_header = proxy.session_header
     drop = DROP_REQUEST | {session_header.lower()}
+    agent_names = tuple(name for name in CAPTURED_HEADERS if name not in drop)
 
     async def handle(request: web.Request) -> web.StreamResponse:
         writer = AiohttpWriter(request)
-        await proxy.handle(AiohttpRequest(request, body_timeout, session_header, drop), writer, route)
+        await proxy.handle(AiohttpRequest(request, body_timeout, session_header, drop, agent_names), writer, route)
         assert writer.response is not None, "Proxy.handle always answers"
         return writer.response
 

@@ -10,6 +10,7 @@ proxy or the relay reads and answers it. It knows the connection only through
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from contract.errors import BadRequestError, PayloadTooLargeError, RequestTimeoutError
@@ -28,6 +29,8 @@ class ExchangeConnection(Protocol):
 
     loop: asyncio.AbstractEventLoop
     settings: ConnectionSettings
+    #: the client's transport (its peer address); None before the connection is made
+    transport: asyncio.Transport | None
     dates: DateServer
     #: no request after the current one (drain, Connection: close, an error)
     closing: bool
@@ -47,7 +50,8 @@ class Exchange:
 
     __slots__ = (
         "conn", "method", "raw_path", "path_qs", "route", "http10", "keep_alive", "head_only",
-        "lines", "session_headers", "request_id", "content_length", "expect_continue",
+        "lines", "session_headers", "request_id", "content_length", "expect_continue", "agent_headers",
+        "authorization_b",
         "conn_close", "conn_keep_alive", "url", "connection", "hosts", "bad_host", "transfer_encoding",
         "fields",
         "complete", "too_large", "bad", "chunks", "size", "_waiter",
@@ -67,6 +71,10 @@ class Exchange:
         self.lines: list[bytes] = []
         self.session_headers: list[str] = []
         self.request_id: str | None = None
+        #: agent session headers and x-parent-session-id, (lower-case name, value): ``capture``
+        self.agent_headers: Sequence[tuple[str, str]] = ()
+        #: the first Authorization value as received (forwarded as received too; see ``authorization``)
+        self.authorization_b: bytes | None = None
         self.content_length: int | None = None
         self.expect_continue = False
         self.conn_close = False
@@ -93,7 +101,31 @@ class Exchange:
         self._pending = b""
         self._chunked = False
 
+    def capture(self, lname: bytes, value: bytes) -> None:
+        """Keep an agent header (the parser calls this; the first one makes the list)."""
+        pair = (lname.decode("latin-1"), value.decode("utf-8", "surrogateescape"))
+        kept = self.agent_headers
+        if isinstance(kept, list):
+            kept.append(pair)
+        else:
+            self.agent_headers = [pair]
+
     # ------------------------------------------------------------------ RequestView
+    @property
+    def authorization(self) -> str | None:
+        raw = self.authorization_b
+        return None if raw is None else raw.decode("utf-8", "surrogateescape")
+
+    @property
+    def peer(self) -> str | None:
+        transport = self.conn.transport
+        if transport is None:
+            return None
+        name = transport.get_extra_info("peername")
+        if isinstance(name, (tuple, list)) and name:
+            return str(name[0])
+        return name if isinstance(name, str) and name else None  # a unix socket's path, if named
+
     def forward_headers(self) -> str:
         # names were checked by the parser (tokens), values in on_header (no CR, LF or NUL)
         rendered = b"".join(self.lines).decode("utf-8", "surrogateescape")

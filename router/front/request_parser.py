@@ -12,6 +12,11 @@ an HTTP/1.0 request with ``Transfer-Encoding`` closes the connection after its a
 ``Upgrade`` offer (h2c, websocket) is ignored and the request served; the head limit
 (``max_head_bytes``) counts the request line, every header line and the blank line. A malformed
 request raises ``Rejected`` out of ``feed`` (answered 400 by the connection).
+
+Besides the headers it drops, the parser keeps a few forwarded ones for the proxy
+(``ConnectionSettings.capture_b``): agent clients' session headers (``router.sessions.agents``) and
+``Authorization`` (its raw value, hashed by the proxy only when it derives a session id). A header
+that is neither costs the one set lookup every header always cost (``watch_b``).
 """
 
 from __future__ import annotations
@@ -56,7 +61,8 @@ class RequestParser:
 
     __slots__ = (
         "parsing", "_conn", "_on_request", "_route_for", "_parser", "_last", "_in_head", "_head_bytes",
-        "_head_read", "_head_tail", "_begun", "_body_only", "_session_b", "_drop_b", "_max_head", "_max_body",
+        "_head_read", "_head_tail", "_begun", "_body_only", "_session_b", "_watch_b", "_capture_b", "_max_head",
+        "_max_body",
     )  # fmt: skip
 
     def __init__(self, conn: ExchangeConnection, settings: ConnectionSettings,
@@ -84,9 +90,12 @@ class RequestParser:
         self._begun = 0
         #: the parser is reading a made-up head that frames the body of an upgrade offer (``_upgrade``)
         self._body_only = False
-        #: the session header's name (lower case) and the request headers not forwarded as received
+        #: the session header's name (lower case); the headers looked at (the ones not forwarded as
+        #: received, and the forwarded ones kept for the proxy: ``capture_b``); any other header is
+        #: forwarded after one set lookup
         self._session_b = settings.session_header_b
-        self._drop_b = settings.drop_request_b
+        self._watch_b = settings.watch_b
+        self._capture_b = settings.capture_b
         #: a head over this many bytes is refused (``max_head_bytes``)
         self._max_head = settings.max_head_bytes
         #: a larger body gets a 413 (``max_body_bytes``)
@@ -179,7 +188,7 @@ class RequestParser:
         if b"\r" in value or b"\n" in value or b"\x00" in value:  # never reaches a backend
             raise Rejected()
         lname = name.lower()
-        if lname not in self._drop_b:
+        if lname not in self._watch_b:
             ex.lines.append(b"%b: %b\r\n" % (name, value))
         elif lname == self._session_b:
             ex.session_headers.append(value.decode("utf-8", "surrogateescape"))
@@ -208,6 +217,13 @@ class RequestParser:
             ex.transfer_encoding = True
         elif lname == b"expect":
             ex.expect_continue = value.lower() == b"100-continue"
+        elif lname in self._capture_b:  # forwarded, and kept for the proxy (agent sessions, the sender)
+            ex.lines.append(b"%b: %b\r\n" % (name, value))
+            if lname == b"authorization":
+                if ex.authorization_b is None:
+                    ex.authorization_b = value
+            else:
+                ex.capture(lname, value)
 
     def on_headers_complete(self) -> None:
         if self._body_only:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from router.config import FrontConfig
+from router.sessions.agents import CAPTURED_HEADERS
 
 #: the [front] settings' defaults (the schema's), for callers that give fewer
 FRONT_DEFAULTS = FrontConfig()
@@ -22,3 +23,15 @@ class ConnectionSettings:
     drop_request_b: frozenset[bytes]
     #: a larger request head gets a 400 and the connection closes (``max_head_bytes``)
     max_head_bytes: int = FRONT_DEFAULTS.max_head_bytes
+    #: forwarded headers the parser also keeps for the proxy, lower case: the agent session headers
+    #: (``router.sessions.agents``) and ``authorization`` (hashed only when a session id is derived)
+    capture_b: frozenset[bytes] = field(init=False)
+    #: the names the parser looks at at all (``drop_request_b`` and ``capture_b``): any other header
+    #: costs one set lookup
+    watch_b: frozenset[bytes] = field(init=False)
+
+    def __post_init__(self) -> None:
+        capture = frozenset(n.encode() for n in CAPTURED_HEADERS) | {b"authorization"}
+        capture -= self.drop_request_b  # a session header configured under an agent's name is the session header
+        object.__setattr__(self, "capture_b", capture)
+        object.__setattr__(self, "watch_b", self.drop_request_b | capture)

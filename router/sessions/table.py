@@ -47,6 +47,8 @@ class SessionView(msgspec.Struct, kw_only=True):
     last_backend: str
     #: ``contract.ids.session_hash`` of the id: its ``session`` label on /metrics (session_label = "hash")
     session_hash: str
+    #: the parent session its first request named (``x-parent-session-id``), if any
+    parent: str | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -70,6 +72,9 @@ class SessionEntry:
     cached_tokens: int = 0
     errors: int = 0
     last_backend: str = ""
+    #: the parent session (an agent's ``x-parent-session-id``, ``router.sessions.agents``), set by
+    #: the proxy when the entry is created; placement sends its first request where the parent is
+    parent: str | None = None
 
     def record_usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> None:
         """Add one response's usage."""
@@ -100,6 +105,7 @@ class SessionEntry:
             errors=self.errors,
             last_backend=self.last_backend,
             session_hash=session_hash(self.session_id),
+            parent=self.parent,
         )
 
 
