@@ -68,7 +68,7 @@ def test_install_runs_under_a_temporary_policy_that_forbids_starting_services(tm
     out, calls = _run(tmp_path, policy)
     assert out.returncode == 0, out.stderr
     install = [c for c in calls if c.startswith("apt-get install")]
-    assert install and all(pkg in install[0] for pkg in ("prometheus", "nginx", "docker-compose")), calls
+    assert install and all(pkg in install[0] for pkg in ("prometheus", "nginx", "docker-compose", "redis-server")), calls
     # during the install the policy existed and forbade every action; afterwards it is gone
     assert "policy-rc.d exit 101" in calls, calls
     assert calls[-1] == "make test (policy-rc.d absent)", calls
