@@ -30,9 +30,15 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-# the multi-turn routing benchmark (bench/RESULTS.md, "Multi-turn routing"); BENCH_ARGS=--quick for a short run
-bench: $(STAMP)
-	$(PY) -m bench.multiturn --markdown $(BENCH_ARGS)
+# the bench extra (matplotlib, for the PNGs next to bench/RESULTS.md) on top of the test install
+BENCH_STAMP := $(VENV)/.installed-bench
+$(BENCH_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e '.[test,bench]' && touch $(BENCH_STAMP)
+
+# the multi-turn routing benchmark (bench/RESULTS.md, "Multi-turn routing"), every request kept and the PNGs
+# drawn into bench/plots; BENCH_ARGS=--quick for a short run
+bench: $(BENCH_STAMP)
+	$(PY) -m bench.multiturn --markdown --records --plots bench/plots $(BENCH_ARGS)
 
 bench-backend: $(STAMP)
 	$(PY) -m bench.backend_throughput

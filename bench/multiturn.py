@@ -19,12 +19,21 @@ Per cell it measures:
 - load over time: every ``--sample`` seconds the router's per-backend in-flight counts
   (``/admin/backends``) and the backends' own ``/load``; reported as max/mean of the per-backend
   time averages;
-- placements by outcome (``session_router_placements_total``) and the sessions that spilled or
-  were re-pinned.
+- placements by outcome (``session_router_placements_total``), the ``kv_aware`` policy's decisions by
+  outcome and reason (``session_router_placement_decisions_total``; per request, the
+  ``X-Session-Router-Decision`` header, turned on with ``[placement] decision_header``) and the
+  sessions that spilled or were re-pinned.
+
+The backends publish vLLM's KV events (``--kv-events-config``: a ZMQ PUB on an ``ipc://`` endpoint in
+the run's temporary directory, which the backend binds, plus its replay socket); our router reads
+them from each backend's ``GET /kv_event_sources`` (``[kv_events] enabled = "auto"``) into its KV
+index, which the ``kv_aware`` policy (the default) weighs against the engines' load. The peers ignore
+the events. ``--no-kv-events`` starts the backends without them.
 
     python -m bench.multiturn --quick                  # CI smoke: one variant, three policies, < 2 min
     python -m bench.multiturn                          # full: uniform, no-header, skewed; peers if installable
     python -m bench.multiturn --variants skewed --policies session,least_loaded --peers none
+    python -m bench.multiturn --records --plots bench/plots   # + every request, and the PNGs (bench.plots)
 
 Results go to stdout (a table per variant, the target checks) and as JSON to ``--out``
 (default ``bench/out/multiturn-<time>.json``); ``--markdown`` also prints the tables in Markdown.
@@ -40,6 +49,7 @@ import math
 import os
 import platform
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -53,14 +63,17 @@ import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench import peers as peer_mod
-from bench.procs import Proc, free_ports, start_backend, start_router
+from bench.procs import REPO, Proc, free_ports, start_backend, start_router
 from bench.workload import SessionPlan, Workload, WorkloadSpec, generate, system_message
 
 SESSION_HEADER = "X-Session-ID"
 MODEL = "session-sim"
 #: our router's admin token here (sampling /admin/backends needs one on the data port)
 ADMIN_TOKEN = "bench-admin-token"
-POLICIES = ("session", "round_robin", "least_loaded")
+POLICIES = ("kv_aware", "session", "round_robin", "least_loaded")
+#: the policies the session-aware columns (spills, sessions moved) apply to
+SESSION_POLICIES = ("kv_aware", "session")
+DECISION_HEADER = "X-Session-Router-Decision"
 VARIANTS = ("uniform", "noheader", "skewed")
 
 # ---------------------------------------------------------------------------------------------
@@ -98,8 +111,11 @@ class BenchConfig(msgspec.Struct, frozen=True, kw_only=True):
     #: --policies / --peers was given: run exactly those in every variant
     explicit_policies: bool = False
     explicit_peers: bool = False
-    #: passed to our router as --config (e.g. a different load_factor); "" = defaults
+    #: passed to our router as --config (e.g. a different load_factor); "" = defaults (plus the
+    #: decision header, when the router has it)
     router_config: str = ""
+    #: backends publish KV events (--kv-events-config, ipc:// endpoints in the run's directory)
+    kv_events: bool = True
 
 
 def quick_variants(seed: int) -> tuple[Variant, ...]:
@@ -147,6 +163,8 @@ class TurnRecord(msgspec.Struct):
     #: backend URL that served it ("" when not attributable) and the session's pin after it
     backend: str = ""
     pin: str = ""
+    #: our router's X-Session-Router-Decision header ("" when it sent none)
+    decision: str = ""
     error: str = ""
 
 
@@ -192,11 +210,19 @@ class CellResult(msgspec.Struct, kw_only=True):
     peak_in_flight: int = 0
     preemptions: int = 0
     placements: dict[str, int] = {}
+    #: session_router_placement_decisions_total deltas, "outcome/reason" -> count (kv_aware)
+    decisions: dict[str, int] = {}
     sessions_spilled: int = 0
     sessions_repinned: int = 0
     sessions: int = 0
     #: every request (only with --records)
     records: list[TurnRecord] | None = None
+    #: load over time: every --sample seconds, per backend (always kept; bench.plots draws it)
+    samples: list[Sample] = []
+    #: backend URLs in the order of each sample's lists
+    backends: list[str] = []
+    #: the machine's 1-minute load average when the cell started and when it ended (a shared machine)
+    loadavg: tuple[float, float] = (0.0, 0.0)
 
 
 class TargetCheck(msgspec.Struct):
@@ -274,6 +300,17 @@ def histogram_quantile(q: float, before: Samples, after: Samples, name: str) -> 
             return prev_bound + (bound - prev_bound) * (rank - prev_count) / (count - prev_count)
         prev_bound, prev_count = bound, count
     return bounds[-1]
+
+
+def counter_deltas(before: Samples, after: Samples, name: str, *keys: str) -> dict[str, int]:
+    """A counter's increase over the cell by the labels ``keys`` (joined with "/"), summed over the
+    other labels; only the keys that grew."""
+    out: dict[str, int] = defaultdict(int)
+    for (n, labels), value in after.items():
+        if n == name:
+            lab = dict(labels)
+            out["/".join(lab.get(k, "") for k in keys)] += int(value - before.get((n, labels), 0.0))
+    return {k: v for k, v in sorted(out.items()) if v}
 
 
 def imbalance(rows: Sequence[Sequence[int]]) -> tuple[float, float, int]:
@@ -390,6 +427,7 @@ class Driver:
                 if resp.status != 200:
                     raise RuntimeError(f"HTTP {resp.status}: {(await resp.read())[:200].decode(errors='replace')}")
                 record.session_id = resp.headers.get(SESSION_HEADER, "")
+                record.decision = resp.headers.get(DECISION_HEADER, "")
                 async for line in resp.content:
                     if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
                         continue
@@ -501,12 +539,41 @@ def _scrape(url: str) -> Samples:
 BACKEND_CONTEXT_TOKENS = 8192
 
 
-def start_backends(config: BenchConfig, log_dir: str) -> list[Proc]:
+def kv_events_config(directory: str, port: int) -> str:
+    """vLLM's ``--kv-events-config`` for the backend on ``port``: a ZMQ PUB and its replay socket on
+    ``ipc://`` paths in ``directory`` (an ipc endpoint: the backend binds, subscribers connect)."""
+    base = os.path.join(directory, f"kv-{port}")
+    return _encoder.encode({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"ipc://{base}.sock",
+                            "replay_endpoint": f"ipc://{base}-replay.sock", "topic": "kv-events"}).decode()
+
+
+def backends_have_kv_events() -> bool:
+    """Whether ``python -m backends`` takes ``--kv-events-config``."""
+    out = subprocess.run([sys.executable, "-m", "backends", "--help"], check=False, capture_output=True, text=True,
+                         cwd=REPO, timeout=60)
+    return "--kv-events-config" in out.stdout
+
+
+def router_has_decision_header() -> bool:
+    """Whether the router's ``[placement]`` takes ``decision_header``."""
+    from router.config.schema import PlacementConfig
+
+    return "decision_header" in PlacementConfig.__struct_fields__
+
+
+def backend_args(config: BenchConfig, log_dir: str, port: int) -> tuple[str, ...]:
     # the context as before the backends served a model folder (its own default is the shipped model's 2,048)
-    extra = ("--num-blocks", str(config.num_blocks), "--block-size", str(config.block_size), "--log-level", "WARNING",
-             "--max-model-len", str(BACKEND_CONTEXT_TOKENS))
+    extra: tuple[str, ...] = ("--num-blocks", str(config.num_blocks), "--block-size", str(config.block_size),
+                              "--log-level", "WARNING", "--max-model-len", str(BACKEND_CONTEXT_TOKENS))
+    if config.kv_events:
+        extra += ("--kv-events-config", kv_events_config(log_dir, port))
+    return extra
+
+
+def start_backends(config: BenchConfig, log_dir: str) -> list[Proc]:
     with concurrent.futures.ThreadPoolExecutor(config.num_backends) as pool:
-        futures = [pool.submit(start_backend, log_dir, *extra, port=port, speed=config.speed)
+        futures = [pool.submit(start_backend, log_dir, *backend_args(config, log_dir, port), port=port,
+                               speed=config.speed)
                    for port in free_ports(config.num_backends)]
         procs: list[Proc] = []
         errors: list[str] = []
@@ -620,13 +687,11 @@ def summarize(config: BenchConfig, variant: Variant, label: str, kind: str, comm
             result.server_load_imbalance, server_mean, server_peak)
     result.preemptions = int(preempt)
     if router_after:
-        outcomes: dict[str, int] = {}
-        for (name, labels), value in router_after.items():
-            if name == "session_router_placements_total":
-                outcome = dict(labels)["outcome"]
-                delta = value - router_before.get((name, labels), 0.0)
-                outcomes[outcome] = outcomes.get(outcome, 0) + int(delta)
-        result.placements = {k: v for k, v in sorted(outcomes.items()) if v}
+        result.placements = counter_deltas(router_before, router_after, "session_router_placements_total", "outcome")
+        result.decisions = counter_deltas(router_before, router_after, "session_router_placement_decisions_total",
+                                          "outcome", "reason")
+    result.samples = list(driver.samples)
+    result.backends = list(urls)
     spilled: set[int] = set()
     repinned: set[int] = set()
     last_pin: dict[int, str] = {}
@@ -686,7 +751,7 @@ def check_targets(cells: Sequence[CellResult], load_factor: float) -> list[Targe
                 f"{session.load_imbalance:.2f} (per-backend average in-flight; mean total {session.mean_in_flight:.1f})"))
         if variant == "skewed":
             ours = [c for p in POLICIES if (c := _cell(cells, variant, p)) is not None]
-            best = min(ours, key=lambda c: c.worst_backend_ttft_p99)
+            best = min(ours, key=lambda c: c.worst_backend_ttft_p99)  # session is one of them
             limit = 1.5 * best.worst_backend_ttft_p99
             checks.append(TargetCheck(
                 f"{tag} session: no backend's TTFT p99 > 1.5x the best policy's",
@@ -702,6 +767,52 @@ def check_targets(cells: Sequence[CellResult], load_factor: float) -> list[Targe
         share = derived.hit_ratio / header.hit_ratio
         checks.append(TargetCheck("[noheader] derived sessions >= 80% of the header variant's hit ratio",
                                   share >= 0.8, f"{derived.hit_ratio:.3f} vs {header.hit_ratio:.3f} ({share:.1%})"))
+    return checks + check_kv_aware_targets(cells)
+
+
+#: the peer the uniform targets of issue 14 compare with (its row label)
+CONSISTENT_HASH = peer_mod.PEERS["vllm-router"].label
+
+
+def check_kv_aware_targets(cells: Sequence[CellResult]) -> list[TargetCheck]:
+    """Issue 14's targets for the ``kv_aware`` policy (each needs its cells in the same run)."""
+    checks: list[TargetCheck] = []
+    for variant in VARIANTS:
+        kv = _cell(cells, variant, "kv_aware")
+        if kv is not None and kv.errors:
+            checks.append(TargetCheck(f"[{variant}] kv_aware: no failed requests", False,
+                                      f"{kv.errors} failed; first: {kv.first_error}"))
+    kv, peer = _cell(cells, "uniform", "kv_aware"), _cell(cells, "uniform", CONSISTENT_HASH)
+    if kv is not None and peer is not None:
+        checks.append(TargetCheck(
+            "[uniform] kv_aware hit ratio >= vllm-router consistent_hash's", kv.hit_ratio >= peer.hit_ratio,
+            f"{kv.hit_ratio:.3f} vs {peer.hit_ratio:.3f} ({kv.hit_ratio - peer.hit_ratio:+.3f})"))
+        checks.append(TargetCheck(
+            "[uniform] kv_aware TTFT p99 <= vllm-router consistent_hash's", kv.ttft_p99 <= peer.ttft_p99,
+            f"{_ms(kv.ttft_p99)} vs {_ms(peer.ttft_p99)}"))
+    kv, session = _cell(cells, "skewed", "kv_aware"), _cell(cells, "skewed", "session")
+    if kv is not None:
+        checks.append(TargetCheck(
+            "[skewed] kv_aware hit ratio >= 90% of the oracle", kv.of_oracle >= 0.9,
+            f"{kv.hit_ratio:.3f} / oracle {kv.oracle_ratio:.3f} = {kv.of_oracle:.1%}"))
+    if kv is not None and session is not None:
+        limit = 0.8 * session.worst_backend_ttft_p99
+        checks.append(TargetCheck(
+            "[skewed] kv_aware worst-backend TTFT p99 <= 0.8x session's", kv.worst_backend_ttft_p99 <= limit,
+            f"{_ms(kv.worst_backend_ttft_p99)} vs session {_ms(session.worst_backend_ttft_p99)} x 0.8 = "
+            f"{_ms(limit)} ({kv.worst_backend_ttft_p99 / session.worst_backend_ttft_p99:.2f}x)"
+            if session.worst_backend_ttft_p99 else "session's worst backend measured 0"))
+        # "fewer than today": with none for the session policy in this run, none is as few as can be
+        fewer = kv.preemptions < session.preemptions or kv.preemptions == session.preemptions == 0
+        checks.append(TargetCheck(
+            "[skewed] kv_aware preemptions < session's", fewer,
+            f"{kv.preemptions} vs {session.preemptions}" + (" (both 0)" if kv.preemptions == session.preemptions == 0
+                                                            else "")))
+    header, derived = _cell(cells, "uniform", "kv_aware"), _cell(cells, "noheader", "kv_aware")
+    if header is not None and derived is not None and header.hit_ratio:
+        share = derived.hit_ratio / header.hit_ratio
+        checks.append(TargetCheck("[noheader] kv_aware derived sessions >= 95% of the header variant's hit ratio",
+                                  share >= 0.95, f"{derived.hit_ratio:.3f} vs {header.hit_ratio:.3f} ({share:.1%})"))
     return checks
 
 
@@ -726,7 +837,7 @@ def table_rows(cells: Sequence[CellResult], variant: str) -> list[list[str]]:
         if c.kind == "ours":
             spill = c.placements.get("spill", 0)
             repin = c.placements.get("repin_unhealthy", 0) + c.placements.get("repin_removed", 0)
-            session_like = c.target.startswith("session")
+            session_like = c.target.partition(":")[0] in SESSION_POLICIES
             placements = f"{spill} / {repin}" if session_like else "n/a"
             spilled = str(c.sessions_spilled) if session_like else "n/a"
         else:
@@ -793,9 +904,10 @@ def run(config: BenchConfig, log_dir: str, peer_notes: list[str]) -> list[CellRe
         targets += [(inst.name, inst) for inst in installs
                     if config.explicit_peers or inst.name not in variant.skip_peers]
         for target, peer in targets:
-            started = time.monotonic()
-            print(f"  {target}: running (load average {os.getloadavg()[0]:.2f}) ...", flush=True)
+            started, load_before = time.monotonic(), os.getloadavg()[0]
+            print(f"  {target}: running (load average {load_before:.2f}) ...", flush=True)
             cell = run_cell(config, variant, workload, target, log_dir, peer)
+            cell.loadavg = (round(load_before, 2), round(os.getloadavg()[0], 2))
             cells.append(cell)
             if not cell.skipped:
                 print(f"    hit ratio {cell.hit_ratio:.3f} ({cell.of_oracle:.0%} of oracle {cell.oracle_ratio:.3f}), "
@@ -825,7 +937,12 @@ def parse_args(argv: Sequence[str] | None) -> tuple[BenchConfig, argparse.Namesp
     p.add_argument("--markdown", action="store_true", help="also print the tables in Markdown")
     p.add_argument("--records", action="store_true", help="keep every request's record in the JSON results")
     p.add_argument("--router-config", default="", metavar="FILE",
-                   help="TOML config for our router (flags still set policy, stamp and backends)")
+                   help="TOML config for our router (flags still set policy, stamp and backends); default: the "
+                        "router's defaults with [placement] decision_header = true")
+    p.add_argument("--no-kv-events", action="store_true",
+                   help="start the backends without --kv-events-config (our router then has no KV index)")
+    p.add_argument("--plots", default=None, metavar="DIR",
+                   help="also draw the PNGs (bench.plots: TTFT distributions, load over time) into DIR")
     args = p.parse_args(argv)
     policies = tuple(x for x in (args.policies or ",".join(POLICIES)).split(",") if x)
     for policy in policies:
@@ -861,9 +978,20 @@ def parse_args(argv: Sequence[str] | None) -> tuple[BenchConfig, argparse.Namesp
     config = BenchConfig(variants=variants, policies=policies, peers=peers, peer_venv=args.peer_venv,
                          num_backends=args.backends, num_blocks=num_blocks, load_factor=args.load_factor,
                          sample_s=args.sample, keep_records=args.records, explicit_policies=bool(args.policies),
-                         explicit_peers=args.peers is not None,
+                         explicit_peers=args.peers is not None, kv_events=not args.no_kv_events,
                          router_config=os.path.abspath(args.router_config) if args.router_config else "")
     return config, args
+
+
+#: our router's config when --router-config is not given: its defaults, and the decision header on
+ROUTER_CONFIG = "[placement]\ndecision_header = true\n"
+
+
+def write_router_config(directory: str) -> str:
+    path = os.path.join(directory, "router.toml")
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write(ROUTER_CONFIG)
+    return path
 
 
 def _exit_on_sigterm(signum: int, frame: Any) -> None:
@@ -875,6 +1003,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     started = time.strftime("%Y-%m-%dT%H:%M:%S")
     log_dir = tempfile.mkdtemp(prefix="bench-multiturn-")
+    if config.kv_events and not backends_have_kv_events():
+        print("multiturn: the backends have no --kv-events-config option; run with --no-kv-events", file=sys.stderr)
+        return 2
+    if not config.router_config and router_has_decision_header():
+        config = msgspec.structs.replace(config, router_config=write_router_config(log_dir))
     machine = machine_info()
     print(f"multiturn benchmark: {config.num_backends} backends x {config.num_blocks} blocks of "
           f"{config.block_size} tokens, speed {config.speed}; policies {', '.join(config.policies)}; "
@@ -899,6 +1032,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     with open(out, "wb") as fh:
         fh.write(msgspec.json.format(msgspec.json.encode(result)))
     print(f"\n{len(cells)} cells in {time.monotonic() - t0:.0f}s; results in {out}", flush=True)
+    if args.plots:
+        from bench import plots  # matplotlib: the bench extra, only when asked for
+
+        for path in plots.draw_multiturn(result, args.plots):
+            print(f"plot: {path}", flush=True)
     return 0
 
 

@@ -13,11 +13,15 @@ import sys
 import pytest
 
 from bench.multiturn import (
+    CONSISTENT_HASH,
     CellResult,
     TurnRecord,
+    check_kv_aware_targets,
     check_targets,
+    counter_deltas,
     histogram_quantile,
     imbalance,
+    kv_events_config,
     oracle_cached,
     parse_metrics,
     percentile,
@@ -150,15 +154,65 @@ def test_target_checks_compare_policies_side_by_side() -> None:
     assert not checks["[uniform] TTFT p50 >= 2x lower than round_robin's"]
 
 
+def test_issue_14_targets_compare_kv_aware_with_the_peer_and_the_session_policy() -> None:
+    def cell(target: str, variant: str, *, hit: float = 0.9, p99: float = 0.3, worst: float = 1.0,
+             preempt: int = 0, kind: str = "ours") -> CellResult:
+        return CellResult(variant=variant, target=target, kind=kind, hit_ratio=hit, oracle_ratio=0.95,
+                          of_oracle=hit / 0.95, ttft_p99=p99, worst_backend_ttft_p99=worst, preemptions=preempt)
+
+    good = [cell("kv_aware", "uniform", hit=0.90, p99=0.15), cell(CONSISTENT_HASH, "uniform", hit=0.88, p99=0.16,
+                                                                   kind="peer"),
+            cell("kv_aware", "skewed", hit=0.9, worst=0.7, preempt=1), cell("session", "skewed", worst=1.0, preempt=4),
+            cell("kv_aware", "noheader", hit=0.86)]
+    checks = {c.name: c for c in check_kv_aware_targets(good)}
+    assert all(c.ok for c in checks.values()), checks
+    assert set(checks) == {
+        "[uniform] kv_aware hit ratio >= vllm-router consistent_hash's",
+        "[uniform] kv_aware TTFT p99 <= vllm-router consistent_hash's",
+        "[skewed] kv_aware hit ratio >= 90% of the oracle",
+        "[skewed] kv_aware worst-backend TTFT p99 <= 0.8x session's",
+        "[skewed] kv_aware preemptions < session's",
+        "[noheader] kv_aware derived sessions >= 95% of the header variant's hit ratio",
+    }
+    bad = [cell("kv_aware", "uniform", hit=0.87, p99=0.2), cell(CONSISTENT_HASH, "uniform", hit=0.88, p99=0.16,
+                                                                 kind="peer"),
+           cell("kv_aware", "skewed", hit=0.8, worst=0.85, preempt=4), cell("session", "skewed", worst=1.0, preempt=4),
+           cell("kv_aware", "noheader", hit=0.8)]
+    assert not any(c.ok for c in check_kv_aware_targets(bad))
+    # none preempted under either policy: as few as can be
+    both_zero = [cell("kv_aware", "skewed", preempt=0), cell("session", "skewed", preempt=0)]
+    assert {c.name: c.ok for c in check_kv_aware_targets(both_zero)}["[skewed] kv_aware preemptions < session's"]
+    # the issue-14 checks are part of the run's target table
+    assert "[skewed] kv_aware preemptions < session's" in {c.name for c in check_targets(good, 1.25)}
+
+
+def test_counter_deltas_group_by_labels_and_keep_what_grew() -> None:
+    before = parse_metrics('# TYPE d counter\nd_total{policy="kv_aware",outcome="sticky",reason="cached"} 5\n')
+    after = parse_metrics('# TYPE d counter\nd_total{policy="kv_aware",outcome="sticky",reason="cached"} 9\n'
+                          'd_total{policy="kv_aware",outcome="moved",reason="wait"} 2\n'
+                          'd_total{policy="kv_aware",outcome="new",reason="new"} 0\n')
+    assert counter_deltas(before, after, "d_total", "outcome", "reason") == {"moved/wait": 2, "sticky/cached": 4}
+    assert counter_deltas(before, after, "d_total", "policy") == {"kv_aware": 6}
+
+
+def test_kv_events_config_binds_ipc_endpoints_in_the_run_directory(tmp_path: os.PathLike[str]) -> None:
+    from contract.kv_events import parse_kv_events_config, publisher_binds
+
+    cfg = parse_kv_events_config(kv_events_config(str(tmp_path), 8123))
+    assert cfg.enable_kv_cache_events and cfg.publisher == "zmq"
+    assert cfg.endpoint == f"ipc://{tmp_path}/kv-8123.sock" and publisher_binds(cfg.endpoint)
+    assert cfg.replay_endpoint == f"ipc://{tmp_path}/kv-8123-replay.sock"
+
+
 # -- the --quick smoke run ----------------------------------------------------------------------
 
 
 @pytest.mark.slow
-def test_quick_run_session_policy_beats_round_robin(tmp_path: os.PathLike[str]) -> None:
+def test_quick_run_session_policies_beat_round_robin(tmp_path: os.PathLike[str]) -> None:
     out = os.path.join(str(tmp_path), "multiturn.json")
     # its own process group: if it overruns, it and the backends and routers it started are
     # stopped together (SIGTERM lets it stop its children; SIGKILL the group if that hangs)
-    proc = subprocess.Popen([sys.executable, "-m", "bench.multiturn", "--quick", "--out", out], cwd=REPO,
+    proc = subprocess.Popen([sys.executable, "-m", "bench.multiturn", "--quick", "--records", "--out", out], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         output, _ = proc.communicate(timeout=170)
@@ -174,7 +228,8 @@ def test_quick_run_session_policy_beats_round_robin(tmp_path: os.PathLike[str]) 
     with open(out, encoding="utf-8") as fh:
         result = json.load(fh)
     cells = {c["target"]: c for c in result["cells"]}
-    assert set(cells) == {"session", "round_robin", "least_loaded"}
+    assert set(cells) == {"kv_aware", "session", "round_robin", "least_loaded"}
+    assert result["config"]["kv_events"]
     for c in cells.values():
         assert c["errors"] == 0 and c["unsent"] == 0, c["first_error"]
         assert c["requests"] == 24 * 5
@@ -182,8 +237,17 @@ def test_quick_run_session_policy_beats_round_robin(tmp_path: os.PathLike[str]) 
         assert c["hit_ratio"] == pytest.approx(c["client_hit_ratio"], abs=1e-9)
         assert 0 < c["hit_ratio"] <= c["oracle_ratio"] < 1
         assert 0 < c["ttft_p50"] <= c["ttft_p99"] and c["ttft_p50"] < c["e2e_p50"]
-    session, rr = cells["session"], cells["round_robin"]
-    assert session["hit_ratio"] > rr["hit_ratio"], (session["hit_ratio"], rr["hit_ratio"])
+        # the load over time is kept for the plots: every backend in every sample
+        assert len(c["backends"]) == 4 and c["samples"]
+        assert all(len(s[2]) == 4 for s in c["samples"])
+    rr = cells["round_robin"]
+    for name in ("kv_aware", "session"):
+        assert cells[name]["hit_ratio"] > rr["hit_ratio"], (name, cells[name]["hit_ratio"], rr["hit_ratio"])
+    # kv_aware: the router read the backends' KV events and said why it placed each request
+    kv = cells["kv_aware"]
+    assert sum(kv["decisions"].values()) == 24 * 5, kv["decisions"]
+    assert all(r["decision"] for r in kv["records"]), "a kv_aware answer without X-Session-Router-Decision"
+    session = cells["session"]
     # every request was attributed to a backend, and all four backends served some
     assert len(session["ttft_p99_by_backend"]) == 4
     assert sum(session["placements"].values()) == 24 * 5
