@@ -28,6 +28,14 @@ from the side channels given with ``--kv-allow HOST:PORT`` (repeatable; compared
 advertised ``remote_host`` as written); with none, from loopback hosts only. Held blocks are
 bounded per request (``--kv-hold-max-blocks``), in total (``--kv-hold-max-fraction`` of the cache)
 and in time (``--kv-hold-timeout``); the router frees them early with ``POST /internal/kv/release``.
+
+KV-cache events (vLLM's ``--kv-events-config``; ``backends/kv_events``)::
+
+    session-backend --kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq",
+        "endpoint": "ipc:///tmp/b0/kv.sock", "replay_endpoint": "ipc:///tmp/b0/kv-replay.sock"}'
+
+Bad JSON or a bad field stops start-up with exit status 2; a socket that cannot be bound exits 1.
+``GET /kv_event_sources`` says where the events are (``{}`` without the flag).
 """
 
 from __future__ import annotations
@@ -45,10 +53,12 @@ from backends import __version__
 from backends.app import create_app, create_side_channel_app
 from backends.render_routes import create_render_app
 from backends.engine.config import EngineConfig
+from backends.kv_events.publisher import PublisherError
 from backends.kv_transfer.allow_list import parse_allow_entry
 from backends.kv_transfer.pull_client import DEFAULT_PULL_TIMEOUT_S
 from contract.aiohttp_json_errors import JsonErrorAppRunner
 from contract.errors import ConfigError
+from contract.kv_events import parse_kv_events_config
 from rendering.model import DEFAULT_MODEL_DIR, RenderModel, load_model
 
 log = logging.getLogger("backends")
@@ -134,6 +144,13 @@ def build_parser() -> argparse.ArgumentParser:
                          "address that listener binds (default --host)")
     pd.add_argument("--kv-engine-id", default="", metavar="ID",
                     help="engine id advertised as remote_engine_id (default: unique per process)")
+    ev = p.add_argument_group("KV-cache events (vLLM's, see backends/kv_events)")
+    ev.add_argument("--kv-events-config", default=None, metavar="JSON",
+                    help="vLLM's KVEventsConfig as JSON, e.g. '{\"enable_kv_cache_events\": true, \"publisher\": "
+                         "\"zmq\", \"endpoint\": \"ipc:///tmp/kv.sock\", \"replay_endpoint\": \"ipc:///tmp/kv-replay.sock\"}': "
+                         "publish the prefix cache's BlockStored/BlockRemoved/AllBlocksCleared events on ZMQ "
+                         "(a concrete-host tcp endpoint is connected to, *, ::, ipc:// and inproc:// are bound); "
+                         "GET /kv_event_sources reports it (default: off)")
     return p
 
 
@@ -174,6 +191,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             p.error("--kv-port is for prefill (or both) instances: a decode instance serves no side channel")
     if args.kv_host is not None and not args.kv_host.strip():
         p.error("--kv-host must not be empty")
+    if args.kv_events_config is not None:
+        if args.role == "render":
+            p.error("--kv-events-config needs an engine; a --role render server has none")
+        try:
+            args.kv_events_config = parse_kv_events_config(args.kv_events_config)
+        except ConfigError as exc:
+            p.error(str(exc))
     return args
 
 
@@ -224,7 +248,8 @@ async def serve(args: argparse.Namespace, model: RenderModel) -> None:
         app = create_app(config_from_args(args, model), model=model, scale_out=args.enable_scale_out,
                          tokens_only=args.tokens_only, prompt_tokens_details=args.enable_prompt_tokens_details,
                          kv_allow=args.kv_allow, kv_pull_timeout_s=args.kv_pull_timeout,
-                         kv_side_channel_on_data_port=not dedicated)
+                         kv_side_channel_on_data_port=not dedicated, kv_events=args.kv_events_config,
+                         kv_events_host=args.host)
     runner = JsonErrorAppRunner(app, access_log=None, handler_cancellation=True,
                            shutdown_timeout=args.shutdown_timeout)
     await runner.setup()
@@ -281,6 +306,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         runner(serve(args, model))
     except OSError as exc:  # e.g. the port is taken
         print(f"session-backend: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 1
+    except PublisherError as exc:  # a KV-event socket could not be bound or connected
+        print(f"session-backend: {exc}", file=sys.stderr)
         return 1
     return 0
 

@@ -4,6 +4,7 @@ Routes (vLLM's, where a client or router can see them), by surface:
 
 - always: ``GET /health``, ``/load``, ``/metrics``, ``/v1/models`` and (ours) ``/v1/sessions``,
   ``/v1/sessions/{id}``                                                       (``instance_routes``);
+  ``GET /kv_event_sources``, ``POST /reset_prefix_cache``                      (``kv_events.routes``);
   ``POST /inference/v1/generate``                                              (``generate_route``);
   ``POST /internal/kv/pull``: the P/D side channel of a prefill (or ``both``) instance, unless it is
   served on a dedicated listener (``create_side_channel_app``); ``POST /internal/kv/release``
@@ -42,11 +43,14 @@ from backends.engine.client import AsyncEngine
 from backends.engine.config import EngineConfig
 from backends.frontend import ENGINE, FRONTEND, REQUEST_IDS, Frontend
 from backends.http_errors import error_middleware
+from backends.kv_events import routes as kv_event_routes
+from backends.kv_events.service import KV_EVENTS, KVEvents, lifecycle as kv_events_lifecycle
 from backends.kv_transfer.agent import KVTransfer
 from backends.kv_transfer.allow_list import AllowList
 from backends.kv_transfer.pull_client import DEFAULT_PULL_TIMEOUT_S
 from backends.responses_store import DEFAULT_MAX_ENTRIES, ResponseStore
 from backends.tokenizer import Tokenizer
+from contract.kv_events import KVEventsConfig
 from rendering.model import DEFAULT_MODEL_DIR, RenderModel, load_model
 
 log = logging.getLogger(__name__)
@@ -93,6 +97,8 @@ def create_app(
     kv_allow: Sequence[str] = (),
     kv_pull_timeout_s: float = DEFAULT_PULL_TIMEOUT_S,
     kv_side_channel_on_data_port: bool = True,
+    kv_events: KVEventsConfig | None = None,
+    kv_events_host: str = "127.0.0.1",
 ) -> web.Application:
     """Build a backend app; the engine starts and stops with the app (``cleanup_ctx``).
 
@@ -108,6 +114,10 @@ def create_app(
     ``kv_engine_id`` gets a unique one. A prefill (or ``both``) instance serves the side channel
     on this app unless ``kv_side_channel_on_data_port`` is false (then serve
     ``create_side_channel_app(app)`` on its own listener and set ``config.kv_host/kv_port``).
+
+    KV-cache events: ``kv_events`` is vLLM's ``--kv-events-config`` (``backends/kv_events``); when it
+    publishes, the engine reports its prefix-cache changes and the sockets open at start-up
+    (``tcp://*:0`` binds on ``kv_events_host``). ``GET /kv_event_sources`` is served either way.
     """
     if model is None:
         model = load_model(DEFAULT_MODEL_DIR, served_model_name=config.model, max_model_len=config.max_model_len)
@@ -130,12 +140,18 @@ def create_app(
     app[FRONTEND] = fe
     app[ENGINE] = engine
     app[REQUEST_IDS] = fe.ids
+    events = KVEvents(kv_events, block_size=config.block_size, host=kv_events_host, registry=registry)
+    if events.sink is not None:
+        engine.core.attach_kv_events(events.sink)
+    app[KV_EVENTS] = events
+    app.cleanup_ctx.append(kv_events_lifecycle)  # before the engine's: opened first, closed last
     app.cleanup_ctx.append(_engine_lifecycle)
     if kv.serves_pulls:  # the release is served on the data port even with a dedicated side channel
         kv.add_routes(app, pull=kv_side_channel_on_data_port)
 
     generate_route.add_routes(app)
     instance_routes.add_instance_routes(app)
+    kv_event_routes.add_routes(app)
     if scale_out or tokens_only:
         abort_route.add_routes(app)
     if not tokens_only:

@@ -30,6 +30,12 @@ P/D (vLLM NixlConnector semantics, engine side):
   prefix cache (unreferenced, most recently used); the request added right after hits them, so they
   count as cached and cost no prefill time. Under block pressure they may be evicted before the
   request is admitted; it then recomputes them (as vLLM does when remote blocks are gone).
+
+KV-cache events (``attach_kv_events``; off by default, and then no hook does any work): the KV-cache
+manager reports stores, reported hits, evictions and resets to the sink as they happen; ``execute``
+flushes them at the start of each step's execution, so one batch holds one step's events (vLLM
+publishes at the end of its step, after the forward pass: same grouping, same order).
+``reset_prefix_cache`` (vLLM's: refused while any block is referenced) flushes at once.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ from typing import Any
 from backends.engine.accounting import SessionAccounting
 from backends.engine.config import EngineConfig
 from backends.engine.holds import HeldBlocks, HoldTable
-from backends.engine.kv_cache import KVCacheManager, hash_full_blocks
+from backends.engine.kv_cache import KVCacheManager, KVEventSink, hash_full_blocks
 from backends.engine.latency import LatencyModel
 from backends.engine.metrics import EngineMetrics
 from backends.engine.outputs import CompletionDelta, RequestOutput
@@ -84,6 +90,8 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self.engine_id = config.kv_engine_id or f"{config.model}-engine-{config.engine_index}"
         self._pending: list[RequestOutput] = []
+        #: KV-cache event sink (None: events off)
+        self._kv_events: KVEventSink | None = None
         metrics.set_max_model_len(config.max_model_len)
         metrics.bind(
             self,
@@ -112,6 +120,23 @@ class EngineCore:
 
     def has_work(self) -> bool:
         return bool(self._pending) or self.scheduler.has_unfinished()
+
+    # -- KV-cache events ---------------------------------------------------------------------
+    def attach_kv_events(self, sink: KVEventSink | None) -> None:
+        """Report prefix-cache changes to ``sink`` from now on (None: stop)."""
+        self._kv_events = sink
+        self.kv_cache.events = sink
+
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's ``reset_prefix_cache``: drop every cached key, only when no block is referenced
+        (running requests or P/D holds: False, nothing changes; the caller may retry)."""
+        kv = self.kv_cache
+        if kv.num_referenced_blocks:
+            return False
+        kv.reset_prefix_cache()
+        if self._kv_events is not None:
+            self._kv_events.flush()
+        return True
 
     # -- requests in -----------------------------------------------------------------------
     def add_request(self, data: bytes) -> None:
@@ -255,6 +280,8 @@ class EngineCore:
 
     def execute(self, sched: SchedulerOutput) -> list[RequestOutput]:
         """Apply a scheduled step: advance computed tokens, sample, finish, build outputs."""
+        if self._kv_events is not None:  # the step's KV-cache events: one batch
+            self._kv_events.flush()
         outs = self._pending
         self._pending = []
         m = self.metrics

@@ -18,6 +18,14 @@ Block states:
   only when no free block is left, dropping its key.
 
 Usage (``vllm:kv_cache_usage_perc``) = 1 - (free + evictable) / num_blocks, as in vLLM.
+
+KV-cache events (vLLM's ``BlockPool`` event hooks; ``backends/kv_events`` publishes them): when
+``events`` is set, the manager reports, as plain data and in the order they happen, every run of
+blocks a sequence registers (``report_stored``, called by the scheduler), the prefix hits a request
+asked to have reported (vLLM's ``kv_cache_report_mode: "full"``) and the first hit on blocks a P/D
+pull put in (``report_hits``), every key evicted (``removed``) and a reset (``cleared``, or one
+``removed`` per key when referenced blocks keep theirs). With ``events`` None (the default) every
+hook is a single attribute test.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Any, Protocol
 
 NONE_HASH = b"\x00" * 16
 _blake2b = hashlib.blake2b
@@ -58,10 +67,45 @@ def hash_full_blocks(
     return keys
 
 
+class KVEventSink(Protocol):
+    """Where the manager reports prefix-cache changes (implemented by ``backends.kv_events``)."""
+
+    def stored(self, keys: list[bytes], parent: bytes | None, token_ids: list[int], session_id: str | None,
+               cache_salt: str | None) -> None:
+        """Consecutive full blocks ``keys`` (chained after ``parent``; None = the prompt's start) hold
+        ``token_ids``; ``cache_salt`` is set when the run starts at block 0 of a salted prompt."""
+
+    def removed(self, key: bytes) -> None:
+        """The block keyed ``key`` left the prefix cache."""
+
+    def cleared(self) -> None:
+        """Every key left the prefix cache."""
+
+    def flush(self) -> None:
+        """An engine step ended (or a change outside a step happened): publish what was reported."""
+
+
+class _HashedSequence(Protocol):
+    """What the event hooks read from a ``backends.engine.sequence.Sequence``."""
+
+    request: Any
+    cache_salt: str | None
+
+    def block_hash(self, i: int, block_size: int) -> bytes: ...
+
+    def tokens(self, start: int, end: int) -> list[int]: ...
+
+
+#: vLLM's per-request switch (``vllm_xargs``) that makes a prefix hit reported as ``BlockStored``
+REPORT_MODE_KEY = "kv_cache_report_mode"
+REPORT_MODE_FULL = "full"
+
+
 class KVCacheManager:
     """``num_blocks`` blocks of ``block_size`` tokens, reference counts and the prefix cache."""
 
-    __slots__ = ("num_blocks", "block_size", "ref_cnt", "block_hash", "_cached", "_free", "_evictable", "_external")
+    __slots__ = ("num_blocks", "block_size", "ref_cnt", "block_hash", "_cached", "_free", "_evictable", "_external",
+                 "events")
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         if num_blocks < 1 or block_size < 1:
@@ -77,6 +121,8 @@ class KVCacheManager:
         #: blocks put in by ``insert_cached`` (pulled from a remote prefill) that no sequence has hit
         #: yet: their first hit is an external hit, not a local prefix-cache hit (as vLLM counts them)
         self._external: set[int] = set()
+        #: KV-cache event hooks (None: events off)
+        self.events: KVEventSink | None = None
 
     # -- state -----------------------------------------------------------------------------
     @property
@@ -91,6 +137,11 @@ class KVCacheManager:
     @property
     def num_evictable_blocks(self) -> int:
         return len(self._evictable)
+
+    @property
+    def num_referenced_blocks(self) -> int:
+        """Blocks some sequence (or a P/D hold) still references."""
+        return self.num_blocks - len(self._free) - len(self._evictable)
 
     @property
     def usage(self) -> float:
@@ -134,6 +185,9 @@ class KVCacheManager:
                     self.block_hash[b] = None
                     if self._cached.get(key) == b:
                         del self._cached[key]
+                        # a pulled block no request hit was never reported stored
+                        if self.events is not None and b not in self._external:
+                            self.events.removed(key)
                 if self._external:
                     self._external.discard(b)
             ref_cnt[b] = 1
@@ -207,14 +261,60 @@ class KVCacheManager:
         return n
 
     def reset_prefix_cache(self) -> int:
-        """Drop every evictable cached block's key (referenced blocks keep theirs); returns how many."""
+        """Drop every evictable cached block's key (referenced blocks keep theirs); returns how many.
+
+        Events: ``cleared`` when no key is left, else one ``removed`` per dropped key."""
         n = len(self._evictable)
-        self._external.difference_update(self._evictable)
+        events = self.events
+        dropped: list[bytes] | None = [] if events is not None else None
         for b in self._evictable:
             key = self.block_hash[b]
             self.block_hash[b] = None
             if key is not None and self._cached.get(key) == b:
                 del self._cached[key]
+                if dropped is not None and b not in self._external:
+                    dropped.append(key)
             self._free.append(b)
+        self._external.difference_update(self._evictable)
         self._evictable.clear()
+        if events is not None and dropped is not None:
+            if not self._cached:
+                events.cleared()
+            else:
+                for key in dropped:
+                    events.removed(key)
         return n
+
+    # -- event hooks (called only when ``events`` is set) -----------------------------------
+    def report_stored(self, seq: _HashedSequence, first: int, end: int) -> None:
+        """``seq`` registered its full blocks ``first..end-1``: one ``stored`` for the run (vLLM's
+        ``cache_full_blocks``), chained after block ``first - 1``."""
+        events = self.events
+        if events is None or end <= first:
+            return
+        bs = self.block_size
+        keys = [seq.block_hash(i, bs) for i in range(first, end)]
+        parent = seq.block_hash(first - 1, bs) if first else None
+        events.stored(keys, parent, seq.tokens(first * bs, end * bs), seq.request.session_id,
+                      seq.cache_salt if first == 0 else None)
+
+    def report_hits(self, seq: _HashedSequence, hits: Sequence[int]) -> None:
+        """``seq`` was admitted on the prefix hits ``hits`` (block ids, from block 0). A request
+        with ``kv_cache_report_mode: "full"`` reports all of them as stored (vLLM's
+        ``emit_cached_block_events``); otherwise only blocks a P/D pull put in and nothing hit yet
+        are reported, from the first such block on, as the request that loaded them storing them.
+        Call before ``take_external``."""
+        events = self.events
+        if events is None or not hits:
+            return
+        sp = seq.request.sampling_params
+        extra = sp.extra_args if sp is not None else None
+        if extra and extra.get(REPORT_MODE_KEY) == REPORT_MODE_FULL:
+            self.report_stored(seq, 0, len(hits))
+            return
+        external = self._external
+        if external:
+            for i, b in enumerate(hits):
+                if b in external:
+                    self.report_stored(seq, i, len(hits))
+                    return

@@ -199,6 +199,8 @@ class Scheduler:
                 waiting.popleft()
                 self._num_waiting -= 1
                 kv.touch(hits)
+                if hits and kv.events is not None:  # KV-cache events: a reported prefix hit
+                    kv.report_hits(seq, hits)
                 seq.blocks = hits
                 seq.num_keyed_blocks = len(hits)
                 if need > 0:
@@ -240,7 +242,10 @@ class Scheduler:
             return
         blocks = seq.blocks
         kv = self.kv
+        first = k
         while k < full:
             kv.cache_block(blocks[k], seq.block_hash(k, bs))
             k += 1
         seq.num_keyed_blocks = k
+        if kv.events is not None:  # KV-cache events: the run of blocks just stored
+            kv.report_stored(seq, first, k)
