@@ -38,8 +38,9 @@ What vLLM does (``vllm/distributed/kv_events.py``, ``vllm/config/kv_events.py``,
 
 The payload (msgspec msgpack):
 
-- ``KVEventBatch`` is an array ``[ts: float64, events: array, data_parallel_rank]`` (``array_like``);
-  the rank is omitted when it is ``None`` (``omit_defaults``), which the publisher never leaves it.
+- ``KVEventBatch`` is an array ``[ts: float64, events: array, data_parallel_rank]`` (``array_like``;
+  msgspec omits no default in an array, so a ``None`` rank is sent as ``nil`` -- the publisher sets it,
+  0 on a single engine).
 - Each event is a msgpack **map** (the events are *not* ``array_like``; only the batch is), tagged
   with the class name under the key ``"type"``: ``{"type": "BlockStored", "block_hashes": ...}``.
   ``omit_defaults`` leaves out every field that has a default and holds it; fields without a
