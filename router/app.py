@@ -22,6 +22,8 @@ from router import admin, endpoints
 from router.access_log import AccessLog
 from router.backend_changes import BackendChanges
 from router.config import RouterConfig
+from router.discovery.metrics import DiscoveryMetrics
+from router.discovery.service import Discovery
 from router.exchange import REQUEST_ID_HEADER
 from router.front.aiohttp_adapter import proxy_handler
 from router.health import HealthChecker
@@ -44,6 +46,8 @@ from router.upstream import UpstreamLimits, UpstreamPool, UpstreamTimeouts
 PROXY: web.AppKey[Proxy] = web.AppKey("proxy", Proxy)
 #: tokens mode's model, renderer and handlers (absent in text mode)
 TOKENS: web.AppKey[TokensMode] = web.AppKey("tokens")
+#: the discovery sources of the pools not configured static (absent when every pool is)
+DISCOVERY: web.AppKey[Discovery] = web.AppKey("discovery", Discovery)
 
 
 def build_pools(config: RouterConfig) -> dict[str, BackendPool]:
@@ -57,7 +61,7 @@ def build_pools(config: RouterConfig) -> dict[str, BackendPool]:
         }
     else:
         pools = {POOL_DEFAULT: BackendPool(POOL_DEFAULT, [Backend(b.url, name=b.name) for b in config.backends])}
-    if config.tokens.enabled and config.tokens.render_urls:
+    if config.tokens.enabled and (config.tokens.render_urls or config.discovery.render.source != "static"):
         pools[POOL_RENDER] = build_render_pool(config.tokens.render_urls)
     return pools
 
@@ -130,9 +134,14 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     state.http = aiohttp.ClientSession(auto_decompress=False)
     state.health.start(state.http)
     sweeper = asyncio.create_task(_sweep_sessions(state))
+    discovery = app.get(DISCOVERY)
+    if discovery is not None:
+        discovery.start()
     try:
         yield
     finally:
+        if discovery is not None:
+            await discovery.stop()
         sweeper.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await sweeper
@@ -197,6 +206,10 @@ def create_app(config: RouterConfig, *, registry: CollectorRegistry | None = Non
     app.cleanup_ctx.append(_lifecycle)
     app.on_response_prepare.append(_stamp_request_id)
     proxy = app[PROXY] = build_proxy(state)
+    if config.discovery.pools():
+        discovery_metrics = DiscoveryMetrics()
+        discovery_metrics.register(state.metrics.registry)
+        app[DISCOVERY] = Discovery(config.discovery, state.changes, discovery_metrics)
     if config.tokens.enabled:
         app[TOKENS] = build_tokens(state, proxy)
         app[endpoints.TOKENS_MODEL] = app[TOKENS].model

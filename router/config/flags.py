@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from contract.errors import ConfigError
 from router import __version__
@@ -22,6 +22,8 @@ from router.config.load import (
 )
 from router.config.schema import (
     ACCESS_LOG_FORMATS,
+    DISCOVERY_POOLS,
+    DISCOVERY_SOURCES,
     FRONTS,
     LOG_LEVELS,
     POLICIES,
@@ -70,9 +72,49 @@ def build_config(argv: list[str]) -> RouterConfig:
     if args.render:
         set_value(data, "tokens.render", "local" if args.render == ["local"] else args.render)
         labels["tokens.render"] = "--render"
+    _discovery_flags(args, data, labels)
     config = validate_config(decode(data, labels), labels=labels)
     warn_flat_keys(flat)
     return config
+
+
+#: argparse destination -> (the key in [discovery.<pool>], its table or None for the pool's own, the flag)
+_DISCOVERY_FLAGS = {
+    "discovery": ("source", None, "--discovery"),
+    "kubernetes_namespace": ("namespace", "kubernetes", "--kubernetes-namespace"),
+    "kubernetes_selector": ("label_selector", "kubernetes", "--kubernetes-selector"),
+    "kubernetes_port_name": ("port_name", "kubernetes", "--kubernetes-port-name"),
+    "dns_name": ("name", "dns", "--dns-name"),
+    "dns_port": ("port", "dns", "--dns-port"),
+}
+
+
+def _discovery_flags(args: argparse.Namespace, data: dict[str, Any], labels: dict[str, str]) -> None:
+    """``--discovery [POOL:]SOURCE`` and the sources' flags, each ``[POOL:]VALUE`` (no pool: ``default``;
+    no selector, DNS name, namespace or port name holds a colon), into ``[discovery.<pool>]``."""
+    if args.kubeconfig is not None:
+        set_value(data, "discovery.kubeconfig", args.kubeconfig)
+        labels["discovery.kubeconfig"] = "--kubeconfig"
+    for dest, (key, table, flag) in _DISCOVERY_FLAGS.items():
+        for given in getattr(args, dest):
+            pool, sep, text = given.partition(":")
+            if not sep:
+                pool, text = "default", given
+            if pool not in DISCOVERY_POOLS:
+                raise ConfigError(f"{flag}: {given!r} names pool {pool!r}; write [POOL:]VALUE with POOL one of "
+                                  f"{', '.join(DISCOVERY_POOLS)} (no POOL: default)")
+            value: str | int = text
+            if key == "port":
+                if not text.isdigit():
+                    raise ConfigError(f"{flag}: {given!r}: the port must be a number (0 = the SRV records' ports)")
+                value = int(text)
+            section = data.setdefault("discovery", {})
+            target = section.setdefault(pool, {}) if isinstance(section, dict) else None
+            if table is not None and isinstance(target, dict):
+                target = target.setdefault(table, {})
+            if isinstance(target, dict):  # else not a table: the decoder says so
+                target[key] = value
+                labels[f"discovery.{pool}." + (f"{table}.{key}" if table else key)] = flag
 
 
 
@@ -186,5 +228,22 @@ def _parser() -> _Parser:
     )
     tokens.add_argument("--prompt-cache-bytes", type=int, metavar="N",
                         help="tokens mode: memory bound of the per-session incremental render cache (0 = off)")
+    found = parser.add_argument_group(
+        "discovery (backends found at runtime; each flag repeatable as [POOL:]VALUE, POOL one of "
+        f"{', '.join(DISCOVERY_POOLS)}, no POOL: default; the config file's [discovery])")
+    found.add_argument("--discovery", action="append", default=[], metavar="[POOL:]SOURCE",
+                       help=f"where a pool's backends come from: {', '.join(DISCOVERY_SOURCES)} (default static: the "
+                       "configured list)")
+    found.add_argument("--kubernetes-selector", action="append", default=[], metavar="[POOL:]SELECTOR",
+                       help="kubernetes: the backends' pods, by label selector, e.g. decode:app=vllm,role=decode")
+    found.add_argument("--kubernetes-port-name", action="append", default=[], metavar="[POOL:]NAME",
+                       help="kubernetes: the name of the backends' container port, e.g. http")
+    found.add_argument("--kubernetes-namespace", action="append", default=[], metavar="[POOL:]NAMESPACE",
+                       help="kubernetes: the pods' namespace (default: default)")
+    found.add_argument("--kubeconfig", metavar="FILE",
+                       help="kubernetes: a kubeconfig file (default: the pod's in-cluster service account)")
+    found.add_argument("--dns-name", action="append", default=[], metavar="[POOL:]NAME",
+                       help="dns: the name to resolve, e.g. a headless Service's vllm.ns.svc.cluster.local")
+    found.add_argument("--dns-port", action="append", default=[], metavar="[POOL:]PORT",
+                       help="dns: the backends' port (A/AAAA records); 0 (the default) = SRV records")
     return parser
-

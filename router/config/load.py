@@ -28,8 +28,11 @@ from router.config.schema import (
     HINT,
     RULE,
     SECTIONS,
+    DISCOVERY_POOLS,
     AdminConfig,
     BackendConfig,
+    DnsDiscoveryConfig,
+    KubernetesDiscoveryConfig,
     RouterConfig,
     TokensConfig,
 )
@@ -160,9 +163,10 @@ def validate_config(config: RouterConfig, *, labels: Mapping[str, str] | None = 
         raise ConfigError(
             f"{key('backends')}: give either backends (aggregated mode) or prefill/decode (P/D mode), not both"
         )
-    if config.prefill and not config.decode:
+    discovered = _validate_discovery(config, key)
+    if (config.prefill or "prefill" in discovered) and not (config.decode or "decode" in discovered):
         raise ConfigError(f"{key('decode')}: P/D mode needs at least one decode backend")
-    if not (config.backends or config.decode):
+    if not (config.backends or config.decode or {"default", "decode"} & discovered):
         raise ConfigError(_NO_BACKEND)
     pools = {name: _validate_pool(getattr(config, name), name, names.get(name)) for name in _POOL_FIELDS}
     tokens = _validate_tokens(config.tokens, key)
@@ -218,6 +222,94 @@ def _validate_tokens(tokens: TokensConfig, key: Callable[[str], str]) -> TokensC
 
 
 _TOKENS_DEFAULTS = TokensConfig()
+
+#: one requirement of a Kubernetes label selector: key, key=v, key==v, key!=v, !key, key in (..), key notin (..)
+_LABEL_KEY = r"(?:[a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?"
+_LABEL_VALUE = r"(?:[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?"
+_SELECTOR_REQUIREMENT = re.compile(
+    rf"\s*(?:!\s*{_LABEL_KEY}|{_LABEL_KEY}\s*(?:(?:==?|!=)\s*{_LABEL_VALUE}"
+    rf"|\s(?:in|notin)\s*\(\s*{_LABEL_VALUE}(?:\s*,\s*{_LABEL_VALUE})*\s*\))?)\s*")
+_SELECTOR_SPLIT = re.compile(r",(?![^(]*\))")
+#: a DNS name (a trailing dot allowed) and a Kubernetes port name (IANA_SVC_NAME)
+_DNS_NAME = re.compile(r"(?=.{1,253}\.?$)([A-Za-z0-9_]([-A-Za-z0-9_]{0,61}[A-Za-z0-9])?\.)*"
+                       r"[A-Za-z0-9_]([-A-Za-z0-9_]{0,61}[A-Za-z0-9])?\.?")
+_PORT_NAME = re.compile(r"(?=.{1,15}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+
+
+def _validate_discovery(config: RouterConfig, key: Callable[[str], str]) -> set[str]:
+    """The ``[discovery]`` section: each pool's source has its table (and only that one) with what
+    it needs, and names a pool of this mode. Returns the pools with a source other than static."""
+    discovery = config.discovery
+    if discovery.backoff_max_s < discovery.backoff_initial_s:
+        raise ConfigError(f"{key('discovery.backoff_max_s')}: must be at least "
+                          f"{key('discovery.backoff_initial_s')} ({discovery.backoff_initial_s:g})")
+    for name, pool in ((n, getattr(discovery, n)) for n in DISCOVERY_POOLS):
+        where = f"discovery.{name}"
+        for kind in ("kubernetes", "dns"):
+            if getattr(pool, kind) is not None and pool.source != kind:
+                raise ConfigError(f"{key(where + '.source')}: is {pool.source!r} but [{where}.{kind}] is set: "
+                                  f"set source = \"{kind}\" (--discovery {name}:{kind}) or remove [{where}.{kind}]")
+        if pool.source == "kubernetes":
+            _validate_kubernetes_source(pool.kubernetes, f"{where}.kubernetes", key)
+        elif pool.source == "dns":
+            _validate_dns_source(pool.dns, f"{where}.dns", key)
+    discovered = set(discovery.pools())
+    pd_pools = discovered & {"prefill", "decode"}
+    if "default" in discovered and (pd_pools or config.prefill or config.decode):
+        raise ConfigError(f"{key('discovery.default.source')}: the default pool is aggregated mode's; in P/D mode "
+                          "discover [discovery.prefill] and [discovery.decode] instead")
+    if pd_pools and config.backends:
+        raise ConfigError(f"{key('discovery.' + sorted(pd_pools)[0] + '.source')}: discovering a P/D pool makes this "
+                          f"P/D mode, but {key('backends')} lists aggregated backends; give prefill/decode instead")
+    if "render" in discovered and not config.tokens.enabled:
+        raise ConfigError(f"{key('discovery.render.source')}: the render pool is tokens mode's render servers: set "
+                          f"{key('tokens.upstream_api')} to tokens, or leave [discovery.render] static")
+    if discovery.kubeconfig and not os.path.isfile(discovery.kubeconfig):
+        raise ConfigError(f"{key('discovery.kubeconfig')}: {_shown(discovery.kubeconfig)} is not a file; give a "
+                          "kubeconfig file, or \"\" for the pod's in-cluster service account")
+    return discovered
+
+
+def _validate_kubernetes_source(source: KubernetesDiscoveryConfig | None, where: str,
+                                key: Callable[[str], str]) -> None:
+    if source is None or not source.label_selector.strip():
+        raise ConfigError(f"{key(where + '.label_selector')}: Kubernetes discovery needs the pods' label selector, "
+                          "e.g. label_selector = \"app=vllm\" (--kubernetes-selector), and port_name, the container port's name")
+    parts = _SELECTOR_SPLIT.split(source.label_selector)
+    for part in parts:
+        if not _SELECTOR_REQUIREMENT.fullmatch(part):
+            raise ConfigError(f"{key(where + '.label_selector')}: {_shown(part.strip())} is not a label selector "
+                              "requirement (key=value, key!=value, key, !key, key in (a,b), key notin (a,b); "
+                              "joined with commas)")
+    if not _PORT_NAME.fullmatch(source.port_name):
+        raise ConfigError(f"{key(where + '.port_name')}: the name of the backends' container port (1-15 lower-case "
+                          f"letters, digits, '-'), e.g. port_name = \"http\" (--kubernetes-port-name), got "
+                              f"{_shown(source.port_name)}")
+    if not _DNS_NAME.fullmatch(source.namespace) or "." in source.namespace:
+        raise ConfigError(f"{key(where + '.namespace')}: must be a namespace name, got {_shown(source.namespace)}")
+
+
+def _validate_dns_source(source: DnsDiscoveryConfig | None, where: str, key: Callable[[str], str]) -> None:
+    if source is None or not _DNS_NAME.fullmatch(source.name):
+        got = "" if source is None else f", got {_shown(source.name)}"
+        raise ConfigError(f"{key(where + '.name')}: DNS discovery needs the name to resolve, e.g. the headless "
+                          f"Service's name = \"vllm.inference.svc.cluster.local\" (--dns-name){got}")
+    for index, server in enumerate(source.nameservers):
+        host, port = split_host_port(server, 53)
+        if literal_address(host) is None or not 0 < port < 65536:
+            raise ConfigError(f"{key(where + '.nameservers')}[{index}]: an IP address, optionally with a port "
+                              f"(\"10.0.0.10\", \"127.0.0.1:5353\", \"[::1]:53\"), got {_shown(server)}")
+
+
+def split_host_port(text: str, default_port: int) -> tuple[str, int]:
+    """``"host"``, ``"host:port"``, ``"[v6]"`` or ``"[v6]:port"`` -> (host, port); a bad port is -1."""
+    host, port = text.strip(), str(default_port)
+    if host.startswith("["):
+        inside, _, rest = host[1:].partition("]")
+        host, port = inside, (rest[1:] if rest.startswith(":") else (port if not rest else "x"))
+    elif host.count(":") == 1:
+        host, port = host.split(":")
+    return host, int(port) if port.isdigit() else -1
 
 
 def _validate_admin(admin: AdminConfig, key: Callable[[str], str]) -> None:
@@ -330,10 +422,18 @@ def _scalars(data: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
     """``(path, value)`` of the top-level values and of each section's values."""
     for key, value in data.items():
         if key in SECTIONS and isinstance(value, Mapping):
-            for inner, item in value.items():
-                yield f"{key}.{inner}", item
+            yield from _nested_scalars(key, value)
         else:
             yield str(key), value
+
+
+def _nested_scalars(prefix: str, table: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
+    """A section's values, and those of the tables inside it (``discovery.decode.dns.interval_s``)."""
+    for inner, item in table.items():
+        if isinstance(item, Mapping):
+            yield from _nested_scalars(f"{prefix}.{inner}", item)
+        else:
+            yield f"{prefix}.{inner}", item
 
 
 @functools.cache
@@ -344,10 +444,24 @@ def _hints(struct: type[msgspec.Struct]) -> dict[str, Any]:
 def _field_type(path: str) -> tuple[str, Any]:
     """The field's name and annotated type at a settings path (``None`` when it is not one)."""
     section, _, name = path.rpartition(".")
-    struct = SECTIONS.get(section) if section else RouterConfig
+    struct = _struct_at(section)
     if struct is None:
         return name, None
     return name, _hints(struct).get(name)
+
+
+def _struct_at(path: str) -> type[msgspec.Struct] | None:
+    """The Struct a table path decodes into: ``""`` the whole config, ``"placement"`` a section,
+    ``"discovery.decode.dns"`` a table inside one (None when the path names no table)."""
+    struct: type[msgspec.Struct] = RouterConfig
+    for part in path.split(".") if path else ():
+        hint = _hints(struct).get(part)
+        found = [arg for arg in (get_args(hint) or (hint,))
+                 if isinstance(arg, type) and issubclass(arg, msgspec.Struct)]
+        if not found:
+            return None
+        struct = found[0]
+    return struct
 
 
 def _bound_message(name: str, annotation: Any, value: Any) -> str | None:
@@ -399,10 +513,9 @@ def _translate(error: str, data: Mapping[str, Any], labels: Mapping[str, str]) -
         key = _escaped(unknown["key"])
         if not path:
             known = [f.name for f in msgspec.structs.fields(RouterConfig)] + list(FLAT_KEYS)
-        elif path in SECTIONS:
-            known = [f.name for f in msgspec.structs.fields(SECTIONS[path])]
         else:
-            known = [f.name for f in msgspec.structs.fields(BackendConfig)]
+            table = _struct_at(path) if path.split(".")[0] in SECTIONS else None
+            known = [f.name for f in msgspec.structs.fields(table or BackendConfig)]
         hint = difflib.get_close_matches(key, known, n=1)
         text = f"unknown key {key!r}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
     elif missing:

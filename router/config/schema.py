@@ -2,7 +2,7 @@
 
 One schema: the process's own settings and the backend lists at the top level, the rest in
 sections (``[upstream]``, ``[front]``, ``[placement]``, ``[sessions]``, ``[health]``, ``[pd]``,
-``[admin]``, ``[tokens]``), one Struct each. Closed sets are ``Literal`` types and ranges ``msgspec.Meta``
+``[admin]``, ``[tokens]``, ``[discovery]``), one Struct each. Closed sets are ``Literal`` types and ranges ``msgspec.Meta``
 bounds, so decoding checks them; what spans keys is checked in ``router.config.load``. Every
 setting has a default here, so an empty file is a valid configuration for one backend given
 with ``--backend``. ``FLAT_KEYS`` maps the flat layout of before (every key at the top level),
@@ -53,6 +53,9 @@ AccessLogFormat = Literal["off", "text", "json"]
 SessionLabel = Literal["hash", "id", "none"]
 UpstreamApi = Literal["openai", "tokens"]
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
+DiscoverySource = Literal["static", "kubernetes", "dns"]
+#: the pools a [discovery.<pool>] table may name
+DISCOVERY_POOLS = ("default", "prefill", "decode", "render")
 
 
 class UpstreamConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -190,6 +193,62 @@ class TokensConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         return [] if isinstance(self.render, str) else list(self.render)
 
 
+class KubernetesDiscoveryConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """``[discovery.<pool>.kubernetes]``: the pods a pool's backends are (watched through the API server)."""
+
+    namespace: str = "default"
+    #: which pods: a Kubernetes label selector, e.g. "app=vllm,role=decode" (required)
+    label_selector: str = ""
+    #: the container port's name in the pod spec, e.g. "http" (required)
+    port_name: str = ""
+
+
+class DnsDiscoveryConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """``[discovery.<pool>.dns]``: a headless Service's records, re-resolved every ``interval_s``."""
+
+    #: the name to resolve: A/AAAA records with ``port`` set, SRV records with port = 0 (required)
+    name: str = ""
+    #: the backends' port; 0 = take each backend's port (and host) from the SRV records of ``name``
+    port: Annotated[int, msgspec.Meta(ge=0, le=65535, extra={HINT: "0 = the ports of SRV records"})] = 0
+    interval_s: Seconds = 5.0
+    #: the DNS servers to ask, "host" or "host:port" ([] = the system's, /etc/resolv.conf)
+    nameservers: list[str] = []
+
+
+class PoolDiscoveryConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """``[discovery.<pool>]``: where one pool's backends come from."""
+
+    #: static: the configured list (and the admin API) only; kubernetes: the ready pods of a label
+    #: selector; dns: the records of a name. Discovered backends join the configured ones.
+    source: DiscoverySource = "static"
+    kubernetes: KubernetesDiscoveryConfig | None = None
+    dns: DnsDiscoveryConfig | None = None
+
+
+class DiscoveryConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """``[discovery]``: backends discovered at runtime, per pool: ``default`` (aggregated mode),
+    ``prefill`` and ``decode`` (P/D mode), ``render`` (tokens mode's render servers)."""
+
+    #: the Kubernetes API's credentials: "" = in-cluster (the pod's service account token and CA),
+    #: else a kubeconfig file
+    kubeconfig: str = ""
+    #: the kubeconfig's context ("" = its current-context)
+    kubernetes_context: str = ""
+    #: waits between retries after an API or DNS error: from backoff_initial_s doubling up to
+    #: backoff_max_s, with jitter; what was discovered stays meanwhile
+    backoff_initial_s: Seconds = 0.5
+    backoff_max_s: Seconds = 30.0
+    default: PoolDiscoveryConfig = msgspec.field(default_factory=PoolDiscoveryConfig)
+    prefill: PoolDiscoveryConfig = msgspec.field(default_factory=PoolDiscoveryConfig)
+    decode: PoolDiscoveryConfig = msgspec.field(default_factory=PoolDiscoveryConfig)
+    render: PoolDiscoveryConfig = msgspec.field(default_factory=PoolDiscoveryConfig)
+
+    def pools(self) -> dict[str, PoolDiscoveryConfig]:
+        """Pool name -> its discovery, for the pools whose source is not static."""
+        return {name: pool for name in DISCOVERY_POOLS
+                if (pool := getattr(self, name)).source != "static"}
+
+
 class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """The whole configuration: the process's own settings at the top, then one struct per section."""
 
@@ -212,10 +271,12 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     pd: PDConfig = msgspec.field(default_factory=PDConfig)
     admin: AdminConfig = msgspec.field(default_factory=AdminConfig)
     tokens: TokensConfig = msgspec.field(default_factory=TokensConfig)
+    discovery: DiscoveryConfig = msgspec.field(default_factory=DiscoveryConfig)
 
     @property
     def pd_mode(self) -> bool:
-        return bool(self.prefill or self.decode)
+        return bool(self.prefill or self.decode or self.discovery.prefill.source != "static"
+                    or self.discovery.decode.source != "static")
 
 
 #: section name -> its struct
@@ -228,6 +289,7 @@ SECTIONS: dict[str, type[msgspec.Struct]] = {
     "pd": PDConfig,
     "admin": AdminConfig,
     "tokens": TokensConfig,
+    "discovery": DiscoveryConfig,
 }
 
 #: the keys of the flat layout (before sections), still read for one release: flat key -> (section, key)
@@ -278,3 +340,4 @@ ACCESS_LOG_FORMATS: tuple[str, ...] = get_args(AccessLogFormat)
 SESSION_LABELS: tuple[str, ...] = get_args(SessionLabel)
 LOG_LEVELS: tuple[str, ...] = get_args(LogLevel)
 UPSTREAM_APIS: tuple[str, ...] = get_args(UpstreamApi)
+DISCOVERY_SOURCES: tuple[str, ...] = get_args(DiscoverySource)
