@@ -36,7 +36,7 @@ from tests.deploy.manifests import (
     selector_matches,
     validate,
 )
-from tests.support import free_port, wait_until
+from tests.support import free_port, http_status, kill_alive, start_process, wait_until
 
 #: the oldest and the newest Kubernetes release whose schemas kubernetes-validate ships here
 KUBERNETES_VERSIONS = ("1.33.0", "1.37.0")
@@ -264,3 +264,31 @@ def test_redis_overlay_points_the_routers_at_its_redis_and_redis_accepts_its_arg
     # everything else in the plain overlay is here too
     plain = {(d["kind"], d["metadata"]["name"]) for d in overlay.docs if d["kind"] != "ConfigMap"}
     assert plain >= {("Deployment", "vllm"), ("Deployment", "session-router")}
+
+
+@pytest.mark.parametrize("name", OVERLAYS)
+def test_a_router_started_with_the_configmap_is_alive_and_not_ready_without_backends(
+        rendered: dict[str, Rendered], tmp_path: Path, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The container's command with the ConfigMap's file (on a loopback port instead of 0.0.0.0:8000,
+    outside any cluster, so discovery finds nothing and keeps retrying): the process stays up, the
+    readiness probe's path answers 503 (no backend yet) and the liveness probe's path 200 (so the
+    kubelet would hold the pod out of the Service but not restart it)."""
+    overlay = rendered[name]
+    if name == "redis" and "shared_state" not in RouterConfig.__struct_fields__:
+        pytest.skip("shared_state is not in router.config's schema yet (issue 15 §2)")
+    for variable in ("KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT"):
+        monkeypatch.delenv(variable, raising=False)
+    path = tmp_path / "router.toml"
+    path.write_text(overlay.router_toml)
+    (container,) = containers(overlay.router)
+    argv = container["command"]
+    module = argv[argv.index("-m") + 1]
+    args = [*argv[argv.index("-m") + 2:-1], str(path)]  # --config <the ConfigMap's file>
+    port = free_port()
+    proc = start_process(module, [*args, "--host", "127.0.0.1", "--port", str(port)], port, str(tmp_path))
+    try:
+        for probe, status in (("readinessProbe", 503), ("livenessProbe", 200)):
+            assert http_status(f"{proc.url}{container[probe]['httpGet']['path']}", timeout=5) == status, probe
+        assert proc.alive(), proc.log()
+    finally:
+        kill_alive(proc)
