@@ -39,9 +39,10 @@ async def http() -> AsyncIterator[aiohttp.ClientSession]:
 
 async def post(http: aiohttp.ClientSession, router: RouterUnderTest, headers: dict[str, str],
                path: str = "/v1/chat/completions", **body: Any) -> str:
+    """The session the router answered with (in its configured session header)."""
     async with http.post(router.url + path, json=body or chat(), headers=headers) as resp:
         assert resp.status == 200, await resp.text()
-        return resp.headers["X-Session-ID"]
+        return resp.headers[router.config.sessions.header]
 
 
 @pytest.mark.parametrize("front", FRONTS)
@@ -164,3 +165,21 @@ async def test_derived_ids_key_on_the_client_address(make_router: MakeRouter, fr
             ids.setdefault(source, []).append(await post(session, router, {}))
     assert ids["127.0.0.1"][0] == ids["127.0.0.1"][1]  # stable over new connections from one address
     assert ids["127.0.0.2"][0] != ids["127.0.0.1"][0]
+
+
+@pytest.mark.parametrize("front", FRONTS)
+async def test_a_session_header_configured_under_an_agents_name_is_the_vllm_channel(
+        make_router: MakeRouter, http: aiohttp.ClientSession, front: str) -> None:
+    router = await make_router(front, n=2, session_header="X-Session-Affinity")
+    assert await post(http, router, {"x-session-affinity": "ses_1", "session-id": "codex-1"}) == "ses_1"
+    # as the session header its values follow the contract: a bad one is a 400, not ignored
+    async with http.post(router.url + "/v1/chat/completions", json=chat(),
+                         headers={"x-session-affinity": "has space"}) as resp:
+        assert resp.status == 400
+    # and it is not forwarded under its own name: upstream it is X-Session-ID
+    seen = [s for f in router.fakes for s in f.seen]
+    assert [s.headers.get("x-session-affinity") for s in seen] == [None]
+    assert [s.headers["x-session-id"] for s in seen] == [["ses_1"]]
+    # x-session-id is then an ordinary header, no session
+    sid = await post(http, router, {"X-Session-ID": "plain-header"})
+    assert sid.startswith("conv-")
