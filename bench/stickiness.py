@@ -253,6 +253,11 @@ class Throttle:
     def start(self) -> None:
         self._thread.start()
 
+    @property
+    def running(self) -> bool:
+        """Whether the thread still stops and continues the process."""
+        return self._thread.is_alive()
+
     def _loop(self) -> None:
         try:
             while not self._done.is_set():
