@@ -1,0 +1,380 @@
+"""Receiving one backend's KV events: ZMQ SUB sockets, seq tracking, replay of missed batches.
+
+The wire (``contract.kv_events``): a publisher sends ``(topic, seq, payload)`` per engine step;
+``seq`` counts 0, 1, 2, ... from the publisher's start. Per ``EventSource`` (one engine: a backend,
+or one data-parallel rank of it) a ``Stream`` checks each seq against the last one applied:
+
+- the next one: applied;
+- a gap (``seq > last + 1``): the missing batches are asked of the engine's replay socket (a
+  ``DEALER`` to vLLM's ``ROUTER``: ``(b"", start_seq)`` -> ``(b"", topic, seq, payload)`` per buffered
+  batch, then ``(b"", b"", END_SEQ, b"")``) and applied before this one. If the replay cannot fill
+  the gap (no replay socket, no answer within ``replay_timeout_s``, or the engine's buffer no longer
+  holds the first missing batch) the backend's entries are reset: the index forgets rather than
+  believe blocks whose removal it may have missed;
+- ``seq <= last``: the engine restarted (a new publisher counts from 0 again): the backend is reset;
+- the first batch of a stream (at start, or after the socket saw the peer disconnect, i.e. a new
+  connection that may be a new engine process): the backend is reset when it held anything, and
+  with ``seq > 0`` the batches before it are fetched by replay (what the engine stored before the
+  router listened, as far as its buffer goes).
+
+Bind or connect (``subscriber_address``): an engine whose endpoint names a concrete host connects
+its PUB there (vLLM's rule, ``contract.kv_events.publisher_binds``), so the router binds that
+address; an endpoint the engine binds (``*``, ``::``, ``ipc://``) the router connects to, with the
+backend's own host in place of ``*``/``[::]``. Several engines may connect to one address the
+router binds (the usual "all engines publish to the router" set-up): one socket then serves them,
+told apart by their topics (each must have its own).
+
+A flood never blocks the event loop: a socket's reader applies what is queued in slices of
+``SLICE_S`` seconds of work and yields to the loop between them (a huge batch is applied
+``APPLY_CHUNK`` events at a time).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+import msgspec
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from contract.kv_events import END_SEQ, KVEventBatch, decode_batch, publisher_binds, seq_from_bytes, seq_to_bytes
+from router.kv.index import KVIndex
+from router.kv.metrics import KVMetrics
+
+logger = logging.getLogger(__name__)
+
+#: seconds of event work a reader does before it yields to the event loop
+SLICE_S = 0.002
+#: events applied in one go (a huge batch is cut into runs of this many)
+APPLY_CHUNK = 64
+#: the socket's receive high-water mark (messages queued before ZMQ drops; the engine's own is 100,000)
+RCVHWM = 100_000
+
+
+@dataclass(frozen=True, slots=True)
+class EventSource:
+    """Where one engine publishes: from the router's config or the backend's ``GET /kv_event_sources``."""
+
+    backend_url: str
+    #: the engine's endpoint as it reports it (``tcp://*:5557``, ``tcp://10.0.0.9:5557``, ``ipc://...``)
+    endpoint: str
+    replay: str | None = None
+    topic: str = ""
+    #: data-parallel rank (several ranks of one backend feed the same index entries)
+    rank: int = 0
+    #: the backend's name for metrics and logs
+    name: str = ""
+
+    @property
+    def label(self) -> str:
+        return self.name or self.backend_url
+
+
+def _host_of(backend_url: str) -> str:
+    host = urlsplit(backend_url).hostname or "127.0.0.1"
+    return f"[{host}]" if ":" in host else host
+
+
+def subscriber_address(endpoint: str, backend_url: str) -> tuple[bool, str]:
+    """``(bind, address)`` of the router's socket for an engine's ``endpoint``: bind it when the
+    engine connects (a concrete host), else connect, to the backend's host in place of a wildcard."""
+    if not publisher_binds(endpoint):
+        return True, endpoint
+    return False, replay_address(endpoint, backend_url)
+
+
+def replay_address(endpoint: str, backend_url: str) -> str:
+    """Where to connect to a socket the engine bound (its replay socket always is): the backend's
+    host in place of ``*`` or ``[::]``/``::``."""
+    if not endpoint.startswith("tcp://"):
+        return endpoint
+    rest = endpoint[len("tcp://"):]
+    host, sep, port = rest.rpartition(":")
+    if host in ("*", "[::]", "::", "[*]", "0.0.0.0", ""):
+        return f"tcp://{_host_of(backend_url)}{sep}{port}"
+    return endpoint
+
+
+class Stream:
+    """One engine's run of batches: seq tracking and what to do on gaps and restarts (module docstring)."""
+
+    def __init__(self, source: EventSource, index: KVIndex, metrics: KVMetrics, context: zmq.asyncio.Context,
+                 *, replay_timeout_s: float) -> None:
+        self.source = source
+        self.index = index
+        self.metrics = metrics
+        self.context = context
+        self.replay_timeout_s = replay_timeout_s
+        self.topic = source.topic.encode()
+        self.replay = replay_address(source.replay, source.backend_url) if source.replay else None
+        #: seq of the last batch applied (None: no batch yet on this connection)
+        self.last: int | None = None
+        #: ``last`` before the connection dropped: a next batch right after it is the same engine going on
+        self.previous: int | None = None
+        #: batches applied since the stream started (the first one may reset)
+        self.applied = 0
+        self.closed = False
+
+    def restart(self) -> None:
+        """A peer disconnected: the next batch starts a new stream (it may come from a new engine
+        process) unless it is the very next seq (the same engine, reconnected)."""
+        if self.last is not None:
+            self.previous = self.last
+        self.last = None
+
+    async def receive(self, seq: int, payload: bytes, slicer: Slicer) -> None:
+        """One live message: check its seq, fill a gap or reset, then apply it."""
+        if self.closed:
+            return
+        last = self.last
+        if last is not None and seq == last + 1:
+            await self._apply(seq, payload, slicer)
+            return
+        label = self.source.label
+        if last is None:
+            previous, self.previous = self.previous, None
+            if previous is not None and seq == previous + 1:
+                await self._apply(seq, payload, slicer)
+                return
+            if self.index.backend_blocks(self.source.backend_url):
+                self._reset("new_stream")
+            if seq > 0:
+                await self._fill(0, seq, slicer, catch_up=True)
+        elif seq <= last:
+            logger.info("KV events of %s: seq %d after %d, the engine restarted: its index entries reset",
+                        label, seq, last)
+            self._reset("restart")
+            if seq > 0:
+                await self._fill(0, seq, slicer, catch_up=True)
+        else:
+            self.metrics.gap(label)
+            await self._fill(last + 1, seq, slicer, catch_up=False)
+        if not self.closed:
+            await self._apply(seq, payload, slicer)
+
+    def _reset(self, reason: str) -> None:
+        self.index.reset_backend(self.source.backend_url)
+        self.metrics.reset(self.source.label, reason)
+
+    async def _apply(self, seq: int, payload: bytes, slicer: Slicer) -> None:
+        try:
+            batch = decode_batch(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            self.metrics.error(self.source.label, "decode")
+            logger.warning("KV events of %s: batch %d does not decode as a KVEventBatch; skipped",
+                           self.source.label, seq)
+            self.last = seq
+            return
+        self.last = seq
+        self.applied += 1
+        await self._apply_batch(batch, slicer)
+
+    async def _apply_batch(self, batch: KVEventBatch, slicer: Slicer) -> None:
+        events = batch.events
+        url = self.source.backend_url
+        index = self.index
+        if len(events) <= APPLY_CHUNK:
+            index.apply_events(url, events)
+            self.metrics.events(self.source.label, len(events))
+            await slicer.maybe_yield()
+            return
+        for start in range(0, len(events), APPLY_CHUNK):
+            if self.closed:
+                return
+            run = events[start:start + APPLY_CHUNK]
+            index.apply_events(url, run)
+            self.metrics.events(self.source.label, len(run))
+            await slicer.maybe_yield()
+
+    async def _fill(self, start: int, stop: int, slicer: Slicer, *, catch_up: bool) -> None:
+        """Apply batches ``start`` .. ``stop - 1`` from the replay socket. A gap that stays open resets
+        the backend; a catch-up (a stream's start) takes what the engine still holds."""
+        label = self.source.label
+        if self.replay is None:
+            if not catch_up:
+                self.metrics.replay(label, "unavailable")
+                logger.warning("KV events of %s: batches %d..%d missed and no replay endpoint: its index entries "
+                               "reset", label, start, stop - 1)
+                self._reset("gap")
+            return
+        result = await self._replay(start, stop, slicer, catch_up=catch_up)
+        self.metrics.replay(label, result)
+        if result == "failed" and not catch_up and not self.closed:
+            logger.warning("KV events of %s: batches %d..%d missed and the replay socket %s did not send them: "
+                           "its index entries reset", label, start, stop - 1, self.replay)
+            self._reset("gap")
+
+    async def _replay(self, start: int, stop: int, slicer: Slicer, *, catch_up: bool) -> str:
+        """Ask the replay socket for batches from ``start`` on and apply those below ``stop``. Returns
+        ``filled``; ``partial`` when the engine's buffer began after ``start`` (for a gap the backend is
+        reset first, then what the buffer held is applied); ``failed`` (no answer within
+        ``replay_timeout_s``, or the answer ended before ``stop``); ``closed`` (the stream closed)."""
+        assert self.replay is not None
+        dealer = self.context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        expected = start
+        lost = False
+        try:
+            dealer.connect(self.replay)
+            await dealer.send_multipart([b"", seq_to_bytes(start)])
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + self.replay_timeout_s
+            while True:
+                remaining = deadline - loop.time()
+                if remaining <= 0 or not await dealer.poll(remaining * 1000, zmq.POLLIN):
+                    return "failed"
+                frames = await dealer.recv_multipart()
+                if len(frames) != 4 or frames[0] or len(frames[2]) != 8:
+                    self.metrics.error(self.source.label, "replay_frames")
+                    continue
+                _, topic, seq_raw, payload = frames
+                if seq_raw == END_SEQ:
+                    break
+                seq = seq_from_bytes(seq_raw)
+                if topic != self.topic or seq < expected:
+                    continue
+                if seq >= stop:
+                    break
+                if self.closed:
+                    return "closed"
+                if seq > expected:
+                    if expected != start:
+                        return "failed"  # a hole inside the answer: not how a replay buffer answers
+                    lost = True  # the buffer no longer holds start .. seq - 1
+                    if not catch_up:
+                        self._reset("gap")
+                await self._apply(seq, payload, slicer)
+                expected = seq + 1
+            if expected < stop:
+                return "failed"
+            return "partial" if lost else "filled"
+        except (zmq.ZMQError, ValueError) as exc:
+            logger.warning("KV events of %s: replay from %s failed: %s", self.source.label, self.replay, exc)
+            return "failed"
+        finally:
+            dealer.close(linger=0)
+
+
+class Slicer:
+    """Yields to the event loop once a reader has worked ``SLICE_S`` seconds since the last yield."""
+
+    __slots__ = ("deadline",)
+
+    def __init__(self) -> None:
+        self.deadline = time.perf_counter() + SLICE_S
+
+    async def maybe_yield(self) -> None:
+        if time.perf_counter() >= self.deadline:
+            await asyncio.sleep(0)
+            self.deadline = time.perf_counter() + SLICE_S
+
+
+class SubSocket:
+    """One SUB socket (bound or connected) and the streams it carries, told apart by topic."""
+
+    def __init__(self, context: zmq.asyncio.Context, bind: bool, address: str, metrics: KVMetrics) -> None:
+        self.context = context
+        self.bind = bind
+        self.address = address
+        self.metrics = metrics
+        self.streams: dict[bytes, Stream] = {}
+        self._socket: zmq.asyncio.Socket | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._monitor_task: asyncio.Task[None] | None = None
+
+    @property
+    def key(self) -> tuple[bool, str]:
+        return self.bind, self.address
+
+    def add(self, stream: Stream) -> None:
+        """Carry ``stream``; ``ValueError`` when its topic cannot be told from another's here."""
+        topic = stream.topic
+        if topic in self.streams:
+            raise ValueError(f"two KV-event sources share {self.address} with the same topic {topic.decode()!r}: "
+                             "give each engine its own topic")
+        if self.streams and (not topic or b"" in self.streams):
+            raise ValueError(f"several KV-event sources share {self.address}: each needs a non-empty topic of its own")
+        self.streams[topic] = stream
+        if self._socket is not None:
+            self._socket.setsockopt(zmq.SUBSCRIBE, topic)
+
+    def discard(self, stream: Stream) -> bool:
+        """Stop carrying ``stream``; True when none is left (the socket should close)."""
+        if self.streams.get(stream.topic) is stream:
+            del self.streams[stream.topic]
+            stream.closed = True
+            if self._socket is not None and not self._socket.closed:
+                self._socket.setsockopt(zmq.UNSUBSCRIBE, stream.topic)
+        return not self.streams
+
+    def start(self) -> None:
+        socket = self.context.socket(zmq.SUB)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.RCVHWM, RCVHWM)
+        for topic in self.streams:
+            socket.setsockopt(zmq.SUBSCRIBE, topic)
+        monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED)
+        if self.bind:
+            socket.bind(self.address)
+        else:
+            socket.connect(self.address)
+        self._socket = socket
+        self._task = asyncio.create_task(self._read(socket), name=f"kv-events {self.address}")
+        self._monitor_task = asyncio.create_task(self._watch(monitor), name=f"kv-events monitor {self.address}")
+
+    async def close(self) -> None:
+        for stream in self.streams.values():
+            stream.closed = True
+        for task in (self._task, self._monitor_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        if self._socket is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._socket.disable_monitor()
+            self._socket.close(linger=0)
+
+    async def _watch(self, monitor: zmq.asyncio.Socket) -> None:
+        """A peer disconnected: the streams here start anew with their next batch."""
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())
+                if event["event"] == zmq.EVENT_DISCONNECTED:
+                    for stream in self.streams.values():
+                        stream.restart()
+        finally:
+            monitor.close(linger=0)
+
+    async def _read(self, socket: zmq.asyncio.Socket) -> None:
+        drain = zmq.Socket.shadow(socket.underlying)
+        streams = self.streams
+        while True:
+            await socket.poll(None, zmq.POLLIN)
+            slicer = Slicer()
+            while True:
+                try:
+                    frames = drain.recv_multipart(zmq.NOBLOCK, copy=True)
+                except zmq.Again:
+                    break
+                if len(frames) != 3 or len(frames[1]) != 8:
+                    self.metrics.error(self.address, "frames")
+                    continue
+                topic, seq_raw, payload = frames
+                stream = streams.get(topic)
+                if stream is None:
+                    stream = streams.get(b"")
+                    if stream is None:
+                        continue  # a topic subscribed by prefix only, or just unsubscribed
+                try:
+                    await stream.receive(seq_from_bytes(seq_raw), payload, slicer)
+                except Exception:  # one bad batch must not end the reader
+                    logger.exception("KV events of %s: batch failed", stream.source.label)
+                    self.metrics.error(stream.source.label, "apply")
+                await slicer.maybe_yield()

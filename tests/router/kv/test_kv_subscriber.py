@@ -1,0 +1,299 @@
+"""``router.kv.service.KVEvents`` with real ZMQ sockets: a test publisher (``TestPublisher``: XPUB +
+ROUTER replay, vLLM's wire) the test drives, the router's subscriber in the same event loop.
+
+Both ways (the engine binds ``ipc://``/``tcp://*`` and the router connects; the engine connects to
+a concrete host and the router binds), seq tracking, a gap filled by replay, a gap the replay can
+no longer fill, no replay socket at all, an engine restart (seq from 0), a reconnect, a catch-up at
+start, topics demultiplexed on one bound socket, runtime membership changes, a flood."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import zmq
+import zmq.asyncio
+
+from contract.kv_events import AllBlocksCleared
+from router.config.schema import BackendConfig, KVEventsSettings
+from router.kv.index import KVIndex
+from router.kv.metrics import KVMetrics
+from router.kv.service import KVEvents
+from router.kv.subscriber import replay_address, subscriber_address
+from router.membership import Backend, BackendPool
+from tests.router.kv.events import removed, stored
+from tests.router.kv.publisher import TestPublisher
+from tests.support import eventually, free_port
+
+URL = "http://127.0.0.1:8101"
+URL2 = "http://127.0.0.1:8102"
+T1 = list(range(100, 116))  # 4 blocks of 4
+T2 = list(range(200, 216))
+T3 = list(range(300, 316))
+
+
+@pytest.fixture
+async def zctx() -> AsyncIterator[zmq.asyncio.Context]:
+    context = zmq.asyncio.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+Make = Callable[..., Awaitable[tuple[KVEvents, KVIndex, KVMetrics, BackendPool]]]
+
+
+@pytest.fixture
+async def make_service() -> AsyncIterator[Make]:
+    started: list[tuple[KVEvents, aiohttp.ClientSession]] = []
+
+    async def make(configured: dict[str, BackendConfig], *, urls: tuple[str, ...] = (URL,),
+                   max_blocks: int = 10_000, **settings: Any) -> tuple[KVEvents, KVIndex, KVMetrics, BackendPool]:
+        index = KVIndex(max_blocks=max_blocks)
+        metrics = KVMetrics(index)
+        pool = BackendPool("default", [Backend(u) for u in urls])
+        settings.setdefault("replay_timeout_s", 2.0)
+        service = KVEvents(index, KVEventsSettings(**settings), lambda: [pool], metrics, configured=configured,
+                           request_timeout_s=1.0)
+        http = aiohttp.ClientSession()
+        service.start(http)
+        started.append((service, http))
+        return service, index, metrics, pool
+
+    yield make
+    for service, http in started:
+        await service.stop()
+        await http.close()
+
+
+def tokens_of(index: KVIndex, session: str) -> dict[str, int]:
+    return dict(index.session_tokens(session))
+
+
+def test_bind_or_connect_follows_vllms_rule() -> None:
+    # the engine binds wildcards and ipc: the router connects, to the backend's host for "*"
+    assert subscriber_address("tcp://*:5557", "http://10.1.2.3:8000") == (False, "tcp://10.1.2.3:5557")
+    assert subscriber_address("tcp://[::]:5557", "http://[fd00::5]:8000") == (False, "tcp://[fd00::5]:5557")
+    assert subscriber_address("ipc:///tmp/kv.sock", "http://10.1.2.3:8000") == (False, "ipc:///tmp/kv.sock")
+    # a concrete host: the engine connects there, so the router binds it
+    assert subscriber_address("tcp://127.0.0.1:5557", "http://10.1.2.3:8000") == (True, "tcp://127.0.0.1:5557")
+    # the replay socket is always bound by the engine
+    assert replay_address("tcp://*:5558", "http://10.1.2.3:8000") == "tcp://10.1.2.3:5558"
+    assert replay_address("tcp://10.9.9.9:5558", "http://10.1.2.3:8000") == "tcp://10.9.9.9:5558"
+
+
+async def test_engine_binds_ipc_router_connects_and_events_reach_the_index(
+        zctx: zmq.asyncio.Context, make_service: Make, tmp_path: Path) -> None:
+    endpoint = f"ipc://{tmp_path}/kv.sock"
+    publisher = TestPublisher(zctx, endpoint)
+    try:
+        service, index, metrics, _ = await make_service({URL: BackendConfig(URL, kv_events=endpoint)})
+        await publisher.subscribed()
+        assert service.subscribed(URL)
+        await publisher.send(stored(T1, "s1"))
+        await publisher.send(stored(T2, "s2"), removed(T1, 3))
+        await eventually(lambda: tokens_of(index, "s2") == {URL: 16}, timeout=5, what="s2's blocks indexed")
+        assert tokens_of(index, "s1") == {URL: 12}
+        assert metrics.event_counts == {URL: 3}
+    finally:
+        await publisher.close()
+
+
+async def test_engine_connects_to_a_concrete_host_router_binds(zctx: zmq.asyncio.Context, make_service: Make) -> None:
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    service, index, _, _ = await make_service({URL: BackendConfig(URL, kv_events=endpoint)})
+    publisher = TestPublisher(zctx, endpoint)  # connects: the router bound it already
+    try:
+        await publisher.subscribed()
+        await publisher.send(stored(T1, "s1"))
+        await eventually(lambda: tokens_of(index, "s1") == {URL: 16}, timeout=5, what="s1 indexed")
+    finally:
+        await publisher.close()
+
+
+async def test_a_gap_is_filled_from_the_replay_socket(zctx: zmq.asyncio.Context, make_service: Make,
+                                                      tmp_path: Path) -> None:
+    endpoint, replay = f"ipc://{tmp_path}/kv.sock", f"ipc://{tmp_path}/replay.sock"
+    publisher = TestPublisher(zctx, endpoint, replay)
+    try:
+        _, index, metrics, _ = await make_service({URL: BackendConfig(URL, kv_events=endpoint, kv_replay=replay)})
+        await publisher.subscribed()
+        await publisher.send(stored(T1, "s1"))
+        await eventually(lambda: tokens_of(index, "s1") == {URL: 16}, timeout=5, what="the first batch")
+        await publisher.send(stored(T2, "s2"), live=False)  # lost on the way
+        await publisher.send(removed(T1, 0), live=False)
+        await publisher.send(stored(T3, "s3"))
+        await eventually(lambda: tokens_of(index, "s3") == {URL: 16}, timeout=5, what="the batch after the gap")
+        assert tokens_of(index, "s2") == {URL: 16}  # filled by the replay
+        assert tokens_of(index, "s1") == {URL: 12}  # the replayed removal applied
+        assert publisher.replay_requests == [1]
+        assert metrics.gaps == {URL: 1} and metrics.replays == {(URL, "filled"): 1}
+        assert metrics.resets == {}
+    finally:
+        await publisher.close()
+
+
+async def test_a_gap_the_replay_buffer_no_longer_holds_resets_the_backend(
+        zctx: zmq.asyncio.Context, make_service: Make, tmp_path: Path) -> None:
+    endpoint, replay = f"ipc://{tmp_path}/kv.sock", f"ipc://{tmp_path}/replay.sock"
+    publisher = TestPublisher(zctx, endpoint, replay)
+    try:
+        _, index, metrics, _ = await make_service({URL: BackendConfig(URL, kv_events=endpoint, kv_replay=replay)})
+        await publisher.subscribed()
+        await publisher.send(stored(T1, "s1"))
+        await eventually(lambda: tokens_of(index, "s1") == {URL: 16}, timeout=5, what="the first batch")
+        await publisher.send(removed(T1, 0, 1, 2, 3), live=False)  # lost, and gone from the buffer too
+        await publisher.send(stored(T2, "s2"), live=False)
+        del publisher.buffer[:2]  # the buffer now starts at seq 2
+        await publisher.send(stored(T3, "s3"))
+        await eventually(lambda: tokens_of(index, "s3") == {URL: 16}, timeout=5, what="the batch after the gap")
+        # s1's blocks may have been removed in the lost batch: forgotten; what the buffer held is applied
+        assert tokens_of(index, "s1") == {}
+        assert tokens_of(index, "s2") == {URL: 16}
+        assert metrics.resets == {(URL, "gap"): 1}
+        assert metrics.replays == {(URL, "partial"): 1}
+    finally:
+        await publisher.close()
+
+
+async def test_a_gap_without_a_replay_socket_resets_the_backend(zctx: zmq.asyncio.Context, make_service: Make,
+                                                                tmp_path: Path) -> None:
+    endpoint = f"ipc://{tmp_path}/kv.sock"
+    publisher = TestPublisher(zctx, endpoint)
+    try:
+        _, index, metrics, _ = await make_service({URL: BackendConfig(URL, kv_events=endpoint)})
+        await publisher.subscribed()
+        await publisher.send(stored(T1, "s1"))
+        await eventually(lambda: tokens_of(index, "s1") == {URL: 16}, timeout=5, what="the first batch")
+        await publisher.send(removed(T1, 0), live=False)
+        await publisher.send(stored(T2, "s2"))
+        await eventually(lambda: tokens_of(index, "s2") == {URL: 16}, timeout=5, what="the batch after the gap")
+        assert tokens_of(index, "s1") == {}
+        assert metrics.resets == {(URL, "gap"): 1} and metrics.replays == {(URL, "unavailable"): 1}
+    finally:
+        await publisher.close()
+
+
+async def test_an_engine_restart_resets_its_entries(zctx: zmq.asyncio.Context, make_service: Make,
+                                                    tmp_path: Path) -> None:
+    endpoint, replay = f"ipc://{tmp_path}/kv.sock", f"ipc://{tmp_path}/replay.sock"
+    publisher = TestPublisher(zctx, endpoint, replay)
+    try:
+        _, index, metrics, _ = await make_service({URL: BackendConfig(URL, kv_events=endpoint, kv_replay=replay)})
+        await publisher.subscribed()
+        await publisher.send(stored(T1, "s1"))
+        await publisher.send(stored(T2, "s2"))
+        await eventually(lambda: tokens_of(index, "s2") == {URL: 16}, timeout=5, what="two batches")
+        publisher.restart()  # seq counts from 0 again: what the old process held is gone
+        await publisher.send(stored(T3, "s3"))
+        await eventually(lambda: tokens_of(index, "s3") == {URL: 16}, timeout=5, what="the new process's batch")
+        assert tokens_of(index, "s1") == {} and tokens_of(index, "s2") == {}
+        assert metrics.resets == {(URL, "restart"): 1}
+    finally:
+        await publisher.close()
+
+
+async def test_all_blocks_cleared_drops_the_backends_entries(zctx: zmq.asyncio.Context, make_service: Make,
+                                                             tmp_path: Path) -> None:
+    endpoint = f"ipc://{tmp_path}/kv.sock"
+    publisher = TestPublisher(zctx, endpoint)
+    try:
+        _, index, _, _ = await make_service({URL: BackendConfig(URL, kv_events=endpoint)})
+        await publisher.subscribed()
+        await publisher.send(stored(T1, "s1"))
+        await publisher.send(AllBlocksCleared(), stored(T2, "s2"))
+        await eventually(lambda: tokens_of(index, "s2") == {URL: 16}, timeout=5, what="the clear and the store")
+        assert tokens_of(index, "s1") == {}
+    finally:
+        await publisher.close()
+
+
+async def test_a_late_subscriber_catches_up_from_the_replay_buffer(zctx: zmq.asyncio.Context, make_service: Make,
+                                                                   tmp_path: Path) -> None:
+    """Batches published before the router listened are fetched when its first batch says seq > 0."""
+    endpoint, replay = f"ipc://{tmp_path}/kv.sock", f"ipc://{tmp_path}/replay.sock"
+    publisher = TestPublisher(zctx, endpoint, replay)
+    try:
+        await publisher.send(stored(T1, "s1"))  # nobody listens yet
+        await publisher.send(stored(T2, "s2"))
+        _, index, metrics, _ = await make_service({URL: BackendConfig(URL, kv_events=endpoint, kv_replay=replay)})
+        await publisher.subscribed()
+        await publisher.send(stored(T3, "s3"))
+        await eventually(lambda: tokens_of(index, "s3") == {URL: 16}, timeout=5, what="the live batch")
+        assert tokens_of(index, "s1") == {URL: 16} and tokens_of(index, "s2") == {URL: 16}
+        assert publisher.replay_requests == [0]
+        assert metrics.resets == {}
+    finally:
+        await publisher.close()
+
+
+async def test_engines_sharing_one_bound_address_are_told_apart_by_topic(
+        zctx: zmq.asyncio.Context, make_service: Make) -> None:
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    _, index, _, _ = await make_service({URL: BackendConfig(URL, kv_events=endpoint, kv_topic="kv@a"),
+                                         URL2: BackendConfig(URL2, kv_events=endpoint, kv_topic="kv@b")},
+                                        urls=(URL, URL2))
+    a = TestPublisher(zctx, endpoint, topic="kv@a")
+    b = TestPublisher(zctx, endpoint, topic="kv@b")
+    try:
+        await a.subscribed()
+        await b.subscribed()
+        await a.send(stored(T1, "s1"))
+        await b.send(stored(T1, "s1"))
+        await b.send(stored(T2, "s2"))
+        await eventually(lambda: tokens_of(index, "s2") == {URL2: 16}, timeout=5, what="b's batches")
+        await eventually(lambda: tokens_of(index, "s1") == {URL: 16, URL2: 16}, timeout=5, what="a's batch")
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_backends_joining_and_leaving_at_runtime(zctx: zmq.asyncio.Context, make_service: Make,
+                                                       tmp_path: Path) -> None:
+    endpoint = f"ipc://{tmp_path}/kv.sock"
+    publisher = TestPublisher(zctx, endpoint)
+    try:
+        service, index, _, pool = await make_service({URL2: BackendConfig(URL2, kv_events=endpoint)}, urls=(URL,))
+        assert not service.subscribed(URL2)
+        joiner = pool.add(Backend(URL2))
+        service.backend_added(joiner)
+        await publisher.subscribed()
+        await publisher.send(stored(T1, "s1"))
+        await eventually(lambda: tokens_of(index, "s1") == {URL2: 16}, timeout=5, what="the joiner's events")
+        pool.remove(URL2)
+        service.backend_removed(joiner)
+        assert tokens_of(index, "s1") == {} and not service.subscribed(URL2)
+        # the follower notices a change made behind its back too (within a second)
+        pool.add(Backend(URL2))
+        await eventually(lambda: service.subscribed(URL2), timeout=5, what="the backend followed again")
+    finally:
+        await publisher.close()
+
+
+async def test_a_flood_is_applied_in_slices_that_let_the_loop_run(zctx: zmq.asyncio.Context, make_service: Make,
+                                                                  tmp_path: Path) -> None:
+    """100,000 events (10,000 batches) queued at once: the loop keeps ticking while they are applied."""
+    endpoint = f"ipc://{tmp_path}/kv.sock"
+    publisher = TestPublisher(zctx, endpoint)
+    try:
+        _, index, metrics, _ = await make_service({URL: BackendConfig(URL, kv_events=endpoint)},
+                                                  max_blocks=1_000_000)
+        await publisher.subscribed()
+        for b in range(10_000):
+            tokens = [b * 16 + i for i in range(16)]
+            await publisher.send(*(stored(tokens[:4 * (1 + e % 4)], f"s{b % 500}") for e in range(10)))
+        worst = 0.0
+        tick = time.perf_counter()
+        while metrics.event_counts.get(URL, 0) < 100_000:
+            await asyncio.sleep(0)
+            now = time.perf_counter()
+            worst = max(worst, now - tick)
+            tick = now
+        assert index.blocks == 40_000
+        assert worst < 0.25, f"the loop stalled {worst * 1000:.0f} ms while the flood was applied"
+    finally:
+        await publisher.close()
