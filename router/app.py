@@ -29,7 +29,8 @@ from router.front.aiohttp_adapter import proxy_handler
 from router.health import HealthChecker
 from router.membership import POOL_DECODE, POOL_DEFAULT, POOL_PREFILL, Backend, BackendPool
 from router.metrics import RouterMetrics
-from router.placement import make_policy
+from router.engine_load import EngineLoad
+from router.placement import build_policy
 from router.pd import PDHandoff
 from router.proxy import Proxy
 from router.routes import OTHER, ROUTES
@@ -76,13 +77,13 @@ def build_state(config: RouterConfig, registry: CollectorRegistry | None = None)
         config, list(pools.values()),
         on_change=lambda backend, healthy: metrics.health_transitions.labels(
             backend.name, "healthy" if healthy else "unhealthy").inc(),
+        # kv_aware reads the engines' own load and learns their speed from their /metrics
+        engine_load=EngineLoad(learn=config.placement.learn) if config.placement.policy == "kv_aware" else None,
     )
     state = RouterState(
         config=config,
         pools=pools,
-        policy=make_policy(config.placement.policy, load_factor=config.placement.load_factor,
-                           reported_load_weight=config.placement.reported_load_weight,
-                           sticky_headroom=config.placement.sticky_headroom),
+        policy=build_policy(config.placement),
         sessions=sessions,
         responses=ResponseIndex(config.sessions.max_response_ids),
         metrics=metrics,

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from router.membership import Backend, BackendSet
-from router.placement.base import Outcome
+from router.placement.base import Outcome, Placement
 from router.routes import Route
 
 if TYPE_CHECKING:
@@ -22,7 +22,7 @@ class Attempt:
     """One request's journey: what it resolved to and where it went."""
 
     __slots__ = ("route", "request_id", "session_id", "entry", "started", "backend", "status", "pool", "home",
-                 "ttfb", "outcome", "usage", "prompt_ids")
+                 "ttfb", "outcome", "usage", "prompt_ids", "placement")
 
     def __init__(self, route: Route, request_id: str, started: float) -> None:
         self.route = route
@@ -44,3 +44,5 @@ class Attempt:
         self.usage: Usage | None = None
         #: tokens mode: the rendered prompt's token ids (known before placement; None in text mode)
         self.prompt_ids: Sequence[int] | None = None
+        #: the (last) placement decision (the decision header reads it)
+        self.placement: Placement | None = None

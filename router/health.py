@@ -19,7 +19,9 @@ placement skips backends that are not healthy. Signals, and what each does:
 
 Every transition calls ``on_change(backend, healthy)`` and logs one WARNING.
 With ``scrape_load`` each good check also reads ``GET /load`` (``{"server_load": N}``) into
-``Backend.reported_load``.
+``Backend.reported_load``. With ``engine_load`` (``router.engine_load.EngineLoad``, made when the
+placement policy reads the engines' load) each good check also scrapes the backend's ``GET /metrics``
+into its engine-load fields, through the same client and with the same timeout.
 
 Models: each good check also reads ``GET /v1/models`` and records the ids it lists with
 ``BackendPool.set_models`` (which rebuilds the pool's per-model candidate sets when they changed;
@@ -45,6 +47,7 @@ from router.membership import Backend, BackendPool
 
 if TYPE_CHECKING:
     from router.config import RouterConfig
+    from router.engine_load import EngineLoad
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +88,7 @@ class HealthChecker:
         on_change: Callable[[Backend, bool], None] | None = None,
         *,
         scrape_load: bool = False,
+        engine_load: EngineLoad | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.pools = pools
@@ -93,6 +97,8 @@ class HealthChecker:
         self.eject_after_failures = eject_after_failures
         self.eject_s = eject_s
         self.scrape_load = scrape_load
+        #: scrapes each healthy backend's /metrics after its check (None: not read)
+        self.engine_load = engine_load
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         #: the client the checks go through (given here or to ``start``)
         self._session = session
@@ -109,6 +115,7 @@ class HealthChecker:
         pools: list[BackendPool],
         session: aiohttp.ClientSession | None = None,
         on_change: Callable[[Backend, bool], None] | None = None,
+        engine_load: EngineLoad | None = None,
     ) -> HealthChecker:
         return cls(
             pools,
@@ -119,6 +126,7 @@ class HealthChecker:
             session=session,
             on_change=on_change,
             scrape_load=config.placement.reported_load_weight > 0,
+            engine_load=engine_load,
         )
 
     # ---------------------------------------------------------------- lifecycle
@@ -182,6 +190,8 @@ class HealthChecker:
                 self._set(backend, True, "GET /health answered 200")
             if self.scrape_load:
                 await self._scrape_load(backend)
+            if self.engine_load is not None:
+                await self.engine_load.scrape(backend, self._client(), self._timeout)
             return True
         self._set(backend, False, reason)
         return False

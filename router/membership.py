@@ -43,6 +43,26 @@ class Backend:
     in_flight: int = 0
     #: ``vllm:num_requests_running + vllm:num_requests_waiting`` last scraped (0 when not scraped)
     reported_load: float = 0.0
+    # -- the engine's own load, scraped from its /metrics (``router.engine_load``; 0 when not scraped)
+    #: ``vllm:num_requests_waiting``: requests the engine queues (real queueing, not batching)
+    engine_waiting: float = 0.0
+    #: ``vllm:num_requests_running``
+    engine_running: float = 0.0
+    #: ``vllm:kv_cache_usage_perc`` (0..1)
+    kv_usage: float = 0.0
+    #: monotonic time of the last scrape (0.0: never)
+    load_scraped_at: float = 0.0
+    #: ``in_flight`` when it was scraped: ``in_flight - in_flight_at_scrape`` arrived since
+    in_flight_at_scrape: int = 0
+    # -- the model's constants learned from that engine's counters (-1.0: not learned, use the configured)
+    #: seconds to prefill one prompt token
+    prefill_s_per_token: float = -1.0
+    #: seconds of one engine step (the floor of a time to first token)
+    step_s: float = -1.0
+    #: seconds each request the engine has waiting delays a new one
+    queued_request_s: float = -1.0
+    #: seconds one request in flight adds to a new request's first step, on average (its prefill share)
+    busy_s_per_request: float = -1.0
     consecutive_failures: int = 0
     #: monotonic time until which a passively ejected backend is skipped (half-open after)
     ejected_until: float = 0.0

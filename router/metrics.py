@@ -1,7 +1,8 @@
 """Router metrics: our own ``session_router_`` prefix, labels from closed sets or the top-K sessions.
 
 Closed label sets: ``route`` (the proxied routes), ``backend`` (configured backends),
-``status_class`` (2xx..5xx), ``policy``, ``outcome`` (``placement.base.Outcome``), ``reason``.
+``status_class`` (2xx..5xx), ``policy``, ``outcome`` (``placement.base.Outcome``), ``reason``
+(retries: why; placement decisions: ``placement.base.REASONS``, "none" from a policy that gives none).
 
 Per-session series carry a ``session`` label only for the ``top_k`` most recently active
 sessions of the session table. Its value follows ``session_label``: ``"hash"`` (the default)
@@ -73,6 +74,7 @@ class _HotCounters:
     def __init__(self) -> None:
         self.requests: dict[tuple[str, str, str], int] = {}
         self.placements: dict[tuple[str, str], int] = {}
+        self.decisions: dict[tuple[str, str, str], int] = {}
         self.tokens = [0, 0, 0]  # prompt, completion, cached
         self.latency: dict[str, _Histogram] = {}
         self.ttfb: dict[str, _Histogram] = {}
@@ -88,6 +90,12 @@ class _HotCounters:
         for key, value in self.placements.items():
             placements.add_metric(list(key), value)
         yield placements
+        decisions = CounterMetricFamily(PREFIX + "placement_decisions",
+                                        "Placement decisions by policy, outcome and reason (why it went there)",
+                                        labels=["policy", "outcome", "reason"])
+        for key, value in self.decisions.items():
+            decisions.add_metric(list(key), value)
+        yield decisions
         tokens = CounterMetricFamily(PREFIX + "tokens", "Tokens reported in responses' usage", labels=["kind"])
         for kind, value in zip(("prompt", "completion", "cached"), self.tokens):
             tokens.add_metric([kind], value)
@@ -261,10 +269,14 @@ class RouterMetrics:
         self.registry.register(_LiveCollector(pools, table, self.top_k, SESSION_LABELS[self.session_label]))
 
     # ------------------------------------------------------------------ request path
-    def placement(self, policy: str, outcome: str) -> None:
-        placements = self.hot.placements
+    def placement(self, policy: str, outcome: str, reason: str = "") -> None:
+        hot = self.hot
+        placements = hot.placements
         key = (policy, outcome)
         placements[key] = placements.get(key, 0) + 1
+        decisions = hot.decisions
+        why = (policy, outcome, reason or "none")
+        decisions[why] = decisions.get(why, 0) + 1
 
     def request_done(self, route: str, backend: str, status: int, duration_s: float) -> None:
         hot = self.hot

@@ -196,7 +196,7 @@ class PDHandoff:
             placement = self.policy.place(pool, attempt.session_id, attempt.entry)
         except NoHealthyBackendError:
             raise PrefillFailed("no_prefill") from None
-        self.metrics.placement(self.policy.name, placement.outcome.value)
+        self.metrics.placement(self.policy.name, placement.outcome.value, placement.reason)
         backend = placement.backend
         payload = prefill_body(route.kind, request)
         head = request_head("POST", path, f"{backend.host}:{backend.port}", headers, len(payload))

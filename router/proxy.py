@@ -59,7 +59,7 @@ from router.health import HealthChecker
 from contract.ids import IdGenerator
 from router.membership import Backend, BackendPool, BackendSet
 from router.metrics import RouterMetrics
-from router.placement.base import Outcome, Placement, Policy
+from router.placement.base import Outcome, Placement, PlacementHint, Policy
 from router.pd import PD_ROUTE_KINDS, Handoff, PDHandoff
 from router.routes import AMBIGUOUS, NAMED_PATHS, OPEN_KINDS, ROUTER_PATHS, ROUTER_PREFIXES, Route, canonical_path, path_rules
 from contract.session import SESSION_HEADER, resolve_session_id, session_from_headers
@@ -73,6 +73,8 @@ from router.usage import Usage, response_id_from_sse, usage_from_json, usage_fro
 log = logging.getLogger(__name__)
 
 JSON_CONTENT_TYPE = "application/json"
+#: with ``[placement] decision_header = true``: why the request went where it did
+DECISION_HEADER = "X-Session-Router-Decision"
 RETRY_STATUSES = frozenset((502, 503, 504))
 _REPINS = frozenset((Outcome.REPIN_UNHEALTHY, Outcome.REPIN_REMOVED))
 _RESPONSES_PREFIX = "/v1/responses/"
@@ -84,7 +86,7 @@ _DROP_RESPONSE = frozenset(
     h.lower()
     for h in (
         "Content-Length", "Connection", "Keep-Alive", "Transfer-Encoding", "Upgrade", "Trailer",
-        "Date", "Server", SESSION_HEADER, REQUEST_ID_HEADER,
+        "Date", "Server", SESSION_HEADER, REQUEST_ID_HEADER, DECISION_HEADER,
     )
 )
 
@@ -126,6 +128,11 @@ class Proxy:
         #: SESSION_HEADER, the name vLLM reads)
         self.session_header = config.sessions.header
         self._drop_response = _DROP_RESPONSE | {self.session_header.lower()}
+        #: the policy predicts from a hint (prompt size, parent session): built per placement only then
+        self._hinted = policy.name == "kv_aware"
+        self._bytes_per_token = config.placement.bytes_per_token
+        #: ``[placement] decision_header``: every proxied answer says why it went where it did
+        self.decision_header = config.placement.decision_header
         #: tokens mode (``[tokens] upstream_api = "tokens"``): route name -> the handler that serves it
         #: instead of forwarding (``router.tokens``); None in text mode, the only test on its path
         self.tokens: dict[str, RouteHandler] | None = None
@@ -212,9 +219,11 @@ class Proxy:
             session_id = session_from_headers(headers, self.session_header)
         else:
             session_id = resolve_session_id(fields.session_id, headers, fields.vllm_xargs, self.session_header)
-        agents = request.agent_headers  # agent clients' own headers (router.sessions.agents); usually none
-        if session_id is None and agents:
-            session_id = agent_session(agents)
+        agents = None  # agent clients' own headers (router.sessions.agents), read only when needed
+        if session_id is None:
+            agents = request.agent_headers
+            if agents:
+                session_id = agent_session(agents)
         if kind == "other":
             attempt.home = self._stored_response(request.path_qs)
         elif session_id is None:
@@ -222,8 +231,11 @@ class Proxy:
         attempt.session_id = session_id
         if session_id is not None:
             entry = self.sessions.touch(session_id)
-            if agents and not entry.requests:  # created by this request: the parent its agent names
-                entry.parent = parent_session(agents, session_id)
+            if not entry.requests:  # created by this request: the parent its agent names, if any
+                if agents is None:
+                    agents = request.agent_headers
+                if agents:
+                    entry.parent = parent_session(agents, session_id)
             entry.requests += 1
             attempt.entry = entry
         return fields
@@ -265,7 +277,9 @@ class Proxy:
 
     # ------------------------------------------------------------------ placement + upstream
     def place(self, pool: BackendSet, attempt: Attempt, fields: OpenFields | None,
-               exclude: frozenset[str]) -> Placement:
+               exclude: frozenset[str], body_len: int = 0) -> Placement:
+        """Place one attempt of the request on ``pool`` (``body_len``: the body's size, for the
+        policy's prompt estimate in text mode)."""
         if not exclude:
             home = attempt.home
             if home is None and attempt.route.kind == "responses":
@@ -274,15 +288,45 @@ class Proxy:
             if home is not None:
                 backend = pool.get(home)
                 if backend is not None and backend.available:
-                    return Placement(backend, Outcome.STICKY)
-        placement = self.policy.place(pool, attempt.session_id, attempt.entry, exclude)
+                    attempt.placement = placement = Placement(backend, Outcome.STICKY, "cached")
+                    return placement
+        if self._hinted:
+            hint: PlacementHint | None = self._hint(pool, attempt, body_len)
+        else:  # other policies read only a new child session's parent (router.sessions.agents)
+            entry = attempt.entry
+            hint = None
+            if entry is not None and entry.parent is not None and pool.name not in entry.pins:
+                hint = PlacementHint(parent_session=entry.parent, parent_entry=self.sessions.get(entry.parent))
+        placement = self.policy.place(pool, attempt.session_id, attempt.entry, exclude, hint)
+        attempt.placement = placement
         # A retry's placement is counted only when it re-pinned the session (a pin found dead by a
         # failed connection is a repin_unhealthy, like one found by a health check); a retry that
         # merely goes elsewhere is counted in retries_total, not as a spill.
         if (attempt.route.session_aware or attempt.entry is not None) and (
                 not exclude or placement.outcome in _REPINS):
-            self.metrics.placement(self.policy.name, placement.outcome.value)
+            self.metrics.placement(self.policy.name, placement.outcome.value, placement.reason)
         return placement
+
+    def _hint(self, pool: BackendSet, attempt: Attempt, body_len: int) -> PlacementHint:
+        """What the kv_aware policy predicts from: the prompt's size (exact in tokens mode, else
+        from the body's length, at least what the session's last request left cached), the
+        session's last prompt + answer, and a new child session's parent."""
+        entry = attempt.entry
+        last = entry.last_tokens if entry is not None else 0
+        prompt_ids = attempt.prompt_ids
+        if prompt_ids is not None:
+            estimate = len(prompt_ids)
+        else:
+            estimate = int(body_len / self._bytes_per_token)
+            if estimate < last:
+                estimate = last
+        hint = PlacementHint(estimate, prompt_ids, None, None, last)
+        if entry is not None:
+            parent = entry.parent
+            if parent is not None and pool.name not in entry.pins:
+                hint.parent_session = parent
+                hint.parent_entry = self.sessions.get(parent)
+        return hint
 
     async def _dispatch(self, request: RequestView, writer: ResponseWriter, route: Route, body: bytes,
                         fields: OpenFields | None, attempt: Attempt) -> None:
@@ -291,7 +335,7 @@ class Proxy:
         first: Placement | None = None
         handoff: Handoff | None = None
         if self.pd is not None and route.kind in PD_ROUTE_KINDS:
-            first = self.place(pool, attempt, fields, frozenset())  # decode first, then prefill
+            first = self.place(pool, attempt, fields, frozenset(), len(body))  # decode first, then prefill
             handoff = await self.pd.prefill(route, body, attempt, headers, request.path_qs)
             body = handoff.body
         method = request.method
@@ -333,7 +377,8 @@ class Proxy:
         deadline = attempt.started + self.config.upstream.total_timeout_s
         timeouts: UpstreamTimeouts | None = None  # the pool's own on the first attempt
         while True:
-            placement = first if first is not None else self.place(pool, attempt, fields, frozenset(exclude))
+            placement = first if first is not None else self.place(pool, attempt, fields, frozenset(exclude),
+                                                                   len(body))
             first = None
             backend = placement.backend
             attempt.backend = backend
@@ -448,6 +493,8 @@ class Proxy:
         headers.append((REQUEST_ID_HEADER, attempt.request_id))
         if attempt.session_id is not None:
             headers.append((self.session_header, attempt.session_id))
+        if self.decision_header and attempt.placement is not None:
+            headers.append((DECISION_HEADER, decision_value(attempt.placement)))
         return headers
 
     # ------------------------------------------------------------------ accounting
@@ -483,6 +530,12 @@ class Proxy:
             access_log.write(method, attempt.route.path, attempt.status, now - attempt.started, attempt.ttfb,
                              attempt.backend.name if attempt.backend is not None else None, attempt.session_id,
                              outcome.value if outcome is not None else None, attempt.usage, attempt.request_id)
+
+
+def decision_value(placement: Placement) -> str:
+    """The decision header's value: ``<outcome>;cached=<tokens>;wait=<ms>;reason=<why>``."""
+    value = f"{placement.outcome.value};cached={placement.cached_tokens};wait={round(placement.wait_s * 1000)}"
+    return f"{value};reason={placement.reason}" if placement.reason else value
 
 
 def event_boundary(tail: bytes) -> bytes:

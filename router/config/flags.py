@@ -138,6 +138,9 @@ _SCALAR_FLAGS = {
     "log_level": ("log_level", "--log-level"),
     "stamp": ("sessions.stamp", "--stamp"),
     "load_factor": ("placement.load_factor", "--load-factor"),
+    "decision_header": ("placement.decision_header", "--decision-header"),
+    "prefill_tokens_per_s": ("placement.prefill_tokens_per_s", "--prefill-tokens-per-s"),
+    "per_request_step_s": ("placement.per_request_step_s", "--per-request-step-s"),
     "admin_token": ("admin.token", "--admin-token"),
     "workers": ("workers", "--workers"),
     "front": ("front.kind", "--front"),
@@ -182,12 +185,19 @@ def _parser() -> _Parser:
     parser.add_argument(
         "--decode", action="append", metavar="URL", default=[], help="P/D mode: decode backend URL (repeatable)"
     )
-    parser.add_argument("--policy", choices=POLICIES, help="placement policy (default session)")
+    parser.add_argument("--policy", choices=POLICIES,
+                        help="placement policy (default kv_aware; session = the policy before issue 14)")
     parser.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS, help="log level (default warning)")
     parser.add_argument(
         "--stamp", choices=STAMPS, help="session id for requests without one: derive (then mint), mint or none"
     )
     parser.add_argument("--load-factor", type=float, metavar="C", help="load bound factor c >= 1 (default 1.25)")
+    parser.add_argument("--decision-header", action="store_const", const=True, default=None,
+                        help="answer every proxied request with X-Session-Router-Decision (placement.decision_header)")
+    parser.add_argument("--prefill-tokens-per-s", type=float, metavar="N",
+                        help="kv_aware: prompt tokens an engine prefills per second until learned (default 4000)")
+    parser.add_argument("--per-request-step-s", type=float, metavar="S",
+                        help="kv_aware: seconds of one engine step until learned (default 0.010)")
     parser.add_argument("--admin-token", metavar="TOKEN",
                         help=f"bearer token required by /admin and GET /v1/sessions (default ${ADMIN_TOKEN_ENV})")
     parser.add_argument(

@@ -46,7 +46,7 @@ SecondsOrZero = Annotated[float, msgspec.Meta(ge=0)]
 AtLeastOne = Annotated[int, msgspec.Meta(ge=1)]
 UpstreamBytes = Annotated[int, msgspec.Meta(ge=1024, extra={RULE: "must be at least 1024 bytes"})]
 
-PolicyName = Literal["session", "round_robin", "least_loaded"]
+PolicyName = Literal["kv_aware", "session", "round_robin", "least_loaded"]
 FrontKind = Literal["raw", "aiohttp"]
 StampMode = Literal["derive", "mint", "none"]
 AccessLogFormat = Literal["off", "text", "json"]
@@ -102,7 +102,9 @@ class FrontConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class PlacementConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """``[placement]``: which backend takes a request."""
 
-    policy: PolicyName = "session"
+    #: kv_aware: the lowest predicted time to first token, sessions staying where their KV is;
+    #: session: rendezvous hash with bounded loads (the policy before issue 14)
+    policy: PolicyName = "kv_aware"
     load_factor: Annotated[float, msgspec.Meta(ge=1, extra={
         HINT: "1 = perfectly even load; the default 1.25 allows 25% over the mean"})] = 1.25
     #: requests of room over the mean a pinned session keeps on its pin before it spills (0 = plain bound)
@@ -111,6 +113,26 @@ class PlacementConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         HINT: "requests a pinned session may go over the mean; 0 = plain load bound"})] = 2
     #: weight of the backends' scraped running+waiting count in the load signal (0 = own in-flight only)
     reported_load_weight: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    # -- kv_aware (router.placement.kv_aware): the TTFT model's constants, configured or learned
+    #: prompt tokens an engine prefills per second (learned per backend when learn = true)
+    prefill_tokens_per_s: Annotated[float, msgspec.Meta(gt=0)] = 4000.0
+    #: seconds of one engine step: the floor of any time to first token (learned: mean inter-token latency)
+    per_request_step_s: SecondsOrZero = 0.010
+    #: seconds each request an engine has waiting adds to a newcomer's wait (learned: e2e / running)
+    queued_request_s: SecondsOrZero = 0.1
+    #: learn the constants above per backend from its /metrics (false: the configured values only)
+    learn: bool = True
+    #: a session moves only to a backend predicted clearly faster: ttft(pin) > move_factor * ttft(it) + move_margin_s
+    move_factor: Annotated[float, msgspec.Meta(ge=1)] = 1.5
+    move_margin_s: SecondsOrZero = 0.005
+    #: KV cache usage (0..1) from which a backend is charged for eviction / preemption risk (full at 1)
+    kv_pressure_from: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.9
+    #: safety net: no backend takes a session's request over max(max_load_factor x mean, mean + sticky_headroom)
+    max_load_factor: Annotated[float, msgspec.Meta(ge=1)] = 2.0
+    #: text mode: request body bytes per prompt token, to estimate a prompt's size before it is tokenized
+    bytes_per_token: Annotated[float, msgspec.Meta(gt=0)] = 4.0
+    #: answer every proxied request with X-Session-Router-Decision: <outcome>;cached=<tokens>;wait=<ms>;reason=<why>
+    decision_header: bool = False
 
 
 class SessionsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

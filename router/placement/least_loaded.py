@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from contract.errors import NoHealthyBackendError
 from router.membership import Backend, BackendSet
-from router.placement.base import Outcome, Placement, SessionPins
+from router.placement.base import Outcome, Placement, PlacementHint, SessionPins
 
 NOTHING_EXCLUDED: frozenset[str] = frozenset()
 
@@ -83,5 +83,6 @@ class LeastLoadedPolicy:
         session_id: str | None,
         entry: SessionPins | None,
         exclude: frozenset[str] = NOTHING_EXCLUDED,
+        hint: PlacementHint | None = None,
     ) -> Placement:
-        return Placement(self._picker.pick(pool, exclude), Outcome.NO_SESSION)
+        return Placement(self._picker.pick(pool, exclude), Outcome.NO_SESSION, "least")

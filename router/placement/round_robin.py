@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from router.membership import BackendSet
-from router.placement.base import Outcome, Placement, SessionPins
+from router.placement.base import Outcome, Placement, PlacementHint, SessionPins
 from router.placement.least_loaded import NOTHING_EXCLUDED, no_available_backend
 
 
@@ -24,6 +24,7 @@ class RoundRobinPolicy:
         session_id: str | None,
         entry: SessionPins | None,
         exclude: frozenset[str] = NOTHING_EXCLUDED,
+        hint: PlacementHint | None = None,
     ) -> Placement:
         members = pool.members
         count = len(members)

@@ -21,7 +21,9 @@ scale the load stays within the factor exactly as before. ``h = 0`` restores the
 
 Pins (``entry.pins[pool.name]``, a backend URL) decide the outcome:
 
-- no pin: the first qualifying candidate, pinned -> NEW
+- no pin: the first qualifying candidate, pinned -> NEW; a child agent session (``hint.parent_entry``,
+  ``router.sessions.agents``) first goes to its parent's pin when that is available and within the
+  sticky bound (the parent's prompt prefix, its system prompt and tools, is cached there) -> NEW
 - pin available, not excluded, within the sticky bound -> STICKY
 - pin over the sticky bound: the first other candidate within the bound, and the pin MOVES there
   -> SPILL. That backend now holds the session's freshest prefix (the spilled turn), so the next
@@ -49,7 +51,7 @@ import math
 from typing import TYPE_CHECKING
 
 from router.membership import Backend, BackendSet
-from router.placement.base import Outcome, Placement, SessionPins
+from router.placement.base import Outcome, Placement, PlacementHint, SessionPins
 from router.placement.least_loaded import NOTHING_EXCLUDED, LeastLoaded, no_available_backend
 
 if TYPE_CHECKING:
@@ -118,9 +120,10 @@ class SessionPolicy:
         session_id: str | None,
         entry: SessionPins | None,
         exclude: frozenset[str] = NOTHING_EXCLUDED,
+        hint: PlacementHint | None = None,
     ) -> Placement:
         if session_id is None or entry is None:
-            return Placement(self._least.pick(pool, exclude), Outcome.NO_SESSION)
+            return Placement(self._least.pick(pool, exclude), Outcome.NO_SESSION, "least")
         weight = self._weight
         total = 0.0
         count = 0
@@ -136,6 +139,14 @@ class SessionPolicy:
         pin = pins.get(pool.name)
         if pin is None:
             outcome = Outcome.NEW
+            parent = hint.parent_entry if hint is not None else None
+            if parent is not None:  # a child agent session's first request: where its parent is
+                home = pool.get(parent.pins.get(pool.name, ""))
+                if home is not None and home.available and not (exclude and home.url in exclude):
+                    load = home.in_flight + weight * home.reported_load if weight else home.in_flight
+                    if load + 1 <= sticky_bound(bound, total, count, self.sticky_headroom):
+                        pins[pool.name] = home.url
+                        return Placement(home, outcome, "parent")
         else:
             pinned = pool.get(pin)
             if pinned is None:
@@ -145,21 +156,21 @@ class SessionPolicy:
             elif exclude and pin in exclude:
                 # Already tried for this request and failed without being marked down (a 503, a
                 # timeout): this request goes elsewhere, the pin stays.
-                return Placement(self._choose(pool, session_id, exclude, bound), Outcome.SPILL)
+                return Placement(self._choose(pool, session_id, exclude, bound), Outcome.SPILL, "retry")
             else:
                 load = pinned.in_flight + weight * pinned.reported_load if weight else pinned.in_flight
                 if load + 1 <= sticky_bound(bound, total, count, self.sticky_headroom):
-                    return Placement(pinned, Outcome.STICKY)
+                    return Placement(pinned, Outcome.STICKY, "cached")
                 # The pin is over the sticky bound (so over the bound too): the first candidate
                 # within the bound is another backend, and the session moves there.
                 target = self._choose(pool, session_id, exclude, bound)
                 if target is pinned:  # fractional loads: nobody within the bound, the pin is least loaded
-                    return Placement(target, Outcome.STICKY)
+                    return Placement(target, Outcome.STICKY, "cached")
                 pins[pool.name] = target.url
-                return Placement(target, Outcome.SPILL)
+                return Placement(target, Outcome.SPILL, "load")
         target = self._choose(pool, session_id, exclude, bound)
         pins[pool.name] = target.url
-        return Placement(target, outcome)
+        return Placement(target, outcome, "hash" if outcome is Outcome.NEW else "unavailable")
 
     # -- ranking ------------------------------------------------------------------------------
 

@@ -72,6 +72,9 @@ class SessionEntry:
     cached_tokens: int = 0
     errors: int = 0
     last_backend: str = ""
+    #: prompt + completion tokens of the last answer that reported usage: what it left in its
+    #: backend's prefix cache (placement's estimate of the pin's cached tokens without KV events)
+    last_tokens: int = 0
     #: the parent session (an agent's ``x-parent-session-id``, ``router.sessions.agents``), set by
     #: the proxy when the entry is created; placement sends its first request where the parent is
     parent: str | None = None
@@ -81,6 +84,8 @@ class SessionEntry:
         self.prompt_tokens += prompt_tokens
         self.completion_tokens += completion_tokens
         self.cached_tokens += cached_tokens
+        if prompt_tokens:
+            self.last_tokens = prompt_tokens + completion_tokens
 
     @property
     def cached_ratio(self) -> float:

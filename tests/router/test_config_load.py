@@ -121,7 +121,7 @@ def test_missing_file_and_bad_toml(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("settings_toml", "message"),
     [
-        ('policy = "sticky"\n', "policy: must be one of session, round_robin, least_loaded, got 'sticky'"),
+        ('policy = "sticky"\n', "policy: must be one of kv_aware, session, round_robin, least_loaded, got 'sticky'"),
         ('stamp = "always"\n', "stamp: must be one of derive, mint, none, got 'always'"),
         ('log_level = "loud"\n', "log_level: must be one of debug, info, warning, error, critical"),
         ("load_factor = 0.99\n", "load_factor: must be at least 1"),
@@ -420,7 +420,7 @@ def test_a_key_set_flat_and_in_its_section_is_refused(tmp_path: Path) -> None:
     ("toml", "message"),
     [
         ("[placement]\nload_factor = 0.5\n", "placement.load_factor: must be at least 1 (1 = perfectly even load"),
-        ('[placement]\npolicy = "sticky"\n', "placement.policy: must be one of session, round_robin, least_loaded"),
+        ('[placement]\npolicy = "sticky"\n', "placement.policy: must be one of kv_aware, session, round_robin, least_loaded"),
         ('[front]\nkind = "nginx"\n', "front.kind: must be one of raw, aiohttp, got 'nginx'"),
         ('[front]\naccess_log = "xml"\n', "front.access_log: must be one of off, text, json"),
         ('[sessions]\nlabel = "name"\n', "sessions.label: must be one of hash, id, none"),

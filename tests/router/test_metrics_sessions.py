@@ -395,8 +395,12 @@ async def test_every_router_metric_and_label_set(router: Factory) -> None:
     assert exp.value("session_router_tokens_total", kind="cached") == 4 * CACHED
     assert {lab["backend"] for lab, _ in exp.values("session_router_backend_in_flight")} == {b0, b1}
     assert all(v == 0 for _, v in exp.values("session_router_backend_in_flight"))
-    assert exp.value("session_router_placements_total", policy="session", outcome="new") == 5
-    assert exp.value("session_router_placements_total", policy="session", outcome="sticky") >= 1
+    assert exp.value("session_router_placements_total", policy="kv_aware", outcome="new") == 5
+    assert exp.value("session_router_placements_total", policy="kv_aware", outcome="sticky") >= 1
+    assert exp.value("session_router_placement_decisions_total", policy="kv_aware", outcome="new",
+                     reason="hash") == 5
+    assert exp.value("session_router_placement_decisions_total", policy="kv_aware", outcome="sticky",
+                     reason="cached") >= 1
     assert exp.value("session_router_retries_total", reason="status_503") == 2  # retries = 2 by default
     assert exp.value("session_router_sessions_active") == 4
     assert exp.value("session_router_session_evictions_total", reason="deleted") == 1

@@ -220,7 +220,7 @@ async def test_backend_dying_under_pinned_sessions_fails_over_and_repins(router:
     assert all(e.pins["default"] != victim.url for e in state.sessions.recent(100))
     metrics = await (await client.get("/metrics")).text()
     assert 'session_router_retries_total{reason="connect"} 1.0' in metrics
-    repins = f'session_router_placements_total{{outcome="repin_unhealthy",policy="session"}} {float(len(on_victim))}'
+    repins = f'session_router_placements_total{{outcome="repin_unhealthy",policy="kv_aware"}} {float(len(on_victim))}'
     assert repins in metrics
 
 

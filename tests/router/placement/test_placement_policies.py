@@ -7,6 +7,7 @@ import pytest
 from contract.errors import ConfigError, NoHealthyBackendError
 from router.placement import (
     POLICY_NAMES,
+    KVAwarePolicy,
     LeastLoadedPolicy,
     Outcome,
     RoundRobinPolicy,
@@ -22,7 +23,8 @@ def make_pool(n: int, name: str = "default", first_port: int = 8100) -> BackendP
 
 
 def test_make_policy_by_name() -> None:
-    kinds = {"session": SessionPolicy, "round_robin": RoundRobinPolicy, "least_loaded": LeastLoadedPolicy}
+    kinds = {"kv_aware": KVAwarePolicy, "session": SessionPolicy, "round_robin": RoundRobinPolicy,
+             "least_loaded": LeastLoadedPolicy}
     assert set(POLICY_NAMES) == set(kinds)
     for name, kind in kinds.items():
         made = make_policy(name, load_factor=1.25, reported_load_weight=0.0)
@@ -34,7 +36,7 @@ def test_make_policy_by_name() -> None:
 
 def test_make_policy_rejects_unknown_names() -> None:
     # the numbers' ranges are the config schema's (tests/router/test_config_load.py), checked once at load
-    with pytest.raises(ConfigError, match=r"'consistent_hash'.*session, round_robin, least_loaded"):
+    with pytest.raises(ConfigError, match=r"'consistent_hash'.*kv_aware, session, round_robin, least_loaded"):
         make_policy("consistent_hash", load_factor=1.25, reported_load_weight=0.0)
 
 

@@ -1,0 +1,220 @@
+"""The engines' own load and speed, read from each backend's ``GET /metrics`` off the request path.
+
+The health checker calls ``EngineLoad.scrape`` after every good check of a backend (so at the health
+interval, in the checker's task, through its client). One scrape reads vLLM's series with
+prometheus_client's text parser, summed over the label sets an engine exports (data-parallel ranks):
+
+- gauges ``vllm:num_requests_waiting``, ``vllm:num_requests_running`` and
+  ``vllm:kv_cache_usage_perc`` (the highest of the ranks) go straight onto the ``Backend``
+  (``engine_waiting``, ``engine_running``, ``kv_usage``), with the scrape's time
+  (``load_scraped_at``, monotonic) and the router's own in-flight count at that moment
+  (``in_flight_at_scrape``): what the router sent since is ``in_flight - in_flight_at_scrape``;
+- counters and histograms are compared with the previous scrape of the same backend, and the
+  deltas teach the model's constants per backend (``learn = true``):
+
+  * engine step (``step_s``): the mean inter-token latency, Δ``vllm:inter_token_latency_seconds``
+    sum / count (one decode step of the batch);
+  * prefill cost (``prefill_s_per_token``): the prompt tokens the engine actually computed,
+    Δ``vllm:prompt_tokens_total`` − Δ``vllm:prefix_cache_hits_total``, against the time spent
+    prefilling: Δ``vllm:request_prefill_time_seconds`` sum when the engine exports it (vLLM
+    does), else Δ``vllm:time_to_first_token_seconds`` sum (which includes queueing, so it errs on
+    the side of a dearer prefill), less one step per request; only learned from intervals that
+    computed at least ``MIN_COMPUTED_PER_REQUEST`` tokens per request (a mostly cached interval
+    says little about the prefill rate);
+  * a queued request's cost (``queued_request_s``): mean e2e latency / running requests, i.e. how
+    often a running request finishes and makes room (Little's law);
+  * interference (``busy_s_per_request``): what one request in flight adds to a new request's
+    first step on average: the share of a request's life spent before its first token (Δ TTFT sum
+    / Δ e2e sum) times the mean computed prefill per request, in seconds.
+
+  Each learned value is an exponentially weighted mean (``SMOOTHING``) of the per-interval
+  samples; an interval without the requests to measure leaves the value as it was. ``-1.0`` on a
+  ``Backend`` means "not learned": the policy uses the configured value (always, with
+  ``learn = false``).
+
+A scrape that fails (no answer, not a 200, no vLLM series) clears the engine signals (waiting,
+running, KV usage: unknown reads as idle) and keeps the learned constants; a counter that went
+backwards (an engine restart) restarts the deltas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from router.membership import Backend
+
+METRICS_PATH = "/metrics"
+
+WAITING = "vllm:num_requests_waiting"
+RUNNING = "vllm:num_requests_running"
+KV_USAGE = "vllm:kv_cache_usage_perc"
+PROMPT_TOKENS = "vllm:prompt_tokens_total"
+PREFIX_HITS = "vllm:prefix_cache_hits_total"
+PREFILL_TIME = "vllm:request_prefill_time_seconds"
+TTFT = "vllm:time_to_first_token_seconds"
+ITL = "vllm:inter_token_latency_seconds"
+E2E = "vllm:e2e_request_latency_seconds"
+
+_SUMMED = frozenset((
+    WAITING, RUNNING, PROMPT_TOKENS, PREFIX_HITS,
+    *(name + suffix for name in (PREFILL_TIME, TTFT, ITL, E2E) for suffix in ("_sum", "_count")),
+))
+
+#: weight of a new interval's sample in the learned means
+SMOOTHING = 0.3
+#: an interval teaches the prefill rate only when it computed this many prompt tokens per request
+MIN_COMPUTED_PER_REQUEST = 32
+#: learned values are kept within these (a noisy interval must not make a backend look free or dead)
+MAX_S_PER_TOKEN = 0.1
+MAX_STEP_S = 10.0
+
+
+@dataclass(slots=True)
+class EngineSample:
+    """What one scrape read: gauges, and the counters' and histograms' running totals."""
+
+    waiting: float = 0.0
+    running: float = 0.0
+    kv_usage: float = 0.0
+    prompt_tokens: float = 0.0
+    prefix_hits: float = 0.0
+    prefill_time_sum: float = 0.0
+    prefill_time_count: float = 0.0
+    has_prefill_time: bool = False
+    ttft_sum: float = 0.0
+    ttft_count: float = 0.0
+    itl_sum: float = 0.0
+    itl_count: float = 0.0
+    e2e_sum: float = 0.0
+    e2e_count: float = 0.0
+
+
+def parse_metrics(text: str) -> EngineSample | None:
+    """The vLLM series of one ``/metrics`` text (None when it has none of the load gauges)."""
+    totals: dict[str, float] = {}
+    kv_usage = 0.0
+    seen_gauge = False
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name = sample.name
+            if name in _SUMMED:
+                totals[name] = totals.get(name, 0.0) + sample.value
+                if name == WAITING or name == RUNNING:
+                    seen_gauge = True
+            elif name == KV_USAGE:
+                kv_usage = max(kv_usage, sample.value)
+                seen_gauge = True
+    if not seen_gauge:
+        return None
+    get = totals.get
+    return EngineSample(
+        waiting=get(WAITING, 0.0), running=get(RUNNING, 0.0), kv_usage=min(1.0, max(0.0, kv_usage)),
+        prompt_tokens=get(PROMPT_TOKENS, 0.0), prefix_hits=get(PREFIX_HITS, 0.0),
+        prefill_time_sum=get(PREFILL_TIME + "_sum", 0.0), prefill_time_count=get(PREFILL_TIME + "_count", 0.0),
+        has_prefill_time=(PREFILL_TIME + "_count") in totals,
+        ttft_sum=get(TTFT + "_sum", 0.0), ttft_count=get(TTFT + "_count", 0.0),
+        itl_sum=get(ITL + "_sum", 0.0), itl_count=get(ITL + "_count", 0.0),
+        e2e_sum=get(E2E + "_sum", 0.0), e2e_count=get(E2E + "_count", 0.0),
+    )
+
+
+def _blend(old: float, sample: float) -> float:
+    return sample if old < 0 else old + SMOOTHING * (sample - old)
+
+
+def learn(backend: Backend, before: EngineSample, now: EngineSample) -> None:
+    """Update ``backend``'s learned constants from the interval between two scrapes (module docstring)."""
+    d_itl_count = now.itl_count - before.itl_count
+    if d_itl_count > 0:
+        step = (now.itl_sum - before.itl_sum) / d_itl_count
+        backend.step_s = _blend(backend.step_s, min(MAX_STEP_S, max(0.0, step)))
+    step = max(0.0, backend.step_s)
+    computed = (now.prompt_tokens - before.prompt_tokens) - (now.prefix_hits - before.prefix_hits)
+    if now.has_prefill_time and before.has_prefill_time:
+        requests = now.prefill_time_count - before.prefill_time_count
+        spent = now.prefill_time_sum - before.prefill_time_sum
+    else:
+        requests = now.ttft_count - before.ttft_count
+        spent = now.ttft_sum - before.ttft_sum
+    if requests > 0 and computed >= MIN_COMPUTED_PER_REQUEST * requests:
+        per_token = max(0.0, spent - requests * step) / computed
+        backend.prefill_s_per_token = _blend(backend.prefill_s_per_token, min(MAX_S_PER_TOKEN, per_token))
+    d_e2e_count = now.e2e_count - before.e2e_count
+    d_e2e_sum = now.e2e_sum - before.e2e_sum
+    if d_e2e_count > 0:
+        e2e = d_e2e_sum / d_e2e_count
+        running = max(1.0, (before.running + now.running) / 2)
+        backend.queued_request_s = _blend(backend.queued_request_s, min(MAX_STEP_S * 10, max(0.0, e2e / running)))
+        d_ttft_count = now.ttft_count - before.ttft_count
+        if d_e2e_sum > 0 and d_ttft_count > 0 and computed >= 0:
+            before_first = min(1.0, max(0.0, (now.ttft_sum - before.ttft_sum) / d_e2e_sum))
+            per_token = backend.prefill_s_per_token
+            if per_token >= 0:
+                busy = before_first * (computed / d_ttft_count) * per_token
+                backend.busy_s_per_request = _blend(backend.busy_s_per_request, min(MAX_STEP_S, busy))
+
+
+def _went_backwards(before: EngineSample, now: EngineSample) -> bool:
+    return (now.prompt_tokens < before.prompt_tokens or now.ttft_count < before.ttft_count
+            or now.e2e_count < before.e2e_count or now.itl_count < before.itl_count)
+
+
+class EngineLoad:
+    """Scrapes the engines' ``/metrics`` for the health checker; see the module docstring.
+
+    ``learn``: learn the constants from the engines' counters (False: the configured ones only).
+    Keeps the previous sample of each backend (by URL) for the deltas; ``forget`` drops one.
+    """
+
+    def __init__(self, *, learn: bool = True, clock: Callable[[], float] = time.monotonic) -> None:
+        self.learn = learn
+        self._clock = clock
+        self._previous: dict[str, EngineSample] = {}
+        #: completed scrapes (tests and the admin view read it)
+        self.scrapes = 0
+
+    async def scrape(self, backend: Backend, client: aiohttp.ClientSession, timeout: aiohttp.ClientTimeout) -> bool:
+        """Read ``backend``'s ``/metrics`` now and apply it; whether it held the engine's load."""
+        sample: EngineSample | None = None
+        try:
+            async with client.get(backend.url + METRICS_PATH, timeout=timeout) as resp:
+                body = await resp.read()
+                if resp.status == 200:
+                    sample = parse_metrics(body.decode("utf-8", "replace"))
+        except (asyncio.TimeoutError, aiohttp.ClientError, ValueError):
+            sample = None
+        if sample is None:
+            self.clear(backend)
+            return False
+        self.apply(backend, sample)
+        return True
+
+    def apply(self, backend: Backend, sample: EngineSample) -> None:
+        """Record one scrape's ``sample`` of ``backend`` (the gauges, and what the deltas teach)."""
+        backend.engine_waiting = sample.waiting
+        backend.engine_running = sample.running
+        backend.kv_usage = sample.kv_usage
+        backend.load_scraped_at = self._clock()
+        backend.in_flight_at_scrape = backend.in_flight
+        before = self._previous.get(backend.url)
+        self._previous[backend.url] = sample
+        if self.learn and before is not None and not _went_backwards(before, sample):
+            learn(backend, before, sample)
+        self.scrapes += 1
+
+    def clear(self, backend: Backend) -> None:
+        """No engine signals from ``backend`` now: unknown load reads as none (the learned constants stay)."""
+        backend.engine_waiting = 0.0
+        backend.engine_running = 0.0
+        backend.kv_usage = 0.0
+        backend.in_flight_at_scrape = backend.in_flight
+        self._previous.pop(backend.url, None)
+
+    def forget(self, url: str) -> None:
+        self._previous.pop(url, None)

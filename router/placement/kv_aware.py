@@ -1,0 +1,458 @@
+"""The ``kv_aware`` policy (the default): each request where its predicted time to first token is lowest,
+with a session staying where its KV is until moving is clearly cheaper (DESIGN.md §11).
+
+**The prediction**, per available candidate backend ``b``, for a prompt of ``P`` tokens of which
+``C(b)`` are cached there::
+
+    ttft(b) = step(b) + (P - C(b)) * prefill(b) + wait(b)
+    wait(b) = queue(b) * queued(b) + in_flight(b) * busy(b) + pressure(b) * 2 * P * prefill(b)
+
+- ``step``, ``prefill`` (seconds per prompt token), ``queued`` (what each request the engine has
+  waiting costs a newcomer) and ``busy`` (what one request in flight adds to a newcomer's first
+  step on average: its share of prefill work) are learned per backend from the engine's own
+  counters (``router.engine_load``; ``busy`` is 0 until learned), else the configured
+  ``per_request_step_s``, ``1 / prefill_tokens_per_s`` and ``queued_request_s``.
+- ``queue`` counts only real queueing: the engine's ``vllm:num_requests_waiting`` at the last scrape,
+  plus what the router sent there since (``in_flight - in_flight_at_scrape``) only while the engine
+  queues (waiting > 0). An engine that is not queueing batches a newcomer into its next step, so
+  in-flight counts that wander by chance (the issue's short-request complaint) do not count as a wait.
+- ``pressure`` = how far ``vllm:kv_cache_usage_perc`` is past ``kv_pressure_from``, 0..1: near a full
+  KV cache the session's cached prefix may be evicted and the request preempted (recomputed); at
+  100% the prompt is charged twice more.
+- ``C(b)``: with the KV index (KV events), the session's resident tokens there
+  (``KVIndex.session_tokens``) or, in tokens mode, the prompt's resident prefix
+  (``KVIndex.prefix_tokens``), each at most ``P``. Without events (or when the index knows nothing of
+  this session), the pin counts as holding the session's last prompt + answer (``hint.last_tokens``)
+  and other backends nothing.
+
+**Decisions** (``move_factor`` f, ``move_margin_s`` m: B is *clearly faster* than A when
+``ttft(A) > f * ttft(B) + m``):
+
+- pinned session, pin available: stays (STICKY, "cached") unless another backend is clearly faster
+  (SPILL, "wait" or "kv_pressure", the larger term of the pin's wait) or the pin is over the
+  safety bound (SPILL, "load"). A move takes the pin along: the new backend now holds the freshest
+  prefix. The fast path is O(1): the pin's prediction against a lower bound of any other
+  backend's (the pool's smallest step and prefill cost, no wait, the most any other backend has
+  cached), with the pool's load total refreshed every ``STATS_EVERY`` placements; only when that
+  does not settle it are all candidates predicted.
+- new session (no pin, or the pin is gone: REPIN_*): its *home* is the rendezvous-hash choice within
+  the load bound (as the ``session`` policy places new sessions, so sessions spread the same way),
+  or for a child agent session (``hint.parent_session``) the backend holding most of its parent's
+  KV (else the parent's pin), with the parent's tokens there counted as cached ("parent"). It goes
+  home unless another backend is clearly faster ("wait", or "cached" when that one holds more of
+  its prompt).
+- the pin already failed for this request (a retry): the fastest other backend, pin kept (SPILL, "retry").
+- no session: the least loaded (in flight) of the backends within the margin of the fastest ("least").
+
+**Safety net**: a backend may take a session's request only while ``in_flight + 1 <=
+max(ceil(max_load_factor * (total + 1) / n), ceil((total + 1) / n) + sticky_headroom)``; a pin over
+it sheds the session ("load") to the fastest backend within it, and moves only go to backends
+within it. Loose by design (default 2x the mean): it bounds the spread when predictions are wrong
+(or blind: no scrape answers), it is not the signal.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from router.membership import Backend, BackendSet
+from router.placement.base import Outcome, Placement, PlacementHint, SessionPins
+from router.placement.least_loaded import NOTHING_EXCLUDED, no_available_backend
+from router.placement.session import SessionPolicy, load_bound
+
+#: placements between two refreshes of a pool's load total and fastest constants on the sticky fast path
+STATS_EVERY = 16
+#: pools up to this size refresh them on every placement (one pass costs less than the bookkeeping)
+SMALL_POOL = 8
+#: at 100% KV usage the prompt is charged this many times more (eviction of its prefix, a preemption)
+KV_PRESSURE_WEIGHT = 2.0
+
+_EMPTY: Mapping[str, int] = {}
+
+
+class KVView(Protocol):
+    """What the policy reads of the router's KV index (``router.kv.index.KVIndex``)."""
+
+    def session_tokens(self, session_id: str) -> Mapping[str, int]: ...
+
+    def prefix_tokens(self, prompt_ids: Sequence[int]) -> Mapping[str, int]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class KVAwareSettings:
+    """The ``[placement]`` settings of the ``kv_aware`` policy (ranges checked by the config schema)."""
+
+    prefill_tokens_per_s: float = 4000.0
+    per_request_step_s: float = 0.010
+    queued_request_s: float = 0.1
+    move_factor: float = 1.5
+    move_margin_s: float = 0.005
+    kv_pressure_from: float = 0.9
+    max_load_factor: float = 2.0
+    load_factor: float = 1.25
+    sticky_headroom: int = 2
+    reported_load_weight: float = 0.0
+
+
+class _PoolStats:
+    """Per candidate set: its load total and the cheapest constants among its available members."""
+
+    __slots__ = ("version", "age", "total", "count", "min_step", "min_per_token")
+
+    def __init__(self) -> None:
+        self.version = -1
+        self.age = 0
+        self.total = 0.0
+        self.count = 0
+        self.min_step = 0.0
+        self.min_per_token = 0.0
+
+
+class KVAwarePolicy:
+    """``kv_aware``: see the module docstring."""
+
+    name = "kv_aware"
+
+    def __init__(self, settings: KVAwareSettings = KVAwareSettings(), *, kv: KVView | None = None) -> None:
+        self.settings = settings
+        #: the router's KV index (None: no KV events; the pins stand in for it). Settable after construction.
+        self.kv = kv
+        self._per_token = 1.0 / settings.prefill_tokens_per_s
+        self._step = settings.per_request_step_s
+        self._queued = settings.queued_request_s
+        self._factor = settings.move_factor
+        self._margin = settings.move_margin_s
+        self._kv_from = settings.kv_pressure_from
+        self._kv_span = max(1e-9, 1.0 - settings.kv_pressure_from)
+        self._weight = settings.reported_load_weight
+        #: rendezvous ranking and the load bound for new sessions, as the ``session`` policy ranks them
+        self._hash = SessionPolicy(load_factor=settings.load_factor, reported_load_weight=settings.reported_load_weight,
+                                   sticky_headroom=settings.sticky_headroom)
+        self._stats: dict[str, _PoolStats] = {}
+        #: ``pool.key`` -> where the next no-session scan starts (ties go round-robin)
+        self._cursor: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ the prediction
+    def predict(self, backend: Backend, prompt: int, cached: int) -> tuple[float, float]:
+        """(predicted TTFT, of which waiting) for a ``prompt``-token request with ``cached`` tokens
+        resident on ``backend``, in seconds (module docstring)."""
+        per_token = backend.prefill_s_per_token
+        if per_token < 0:
+            per_token = self._per_token
+        step = backend.step_s
+        if step < 0:
+            step = self._step
+        wait = 0.0
+        waiting = backend.engine_waiting
+        if waiting > 0:
+            since = backend.in_flight - backend.in_flight_at_scrape
+            queued = backend.queued_request_s
+            wait = (waiting + (since if since > 0 else 0)) * (queued if queued >= 0 else self._queued)
+        busy = backend.busy_s_per_request
+        if busy > 0:
+            wait += backend.in_flight * busy
+        usage = backend.kv_usage
+        if usage > self._kv_from:
+            wait += min(1.0, (usage - self._kv_from) / self._kv_span) * KV_PRESSURE_WEIGHT * prompt * per_token
+        uncached = prompt - cached
+        return step + (uncached if uncached > 0 else 0) * per_token + wait, wait
+
+    def _pressure_s(self, backend: Backend, prompt: int) -> float:
+        usage = backend.kv_usage
+        if usage <= self._kv_from:
+            return 0.0
+        per_token = backend.prefill_s_per_token
+        if per_token < 0:
+            per_token = self._per_token
+        return min(1.0, (usage - self._kv_from) / self._kv_span) * KV_PRESSURE_WEIGHT * prompt * per_token
+
+    def _clearly_faster(self, slow: float, fast: float) -> bool:
+        return slow > self._factor * fast + self._margin
+
+    # ------------------------------------------------------------------ the hot path
+    def place(
+        self,
+        pool: BackendSet,
+        session_id: str | None,
+        entry: SessionPins | None,
+        exclude: frozenset[str] = NOTHING_EXCLUDED,
+        hint: PlacementHint | None = None,
+    ) -> Placement:
+        prompt = hint.prompt_tokens_estimate if hint is not None else 0
+        if session_id is None or entry is None:
+            return self._no_session(pool, exclude, prompt, self._prefix_map(hint))
+        pins = entry.pins
+        pin_url = pins.get(pool.name)
+        pinned = pool.get(pin_url) if pin_url is not None else None
+        if pinned is not None and pinned.available:
+            if exclude and pin_url in exclude:
+                cached_map = self._cached_map(session_id, hint)
+                target, ttft, wait, cached = self._fastest(pool, exclude, prompt, cached_map, None, 0, None)
+                return Placement(target, Outcome.SPILL, "retry", cached, wait, ttft)
+            return self._pinned(pool, session_id, pins, pinned, exclude, hint, prompt)
+        outcome = Outcome.NEW if pin_url is None else (
+            Outcome.REPIN_REMOVED if pinned is None else Outcome.REPIN_UNHEALTHY)
+        return self._new(pool, session_id, pins, exclude, hint, prompt, outcome)
+
+    def _pinned(self, pool: BackendSet, session_id: str, pins: dict[str, str], pinned: Backend,
+                exclude: frozenset[str], hint: PlacementHint | None, prompt: int) -> Placement:
+        cached_map = self._cached_map(session_id, hint)
+        if cached_map:
+            pin_cached = cached_map.get(pinned.url, 0)
+            other_cached = 0
+            for url, tokens in cached_map.items():
+                if url != pinned.url and tokens > other_cached:
+                    other_cached = tokens
+        else:
+            pin_cached = hint.last_tokens if hint is not None else 0
+            other_cached = 0
+        if pin_cached > prompt:
+            pin_cached = prompt
+        if other_cached > prompt:
+            other_cached = prompt
+        pin_ttft, pin_wait = self.predict(pinned, prompt, pin_cached)
+        stats = self._pool_stats(pool, exclude)
+        if stats.count == 0:
+            raise no_available_backend(pool)
+        # the sticky fast path: no other backend can be clearly faster, and the pin is within the bound
+        floor = stats.min_step + (prompt - other_cached) * stats.min_per_token
+        if not self._clearly_faster(pin_ttft, floor) and pinned.in_flight + 1 <= self._safety_bound(stats.total,
+                                                                                                     stats.count):
+            return Placement(pinned, Outcome.STICKY, "cached", pin_cached, pin_wait, pin_ttft)
+        # predict every candidate
+        stats = self._refresh(pool, exclude)
+        bound = self._safety_bound(stats.total, stats.count)
+        target, ttft, wait, cached = self._fastest(pool, exclude, prompt, cached_map, pinned, bound, None)
+        if target is not pinned and self._clearly_faster(pin_ttft, ttft):
+            pins[pool.name] = target.url
+            pressure = self._pressure_s(pinned, prompt)
+            reason = "kv_pressure" if pressure > 0 and pressure >= pin_wait - pressure else "wait"
+            return Placement(target, Outcome.SPILL, reason, cached, wait, ttft)
+        if pinned.in_flight + 1 > bound:
+            # the safety net: the fastest backend within the bound (the pin is not: it is over it)
+            target, ttft, wait, cached = self._fastest(pool, exclude, prompt, cached_map, None, bound, None)
+            if target is not pinned:
+                pins[pool.name] = target.url
+                return Placement(target, Outcome.SPILL, "load", cached, wait, ttft)
+        return Placement(pinned, Outcome.STICKY, "cached", pin_cached, pin_wait, pin_ttft)
+
+    def _new(self, pool: BackendSet, session_id: str, pins: dict[str, str], exclude: frozenset[str],
+             hint: PlacementHint | None, prompt: int, outcome: Outcome) -> Placement:
+        stats = self._refresh(pool, exclude)
+        if stats.count == 0:
+            raise no_available_backend(pool)
+        cached_map = self._cached_map(session_id, hint)
+        home: Backend | None = None
+        home_cached = 0
+        reason = "hash"
+        parent = hint.parent_session if hint is not None else None
+        bound = self._safety_bound(stats.total, stats.count)
+        if parent is not None:
+            home, home_cached = self._parent_home(pool, exclude, parent, hint)
+            if home is not None and home.in_flight + 1 <= bound:
+                reason = "parent"
+            else:  # no parent known here, or its backend is over the safety bound
+                home, home_cached = None, 0
+        if home is None:
+            home = self._hash_choice(pool, session_id, exclude, stats)
+        if cached_map:
+            home_cached = max(home_cached, cached_map.get(home.url, 0))
+        if home_cached > prompt:
+            home_cached = prompt
+        home_ttft, home_wait = self.predict(home, prompt, home_cached)
+        target, ttft, wait, cached = self._fastest(pool, exclude, prompt, cached_map, home, bound,
+                                                   (home, home_cached))
+        if target is not home and self._clearly_faster(home_ttft, ttft):
+            pins[pool.name] = target.url
+            return Placement(target, outcome, "cached" if cached > home_cached else "wait", cached, wait, ttft)
+        pins[pool.name] = home.url
+        return Placement(home, outcome, reason, home_cached, home_wait, home_ttft)
+
+    def _no_session(self, pool: BackendSet, exclude: frozenset[str], prompt: int,
+                    cached_map: Mapping[str, int] | None) -> Placement:
+        members = pool.members
+        count = len(members)
+        best = math.inf
+        for backend in members:
+            if not backend.available or (exclude and backend.url in exclude):
+                continue
+            cached = cached_map.get(backend.url, 0) if cached_map else 0
+            ttft = self.predict(backend, prompt, cached if cached < prompt else prompt)[0]
+            if ttft < best:
+                best = ttft
+        if best == math.inf:
+            raise no_available_backend(pool)
+        limit = self._factor * best + self._margin
+        index = self._cursor.get(pool.key, 0)
+        if index >= count:
+            index = 0
+        chosen: Backend | None = None
+        chosen_load = 0.0
+        chosen_ttft = chosen_wait = 0.0
+        chosen_cached = 0
+        after = 0
+        weight = self._weight
+        for _ in range(count):
+            backend = members[index]
+            index += 1
+            if index == count:
+                index = 0
+            if not backend.available or (exclude and backend.url in exclude):
+                continue
+            cached = cached_map.get(backend.url, 0) if cached_map else 0
+            if cached > prompt:
+                cached = prompt
+            ttft, wait = self.predict(backend, prompt, cached)
+            if ttft > limit:
+                continue
+            load = backend.in_flight + weight * backend.reported_load if weight else backend.in_flight
+            if chosen is None or load < chosen_load:
+                chosen, chosen_load, after = backend, load, index
+                chosen_ttft, chosen_wait, chosen_cached = ttft, wait, cached
+        assert chosen is not None  # the fastest is within its own limit
+        self._cursor[pool.key] = after
+        return Placement(chosen, Outcome.NO_SESSION, "least", chosen_cached, chosen_wait, chosen_ttft)
+
+    # ------------------------------------------------------------------ helpers
+    def _cached_map(self, session_id: str, hint: PlacementHint | None) -> Mapping[str, int] | None:
+        """Backend URL -> tokens of this request's prompt resident there, from the KV index (None: no
+        index, or it knows nothing of this session or prompt)."""
+        kv = self.kv
+        if kv is None:
+            return None
+        if hint is not None and hint.prompt_ids is not None:
+            found = kv.prefix_tokens(hint.prompt_ids)
+        else:
+            found = kv.session_tokens(session_id)
+        return found or None
+
+    def _prefix_map(self, hint: PlacementHint | None) -> Mapping[str, int] | None:
+        kv = self.kv
+        if kv is None or hint is None or hint.prompt_ids is None:
+            return None
+        return kv.prefix_tokens(hint.prompt_ids) or None
+
+    def _parent_home(self, pool: BackendSet, exclude: frozenset[str], parent: str,
+                     hint: PlacementHint | None) -> tuple[Backend | None, int]:
+        """Where a child session's parent is: the available backend holding most of the parent's KV,
+        else the parent's pin in this pool; and the parent's tokens there (what the child may reuse)."""
+        kv = self.kv
+        if kv is not None:
+            best: Backend | None = None
+            best_tokens = 0
+            for url, tokens in kv.session_tokens(parent).items():
+                backend = pool.get(url)
+                if backend is None or not backend.available or (exclude and url in exclude):
+                    continue
+                if tokens > best_tokens:
+                    best, best_tokens = backend, tokens
+            if best is not None:
+                return best, best_tokens
+        parent_entry = hint.parent_entry if hint is not None else None
+        if parent_entry is not None:
+            url = parent_entry.pins.get(pool.name)
+            backend = pool.get(url) if url is not None else None
+            if backend is not None and backend.available and not (exclude and url in exclude):
+                return backend, hint.prompt_tokens_estimate if hint is not None else 0
+        return None, 0
+
+    def _hash_choice(self, pool: BackendSet, session_id: str, exclude: frozenset[str], stats: _PoolStats) -> Backend:
+        """The first candidate in rendezvous order within the load bound (else the least loaded)."""
+        bound = load_bound(self.settings.load_factor, stats.total, stats.count)
+        weight = self._weight
+        least: Backend | None = None
+        least_load = 0.0
+        for backend in self._hash.candidates(pool, session_id, exclude):
+            load = backend.in_flight + weight * backend.reported_load if weight else backend.in_flight
+            if load + 1 <= bound:
+                return backend
+            if least is None or load < least_load:
+                least, least_load = backend, load
+        if least is None:
+            raise no_available_backend(pool)
+        return least
+
+    def _fastest(self, pool: BackendSet, exclude: frozenset[str], prompt: int, cached_map: Mapping[str, int] | None,
+                 keep: Backend | None, bound: int, known: tuple[Backend, int] | None
+                 ) -> tuple[Backend, float, float, int]:
+        """The candidate with the lowest predicted TTFT among those within ``bound`` (0: no bound);
+        ``keep`` takes part whatever its load (staying never needs room), and wins ties. ``known``:
+        a backend whose cached tokens the caller knows better than the map (a parent's backend)."""
+        best: Backend | None = None
+        best_ttft = math.inf
+        best_wait = 0.0
+        best_cached = 0
+        weight = self._weight
+        for backend in pool.members:
+            if not backend.available or (exclude and backend.url in exclude):
+                continue
+            if bound and backend is not keep:
+                load = backend.in_flight + weight * backend.reported_load if weight else backend.in_flight
+                if load + 1 > bound:
+                    continue
+            if known is not None and backend is known[0]:
+                cached = known[1]
+            else:
+                cached = cached_map.get(backend.url, 0) if cached_map else 0
+            if cached > prompt:
+                cached = prompt
+            ttft, wait = self.predict(backend, prompt, cached)
+            if ttft < best_ttft or (ttft == best_ttft and backend is keep):
+                best, best_ttft, best_wait, best_cached = backend, ttft, wait, cached
+        if best is None:
+            if keep is not None:
+                ttft, wait = self.predict(keep, prompt, 0)
+                return keep, ttft, wait, 0
+            # everything is over the bound: the bound yields (it is a safety net, not a refusal)
+            return self._fastest(pool, exclude, prompt, cached_map, None, 0, known)
+        return best, best_ttft, best_wait, best_cached
+
+    def _safety_bound(self, total: float, count: int) -> int:
+        settings = self.settings
+        mean_bound = math.ceil((total + 1) / count - 1e-9)
+        return max(load_bound(settings.max_load_factor, total, count), mean_bound + settings.sticky_headroom)
+
+    def _pool_stats(self, pool: BackendSet, exclude: frozenset[str]) -> _PoolStats:
+        """The set's stats, refreshed when stale (module docstring): exact for small pools and retries."""
+        stats = self._stats.get(pool.key)
+        if (stats is None or exclude or stats.version != pool.version or stats.age >= STATS_EVERY
+                or len(pool.members) <= SMALL_POOL):
+            return self._refresh(pool, exclude)
+        stats.age += 1
+        return stats
+
+    def _refresh(self, pool: BackendSet, exclude: frozenset[str]) -> _PoolStats:
+        stats = self._stats.get(pool.key)
+        if stats is None:
+            stats = self._stats[pool.key] = _PoolStats()
+        weight = self._weight
+        total = 0.0
+        count = 0
+        min_step = math.inf
+        min_per_token = math.inf
+        for backend in pool.members:
+            if not backend.available or (exclude and backend.url in exclude):
+                continue
+            total += backend.in_flight + weight * backend.reported_load if weight else backend.in_flight
+            count += 1
+            step = backend.step_s
+            if step < 0:
+                step = self._step
+            per_token = backend.prefill_s_per_token
+            if per_token < 0:
+                per_token = self._per_token
+            if step < min_step:
+                min_step = step
+            if per_token < min_per_token:
+                min_per_token = per_token
+        stats.total = total
+        stats.count = count
+        stats.min_step = min_step if count else 0.0
+        stats.min_per_token = min_per_token if count else 0.0
+        # stats taken with some backends excluded describe this request only: the next one refreshes
+        stats.version = -1 if exclude else pool.version
+        stats.age = 0
+        return stats
