@@ -57,6 +57,8 @@ BEGIN = f"<!-- {SECTION}:begin -->"
 END = f"<!-- {SECTION}:end -->"
 ACCESS_LOG_SECTION = "router_overhead_access_log"
 ACCESS_LOG_PREFIX = "router(log="
+POLICY_SECTION = "router_overhead_policy"
+POLICY_PREFIX = "router(policy="
 
 #: mode -> (stream, max_tokens)
 MODES: dict[str, tuple[bool, int]] = {"non-stream": (False, 8), "stream": (True, 16)}
@@ -185,6 +187,10 @@ def render(cells: dict[tuple[str, int, str], Cell], targets: Sequence[Target], f
     if logged:
         workers_note += (f"**{', '.join(logged)}**: the same with `--access-log FMT --access-log-file FILE` (one line "
                          "per request appended to a file; **router** has the access log off, the default). ")
+    policies = [n for n in names if n.startswith(POLICY_PREFIX)]
+    if policies:
+        workers_note += (f"**{', '.join(policies)}**: the same with `--policy POLICY` (**router** runs `--policy "
+                         "session`; the backends publish no KV events here, so `kv_aware` has no index). ")
     nginx_note = ("**nginx**: plain reverse proxy, 1 worker, round-robin, keep-alive upstream, `proxy_buffering off`, "
                   "no access log. " if "nginx" in names else "**nginx**: not run. ")
     machine = (f"- Machine: {facts['nproc']} CPUs ({facts['cpu']}), {facts['kernel']}; load average at start "
@@ -209,6 +215,7 @@ def render(cells: dict[tuple[str, int, str], Cell], targets: Sequence[Target], f
               "| proxy CPU µs/req | backends CPU µs/req | errors |")
     lines = [
         (f"## Access log cost (issue 11 §18) — {facts['date']}" if logged else
+         f"## Router CPU per request by placement policy (issue 14) — {facts['date']}" if policies else
          f"## Router overhead (issue 3 §5) — {facts['date']}"),
         "",
         machine,
@@ -269,6 +276,8 @@ def checks(cells: dict[tuple[str, int, str], Cell], targets: Sequence[Target], c
                 row.append(f"{cpu:.0f} µs {verdict(cpu <= CPU_TARGET_US[mode])}")
             out.append("| " + " | ".join(row) + " |")
     logged = [name for name in routers if name.startswith(ACCESS_LOG_PREFIX)]
+    out += _over_router(cells, routers, [name for name in routers if name.startswith(POLICY_PREFIX)], concurrencies,
+                        "CPU/req {mode} c={c} over router (session policy)")
     for mode in MODES:
         for c in concurrencies if logged else ():
             row = [f"access log cost, CPU/req {mode} c={c} (over router)"]
@@ -306,6 +315,26 @@ def checks(cells: dict[tuple[str, int, str], Cell], targets: Sequence[Target], c
         out.append("| " + " | ".join(row) + " |")
     else:
         out.append("| nginx comparisons | " + " | ".join("skipped: nginx not installed" for _ in routers) + " |")
+    return out
+
+
+def _over_router(cells: dict[tuple[str, int, str], Cell], routers: Sequence[str], names: Sequence[str],
+                 concurrencies: Sequence[int], label: str) -> list[str]:
+    """Check rows (a column per router row): each of ``names``' best CPU per request over the plain
+    router's, in µs and %."""
+    out = []
+    for mode in MODES:
+        for c in concurrencies if names else ():
+            row = [label.format(mode=mode, c=c)]
+            plain = cells.get((mode, c, "router"))
+            for name in routers:
+                cell = cells.get((mode, c, name))
+                if name not in names or cell is None or plain is None or not cell.rounds or not plain.rounds:
+                    row.append("—")
+                    continue
+                extra = cell.best(_proxy_cpu) - plain.best(_proxy_cpu)
+                row.append(f"{extra:+.0f} µs ({extra / max(1e-9, plain.best(_proxy_cpu)):+.1%})")
+            out.append("| " + " | ".join(row) + " |")
     return out
 
 
@@ -419,6 +448,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--access-log", nargs="+", choices=("text", "json"), default=[], metavar="FMT",
                    help="also run the router with --access-log FMT (text and/or json; rows router(log=FMT)) to "
                         "measure the access log's cost per request against the plain router (access log off)")
+    p.add_argument("--policies", nargs="+", default=[], metavar="POLICY",
+                   help="also run the router with --policy POLICY (rows router(policy=POLICY)) to compare its CPU "
+                        "per request with the plain router's (session policy)")
     p.add_argument("--section", default=None,
                    help=f"marked section of --out to write (default {SECTION}; {ACCESS_LOG_SECTION} with --access-log)")
     p.add_argument("--out", default=DEFAULT_OUT, help="markdown file to write the report into (default bench/RESULTS.md)")
@@ -428,7 +460,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.seconds = args.seconds or (0.4 if args.quick else 3.0)
     args.warmup = args.warmup if args.warmup is not None else (0.2 if args.quick else 0.5)
     args.concurrency = args.concurrency or ([4] if args.quick else [16, 128])
-    args.section = args.section or (ACCESS_LOG_SECTION if args.access_log else SECTION)
+    args.section = args.section or (ACCESS_LOG_SECTION if args.access_log else
+                                    POLICY_SECTION if args.policies else SECTION)
     if args.rounds < 1 or args.seconds <= 0 or args.warmup < 0 or min(args.concurrency) < 1 or args.sessions < 1:
         p.error("--rounds, --seconds, --concurrency and --sessions must be positive")
     return args
@@ -465,6 +498,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 targets.append(Target("router(aiohttp)", [aio.url], lambda p=aio.pid: process_tree(p)))
             elif args.aiohttp_front:
                 print("router has no --front option: skipping the router(aiohttp) row", file=sys.stderr)
+            for policy in args.policies:
+                other = start_router(tmp, *route_args, "--policy", policy)
+                started.append(other)
+                targets.append(Target(f"{POLICY_PREFIX}{policy})", [other.url], lambda p=other.pid: process_tree(p)))
             for fmt in args.access_log:
                 logged = start_router(tmp, *route_args, "--policy", "session", "--access-log", fmt,
                                       "--access-log-file", os.path.join(tmp, f"access-{fmt}.log"))

@@ -162,6 +162,22 @@ def test_access_log_cells_go_to_their_own_section_with_their_cost(tmp_path: Any)
     assert cost == ["| access log cost, CPU/req non-stream c=16 (over router) | — | +15 µs | +19 µs |"]
 
 
+def test_policy_rows_go_to_their_own_section_with_their_cpu_over_the_session_policy() -> None:
+    args = parse_args(["--quick", "--policies", "kv_aware"])
+    assert args.policies == ["kv_aware"] and args.section == "router_overhead_policy"
+
+    def result(cpu: float) -> LoadResult:
+        return LoadResult(requests=100, errors=0, window_s=1.0, rps=100.0, p50_ms=1.0, p99_ms=2.0,
+                          cpu_us_per_req={"proxy": cpu, "backends": 50.0})
+
+    targets = [Target("router", []), Target("router(policy=kv_aware)", [])]
+    cells = {(mode, 16, name): Cell(mode, 16, name, [result(cpu)])
+             for mode in ("non-stream", "stream") for name, cpu in (("router", 80.0), ("router(policy=kv_aware)", 88.0))}
+    rows = checks(cells, targets, [16])
+    assert "| CPU/req stream c=16 over router (session policy) | — | +8 µs (+10.0%) |" in rows
+    assert not any(r.startswith("| access log cost") for r in rows)
+
+
 def test_process_tree_includes_children() -> None:
     child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
     try:
