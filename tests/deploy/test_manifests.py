@@ -12,6 +12,8 @@ import json
 import shutil
 import subprocess
 import tomllib
+import urllib.error
+import urllib.request
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -289,6 +291,11 @@ def test_a_router_started_with_the_configmap_is_alive_and_not_ready_without_back
     try:
         for probe, status in (("readinessProbe", 503), ("livenessProbe", 200)):
             assert http_status(f"{proc.url}{container[probe]['httpGet']['path']}", timeout=5) == status, probe
+        # the pools the router built are the ones discovery fills (P/D: prefill and decode)
+        try:
+            urllib.request.urlopen(f"{proc.url}/health", timeout=5)
+        except urllib.error.HTTPError as exc:
+            assert sorted(json.loads(exc.read())["pools"]) == sorted(POOLS[name])
         assert proc.alive(), proc.log()
     finally:
         kill_alive(proc)
