@@ -174,7 +174,8 @@ class PodWatch:
 
     def __init__(self, pool: str, settings: KubernetesDiscoveryConfig,
                  client: Callable[[], Awaitable[k8s_client.ApiClient]], report: Callable[[frozenset[str]], None],
-                 metrics: DiscoveryMetrics, backoff: Backoff, *, rng: random.Random | None = None) -> None:
+                 metrics: DiscoveryMetrics, backoff: Backoff, *, rng: random.Random | None = None,
+                 watch_timeout_s: tuple[int, int] = WATCH_TIMEOUT_S) -> None:
         self.pool = pool
         self.settings = settings
         self._client_factory = client
@@ -182,6 +183,7 @@ class PodWatch:
         self.metrics = metrics
         self.backoff = backoff
         self._rng = rng or random.Random()
+        self.watch_timeout_s = watch_timeout_s
         #: pod name -> its backend URL, for the pods that may take traffic now
         self.backends: dict[str, str] = {}
         #: the resourceVersion to watch from (None: list first)
@@ -252,7 +254,7 @@ class PodWatch:
     async def _watch(self, api: k8s_client.CoreV1Api) -> bool:
         """One watch from ``resource_version`` until the server ends it. Returns whether it delivered an
         event or lasted (False: it ended at once with nothing: the caller backs off)."""
-        seconds = self._rng.randint(*WATCH_TIMEOUT_S)
+        seconds = self._rng.randint(*self.watch_timeout_s)
         timeout = aiohttp.ClientTimeout(sock_connect=CONNECT_TIMEOUT_S, sock_read=seconds + READ_GRACE_S)
         loop = asyncio.get_running_loop()
         started = loop.time()
