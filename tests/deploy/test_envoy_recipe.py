@@ -22,6 +22,7 @@ import yaml
 
 from bench.procs import free_ports, launch
 from router.config import SessionsConfig
+from router.sessions.agents import AGENT_SESSION_HEADERS
 from tests.deploy.manifests import DEPLOY, ENVOY
 from tests.support import LOOPBACK, Proc, kill_alive, start_backend, start_router
 
@@ -63,8 +64,8 @@ def test_the_recipe_is_a_valid_envoy_configuration_hashing_the_session_headers(t
     policies = _route(config)["hash_policy"]
     headers = [p["header"]["header_name"] for p in policies if "header" in p]
     # the router's own session header first, each header terminal (the first present decides)
-    assert headers[0] == SessionsConfig().header.lower()
-    assert {"x-claude-code-session-id", "session-id"} <= set(headers)
+    # then the agent clients' headers, in the order the router reads them
+    assert headers == [SessionsConfig().header.lower(), *AGENT_SESSION_HEADERS]
     assert all(p.get("terminal") for p in policies if "header" in p)
     assert policies[-1] == {"connection_properties": {"source_ip": True}}
     (cluster,) = config["static_resources"]["clusters"]
