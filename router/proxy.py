@@ -1,10 +1,10 @@
 """The data path: session -> placement -> upstream -> client, for every proxied route.
 
 Read top to bottom: ``Proxy.handle`` resolves the session (the shared contract; else an agent
-client's own session header, ``router.sessions.agents``), stamps one when none resolves, places the request with the configured policy, sends the original body
-bytes to the chosen backend over the pooled raw upstream client, retries on another
-candidate while nothing has reached the client yet, then relays the response (streams chunk
-by chunk) and accounts it to the session.
+client's own session header, ``router.sessions.agents``), stamps one when none resolves, places
+the request with the configured policy, sends the original body bytes to the chosen backend over
+the pooled raw upstream client, retries on another candidate while nothing has reached the client
+yet, then relays the response (streams chunk by chunk) and accounts it to the session.
 
 The proxy is front-agnostic: it reads the client's request through a ``RequestView`` and
 answers through a ``ResponseWriter`` (``router.exchange``, owned here); the aiohttp app and the
