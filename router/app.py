@@ -27,7 +27,10 @@ from router.discovery.service import Discovery
 from router.exchange import REQUEST_ID_HEADER
 from router.front.aiohttp_adapter import proxy_handler
 from router.health import HealthChecker
-from router.membership import POOL_DECODE, POOL_DEFAULT, POOL_PREFILL, Backend, BackendPool
+from router.kv.index import KVIndex
+from router.kv.metrics import KVMetrics
+from router.kv.service import KVEvents
+from router.membership import POOL_DECODE, POOL_DEFAULT, POOL_PREFILL, Backend, BackendPool, normalize_url
 from router.metrics import RouterMetrics
 from router.engine_load import EngineLoad
 from router.placement import build_policy
@@ -49,6 +52,8 @@ PROXY: web.AppKey[Proxy] = web.AppKey("proxy", Proxy)
 TOKENS: web.AppKey[TokensMode] = web.AppKey("tokens")
 #: the discovery sources of the pools not configured static (absent when every pool is)
 DISCOVERY: web.AppKey[Discovery] = web.AppKey("discovery", Discovery)
+#: the subscriptions to the engines' KV events (absent with [kv_events] enabled = false)
+KV_EVENTS: web.AppKey[KVEvents] = web.AppKey("kv_events", KVEvents)
 
 
 def build_pools(config: RouterConfig) -> dict[str, BackendPool]:
@@ -73,6 +78,7 @@ def build_state(config: RouterConfig, registry: CollectorRegistry | None = None)
     sessions = SessionTable(config.sessions.max_sessions, config.sessions.ttl_s)
     sessions.on_evict = metrics.session_evicted
     pools = build_pools(config)
+    kv = build_kv_index(config, sessions)
     health = HealthChecker.from_config(
         config, list(pools.values()),
         on_change=lambda backend, healthy: metrics.health_transitions.labels(
@@ -83,7 +89,7 @@ def build_state(config: RouterConfig, registry: CollectorRegistry | None = None)
     state = RouterState(
         config=config,
         pools=pools,
-        policy=build_policy(config.placement),
+        policy=build_policy(config.placement, kv=kv),
         sessions=sessions,
         responses=ResponseIndex(config.sessions.max_response_ids),
         metrics=metrics,
@@ -94,9 +100,36 @@ def build_state(config: RouterConfig, registry: CollectorRegistry | None = None)
         health=health,
         changes=BackendChanges(pools, health, config.drain_timeout_s),
         access_log=AccessLog(config.front.access_log, config.front.access_log_file) if config.front.access_log != "off" else None,
+        kv=kv,
     )
     metrics.attach_live(state.all_pools, sessions)
     return state
+
+
+def build_kv_index(config: RouterConfig, sessions: SessionTable) -> KVIndex | None:
+    """The KV index placement reads (None with ``[kv_events] enabled = false``); a session that
+    leaves the table is forgotten by it."""
+    if config.kv_events.enabled is False:
+        return None
+    index = KVIndex(max_blocks=config.kv_events.max_blocks, block_size_hint=config.kv_events.block_size)
+    sessions.add_evict_hook(lambda entry, _reason: index.forget_session(entry.session_id))
+    return index
+
+
+def build_kv_events(state: RouterState) -> KVEvents | None:
+    """The subscriptions feeding ``state.kv``: every pool's backends but the render servers', and the
+    ones joining at runtime (``state.changes``); their metrics on the router's registry."""
+    if state.kv is None:
+        return None
+    config = state.config
+    metrics = KVMetrics(state.kv)
+    state.metrics.registry.register(metrics)
+    configured = {normalize_url(b.url): b for b in (*config.backends, *config.prefill, *config.decode)}
+    events = KVEvents(state.kv, config.kv_events,
+                      lambda: [pool for name, pool in state.pools.items() if name != POOL_RENDER], metrics,
+                      configured=configured, request_timeout_s=config.health.timeout_s)
+    state.changes.subscribe(events)
+    return events
 
 
 def build_proxy(state: RouterState) -> Proxy:
@@ -135,6 +168,9 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     state.http = aiohttp.ClientSession(auto_decompress=False)
     state.health.start(state.http)
     sweeper = asyncio.create_task(_sweep_sessions(state))
+    kv_events = app.get(KV_EVENTS)
+    if kv_events is not None:
+        kv_events.start(state.http)
     discovery = app.get(DISCOVERY)
     if discovery is not None:
         discovery.start()
@@ -143,6 +179,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     finally:
         if discovery is not None:
             await discovery.stop()
+        if kv_events is not None:
+            await kv_events.stop()
         sweeper.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await sweeper
@@ -207,6 +245,9 @@ def create_app(config: RouterConfig, *, registry: CollectorRegistry | None = Non
     app.cleanup_ctx.append(_lifecycle)
     app.on_response_prepare.append(_stamp_request_id)
     proxy = app[PROXY] = build_proxy(state)
+    kv_events = build_kv_events(state)
+    if kv_events is not None:
+        app[KV_EVENTS] = kv_events
     if config.discovery.pools():
         discovery_metrics = DiscoveryMetrics()
         discovery_metrics.register(state.metrics.registry)

@@ -8,6 +8,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -130,7 +131,7 @@ async def list_sessions(request: web.Request) -> web.Response:
     entries = state.sessions.recent(min(limit, 10_000), offset)
     return json_response({
         "object": "list",
-        "data": [e.to_json() for e in entries],
+        "data": [e.to_json(kv=_kv_of(state, e.session_id)) for e in entries],
         "total": len(state.sessions),
         "offset": offset,
         "limit": limit,
@@ -143,7 +144,12 @@ async def get_session(request: web.Request) -> web.Response:
     entry = state.sessions.get(session_id)
     if entry is None:
         raise NotFoundError(f"session {session_id!r} is not in the router's session table")
-    return json_response(entry.to_json())
+    return json_response(entry.to_json(kv=_kv_of(state, session_id)))
+
+
+def _kv_of(state: RouterState, session_id: str) -> Mapping[str, int] | None:
+    """The session's resident tokens per backend in the KV index (None when the index is off)."""
+    return state.kv.session_tokens(session_id) if state.kv is not None else None
 
 
 async def delete_session(request: web.Request) -> web.Response:

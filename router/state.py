@@ -15,6 +15,7 @@ from router.access_log import AccessLog
 from router.backend_changes import BackendChanges
 from router.config import RouterConfig
 from router.health import HealthChecker
+from router.kv.index import KVIndex
 from router.membership import POOL_DECODE, POOL_DEFAULT, Backend, BackendPool
 from router.metrics import RouterMetrics
 from router.placement.base import Policy
@@ -41,6 +42,8 @@ class RouterState:
     request_ids: IdGenerator = field(default_factory=IdGenerator)
     #: the access log (None when access_log = "off")
     access_log: AccessLog | None = None
+    #: where each session's KV is resident, from the engines' KV events (None: [kv_events] enabled = false)
+    kv: KVIndex | None = None
 
     def all_pools(self) -> list[BackendPool]:
         return list(self.pools.values())

@@ -152,7 +152,18 @@ _SCALAR_FLAGS = {
     "served_model_name": ("tokens.served_model_name", "--served-model-name"),
     "max_model_len": ("tokens.max_model_len", "--max-model-len"),
     "prompt_cache_bytes": ("tokens.prompt_cache_bytes", "--prompt-cache-bytes"),
+    "kv_events": ("kv_events.enabled", "--kv-events"),
 }
+
+#: --kv-events: the word -> [kv_events] enabled
+_KV_EVENTS_MODES: dict[str, bool | str] = {"auto": "auto", "on": True, "off": False}
+
+
+def _kv_events_mode(word: str) -> bool | str:
+    try:
+        return _KV_EVENTS_MODES[word]
+    except KeyError:
+        raise argparse.ArgumentTypeError(f"{word!r}: give auto, on or off") from None
 
 
 class _Parser(argparse.ArgumentParser):
@@ -217,6 +228,12 @@ def _parser() -> _Parser:
         "--session-header", metavar="NAME",
         help="header clients send their session id in (default X-Session-ID); it is echoed under that name and "
         "forwarded to backends as X-Session-ID",
+    )
+    parser.add_argument(
+        "--kv-events", type=_kv_events_mode, metavar="auto|on|off",
+        help="subscribe to the engines' KV events and index where each session's KV is (placement reads it): "
+        "auto (the default: backends configured with kv_events or advertising /kv_event_sources), on (the same, "
+        "warning about backends that publish none) or off",
     )
     tokens = parser.add_argument_group(
         "tokens mode (vLLM's disaggregated serving: the router renders and derenders, engines take token ids)")

@@ -367,8 +367,23 @@ def _validate_pool(entries: list[BackendConfig], field_name: str, flag: str | No
                 f"(also entry {seen_names[name]}); names must be unique within a pool"
             )
         seen_names[name] = index
-        result.append(BackendConfig(url=url, name=entry.name))
+        _validate_kv_source(entry, flag if flag is not None else f"{field_name}[{index}]")
+        result.append(msgspec.structs.replace(entry, url=url))
     return result
+
+
+def _validate_kv_source(entry: BackendConfig, where: str) -> None:
+    """A backend's ``kv_events``/``kv_replay``: ZMQ endpoints the router can reach (tcp:// or ipc://),
+    a replay socket only beside an event endpoint."""
+    for key in ("kv_events", "kv_replay"):
+        value = getattr(entry, key)
+        if value and not value.startswith(("tcp://", "ipc://")):
+            raise ConfigError(f"{where}.{key}: {value!r} is not a ZMQ endpoint the router can reach; give "
+                              "tcp://host:port or ipc:///path, as in the engine's --kv-events-config")
+    if entry.kv_replay and not entry.kv_events:
+        raise ConfigError(f"{where}.kv_replay: set only with kv_events (the endpoint the engine publishes on)")
+    if entry.kv_topic and not entry.kv_events:
+        raise ConfigError(f"{where}.kv_topic: set only with kv_events (the endpoint the engine publishes on)")
 
 
 def read_toml(path: str) -> dict[str, Any]:

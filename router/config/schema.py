@@ -33,6 +33,13 @@ DEFAULT_PROXY_DENY = (
 class BackendConfig(msgspec.Struct, forbid_unknown_fields=True):
     url: str
     name: str = ""
+    #: where its engine publishes KV events (its --kv-events-config endpoint; "" = ask its
+    #: GET /kv_event_sources); a concrete host there means the engine connects and the router binds it
+    kv_events: str = ""
+    #: its engine's replay endpoint ("" = none: a gap then resets its index entries)
+    kv_replay: str = ""
+    #: its engine's topic (engines publishing to one address the router binds need one each)
+    kv_topic: str = ""
 
 
 # ---- value shapes: bounds msgspec checks while decoding; ``extra`` words the error message
@@ -271,6 +278,27 @@ class DiscoveryConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 if (pool := getattr(self, name)).source != "static"}
 
 
+KVEventsMode = bool | Literal["auto"]
+
+
+class KVEventsSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """``[kv_events]``: the router subscribes to the engines' KV events and indexes where each
+    session's KV is resident (``router.kv``; placement reads it)."""
+
+    #: "auto": subscribe to backends configured with kv_events or whose GET /kv_event_sources lists a
+    #: publisher; true: the same, and a warning for each backend that publishes none; false: no index
+    enabled: KVEventsMode = "auto"
+    #: bound on indexed blocks over all backends (least recently stored or reused go first); about
+    #: 420 bytes each (router.kv.index)
+    max_blocks: AtLeastOne = 1_000_000
+    #: tokens per KV block prompts are cut into until the engines' first event says (tokens mode)
+    block_size: AtLeastOne = 16
+    #: how long a replay of missed batches may take before the backend's entries are reset instead
+    replay_timeout_s: Seconds = 2.0
+    #: how often each backend's GET /kv_event_sources is read again (a changed endpoint re-subscribes)
+    sources_refresh_s: Seconds = 30.0
+
+
 class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """The whole configuration: the process's own settings at the top, then one struct per section."""
 
@@ -294,6 +322,7 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     admin: AdminConfig = msgspec.field(default_factory=AdminConfig)
     tokens: TokensConfig = msgspec.field(default_factory=TokensConfig)
     discovery: DiscoveryConfig = msgspec.field(default_factory=DiscoveryConfig)
+    kv_events: KVEventsSettings = msgspec.field(default_factory=KVEventsSettings)
 
     @property
     def pd_mode(self) -> bool:
@@ -312,6 +341,7 @@ SECTIONS: dict[str, type[msgspec.Struct]] = {
     "admin": AdminConfig,
     "tokens": TokensConfig,
     "discovery": DiscoveryConfig,
+    "kv_events": KVEventsSettings,
 }
 
 #: the keys of the flat layout (before sections), still read for one release: flat key -> (section, key)

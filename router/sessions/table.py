@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from itertools import islice
 from typing import Literal
@@ -49,6 +49,9 @@ class SessionView(msgspec.Struct, kw_only=True):
     session_hash: str
     #: the parent session its first request named (``x-parent-session-id``), if any
     parent: str | None = None
+    #: backend URL -> the session's tokens resident in that backend's KV cache, as the router's KV
+    #: index knows them from the engines' KV events (``router.kv``; {} when it knows none or is off)
+    kv: dict[str, int] = {}
 
 
 @dataclass(slots=True, eq=False)
@@ -97,7 +100,8 @@ class SessionEntry:
         """Seconds between creation and the last activity (wall clock)."""
         return max(0.0, self.last_active - self.created)
 
-    def to_json(self) -> SessionView:
+    def to_json(self, kv: Mapping[str, int] | None = None) -> SessionView:
+        """The session's JSON view; ``kv``: its resident tokens per backend (``KVIndex.session_tokens``)."""
         return SessionView(
             session_id=self.session_id,
             pins=dict(self.pins),
@@ -111,6 +115,7 @@ class SessionEntry:
             last_backend=self.last_backend,
             session_hash=session_hash(self.session_id),
             parent=self.parent,
+            kv=dict(kv) if kv else {},
         )
 
 

@@ -249,7 +249,10 @@ def test_json_view_has_the_contract_fields() -> None:
         "last_backend": "http://127.0.0.1:8201",
         "session_hash": hashlib.blake2b(b"sess-1", digest_size=8).hexdigest(),  # its /metrics label
         "parent": None,  # no x-parent-session-id (router.sessions.agents)
+        "kv": {},  # nothing known resident (router.kv)
     }
+    kv_view = msgspec.json.decode(msgspec.json.encode(entry.to_json(kv={"http://127.0.0.1:8201": 4096})))
+    assert kv_view["kv"] == {"http://127.0.0.1:8201": 4096}
     assert entry.cached_ratio == pytest.approx(160 / 250)
     # The view is a snapshot: later pin changes do not leak into it.
     entry.pins["decode"] = "http://127.0.0.1:8202"
