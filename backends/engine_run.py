@@ -62,6 +62,7 @@ def engine_request_for(fe: Frontend, body: GenerateRequest, *, request_id: str, 
         fe.config, n=sp.n, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, seed=sp.seed,
         max_tokens=max_tokens, min_tokens=sp.min_tokens, stop=stops, stop_token_ids=sp.stop_token_ids,
         ignore_eos=sp.ignore_eos, kv_transfer_params=kv_transfer_params, final_only=not engine_stream,
+        extra_args=sp.extra_args,
     )
     ecr = engine_request(fe, external_id=request_id, prompt_ids=body.token_ids, params=params, session_id=session,
                          cache_salt=body.cache_salt, priority=body.priority)

@@ -37,8 +37,12 @@ def sampling_params(
     ignore_eos: bool = False,
     kv_transfer_params: dict[str, Any] | None = None,
     final_only: bool = False,
+    extra_args: dict[str, Any] | None = None,
 ) -> SamplingParams:
-    """Validate sampling values (400 on a bad one) and build the engine's SamplingParams."""
+    """Validate sampling values (400 on a bad one) and build the engine's SamplingParams.
+
+    ``extra_args``: the request's ``vllm_xargs`` (the engine reads e.g. ``kv_cache_report_mode``), as
+    vLLM passes them; its ``kv_transfer_params`` entry is replaced by ``kv_transfer_params``."""
     if n < 1:
         raise BadRequestError(f"n must be at least 1, got {n}.", param="n")
     if n > config.max_num_seqs:
@@ -69,6 +73,8 @@ def sampling_params(
     if stop is not None and any(not s for s in stop):
         raise BadRequestError("stop strings must not be empty.", param="stop")
     extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params is not None else None
+    if extra_args:
+        extra = {k: v for k, v in extra_args.items() if k != "kv_transfer_params"} | (extra or {}) or None
     return SamplingParams(
         n=n,
         temperature=temperature,

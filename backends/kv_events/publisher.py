@@ -104,6 +104,11 @@ class ZmqPublisher:
         self._wake_w: socket.socket | None = None
         self._thread: threading.Thread | None = None
 
+    @property
+    def running(self) -> bool:
+        """True while the publishing thread runs."""
+        return self._thread is not None and self._thread.is_alive()
+
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> KVEventsConfig:
         """Open the sockets (bind or connect) and start the thread; returns the resolved config."""
