@@ -19,12 +19,20 @@ router's CPU per request (utime + stime of its process from ``/proc``, over the 
 completed request, as ``bench.router_overhead`` measures it); latency and TTFT at the client.
 
 The **slow-backend cell** (per policy, fresh processes): stream requests at ``--slow-concurrency``
-in consecutive windows of ``--window`` seconds. After ``--before`` windows one backend is made slow: this
-process stops and continues it with ``SIGSTOP``/``SIGCONT`` (by its PID), stopped ``--stop-ms`` out of
-every ``--period-ms`` milliseconds, so it serves at a fraction of its speed and every request there
-waits, as an engine starved of its GPU would. Per window: TTFT p50/p99, the share of requests the
-slowed backend served and the sessions it served. The backend is continued for good at the end
-(also on failure).
+in consecutive windows of ``--window`` seconds, with one of the two backends really slow, in one of
+two ways (``--slowdown``):
+
+- ``speed`` (the default): the second backend runs at ``--speed`` ``--slow-speed`` (5: a decode step
+  of ~50 ms, against none on the other) from the start, so its engine is slow and its own metrics
+  say so; new sessions are spread over both as usual, and the windows show them leave it. The TTFT
+  p99 it is compared with ("before") is the all-fast stream cell's at the same concurrency.
+- ``sigstop``: after ``--before`` windows this process stops and continues the second backend with
+  ``SIGSTOP``/``SIGCONT`` (by its PID), stopped ``--stop-ms`` out of every ``--period-ms``
+  milliseconds (requests wait in its socket, unseen by its engine's metrics); it is continued for
+  good at the end (also on failure).
+
+Per window: TTFT p50/p99, the share of the window's requests the slow backend served and the
+sessions it served.
 
     python -m bench.stickiness                     # full: ~4 min; writes its section of bench/RESULTS.md
     python -m bench.stickiness --quick             # CI smoke (small, short; writes no RESULTS section)
@@ -134,6 +142,8 @@ class SlowCell(msgspec.Struct, kw_only=True):
     concurrency: int
     slowdown: str
     slowed_at_s: float
+    #: where before_p99_ms comes from: the windows before the slowdown, or the all-fast cell
+    before_source: str = ""
     windows: list[Window] = []
     placements: dict[str, int] = {}
     decisions: dict[str, int] = {}
@@ -210,14 +220,14 @@ def router_counters(router_url: str) -> dict[tuple[str, frozenset[tuple[str, str
 class Stack:
     """Two backends (KV events on ipc://) and our router with one policy; stopped by PID."""
 
-    def __init__(self, policy: str, tmp: str, kv_events: bool, router_config: str) -> None:
+    def __init__(self, policy: str, tmp: str, kv_events: bool, router_config: str, slow_speed: str = "0") -> None:
         self.procs: list[Proc] = []
         try:
-            for port in free_ports(2):
+            for index, port in enumerate(free_ports(2)):
                 extra = ("--log-level", "WARNING")
                 if kv_events:
                     extra += ("--kv-events-config", kv_events_config(tmp, port))
-                self.procs.append(start_backend(tmp, *extra, port=port))
+                self.procs.append(start_backend(tmp, *extra, port=port, speed=slow_speed if index else "0"))
             self.backends = list(self.procs)
             args = ["--policy", policy, "--log-level", "warning"]
             if router_config:
@@ -321,17 +331,24 @@ def _take_load(cell: StickCell | Window, result: LoadResult) -> None:
         cell.p50_ms, cell.p99_ms = round(result.p50_ms, 2), round(result.p99_ms, 2)
 
 
-def run_slow_cell(stack: Stack, loadgen: LoadGen, policy: str, args: argparse.Namespace) -> SlowCell:
+def slowdown_text(args: argparse.Namespace) -> str:
+    if args.slowdown == "speed":
+        return f"the second backend at --speed {args.slow_speed:g} from the start (the other at 0)"
+    return f"SIGSTOP {args.stop_ms:g} ms of every {args.period_ms:g} ms"
+
+
+def run_slow_cell(stack: Stack, loadgen: LoadGen, policy: str, args: argparse.Namespace,
+                  reference: StickCell | None) -> SlowCell:
     slow = stack.backends[1]
     prefix = f"slow-{policy}-"
-    slowdown = f"SIGSTOP {args.stop_ms:g} ms of every {args.period_ms:g} ms"
-    cell = SlowCell(policy=policy, concurrency=args.slow_concurrency, slowdown=slowdown, slowed_at_s=0.0)
+    cell = SlowCell(policy=policy, concurrency=args.slow_concurrency, slowdown=slowdown_text(args), slowed_at_s=0.0)
     router_before = router_counters(stack.router.url)
     throttle = Throttle(slow.pid, args.stop_ms, args.period_ms)
+    before = args.before if args.slowdown == "sigstop" else 0
     t0 = time.monotonic()
     try:
-        for index in range(args.before + args.after):
-            if index == args.before:
+        for index in range(before + args.after):
+            if index == before and args.slowdown == "sigstop":
                 cell.slowed_at_s = round(time.monotonic() - t0, 3)
                 throttle.start()
             tables_before = [session_counts(b.url) for b in stack.backends]
@@ -345,7 +362,7 @@ def run_slow_cell(stack: Stack, loadgen: LoadGen, policy: str, args: argparse.Na
             tables = [count_deltas(b, session_counts(p.url), prefix)
                       for b, p in zip(tables_before, stack.backends, strict=True)]
             on_slow = tables[1]
-            window = Window(start_s=round(start, 3), end_s=round(end, 3), slowed=index >= args.before)
+            window = Window(start_s=round(start, 3), end_s=round(end, 3), slowed=index >= before)
             _take_load(window, result)
             window.slow_requests = sum(on_slow.values())
             served = sum(sum(t.values()) for t in tables)
@@ -359,17 +376,26 @@ def run_slow_cell(stack: Stack, loadgen: LoadGen, policy: str, args: argparse.Na
     cell.placements = counter_deltas(router_before, router_after, "session_router_placements_total", "outcome")
     cell.decisions = counter_deltas(router_before, router_after, "session_router_placement_decisions_total",
                                     "outcome", "reason")
-    summarize_slow(cell)
+    summarize_slow(cell, reference)
     return cell
 
 
-def summarize_slow(cell: SlowCell) -> None:
+def summarize_slow(cell: SlowCell, reference: StickCell | None = None) -> None:
+    """Before (the windows before the slowdown; else the all-fast ``reference`` cell's TTFT p99 and
+    the first window's share) against the last AFTER_WINDOWS windows."""
     before = [w for w in cell.windows if not w.slowed]
     after = [w for w in cell.windows if w.slowed]
     tail = after[-AFTER_WINDOWS:]
     if before:
         cell.before_p99_ms = round(statistics.median(w.ttft_p99_ms for w in before), 2)
         cell.before_slow_share = round(statistics.fmean(w.slow_share for w in before), 4)
+        cell.before_source = "median of the windows before the slowdown"
+    elif after:
+        cell.before_slow_share = after[0].slow_share
+        if reference is not None:
+            cell.before_p99_ms = reference.ttft_p99_ms
+            cell.before_source = (f"the all-fast {reference.mode} cell at c={reference.concurrency}; share: the "
+                                  "first window's")
     if tail:
         cell.after_p99_ms = round(statistics.median(w.ttft_p99_ms for w in tail), 2)
         cell.after_slow_share = round(statistics.fmean(w.slow_share for w in tail), 4)
@@ -462,11 +488,14 @@ def render(result: StickinessResult, args: argparse.Namespace) -> str:
             f"### A backend made slow (stream, c={s0.concurrency}, {args.sessions} sessions)",
             "",
             f"Windows of {args.window:g} s, back to back (a new load-generator run each; the gaps are its drain). "
-            f"After {args.before} windows the second backend is slowed from outside: {s0.slowdown} (its PID "
-            "stopped and continued by the benchmark), until the end. Per window: TTFT at the client, and the share of "
-            "the window's requests the slowed backend served (backends' session tables).",
+            + (f"After {args.before} windows the second backend is slowed from outside: {s0.slowdown} (its PID "
+               "stopped and continued by the benchmark), until the end. " if args.slowdown == "sigstop" else
+               f"The slow backend: {s0.slowdown}; fresh processes and new sessions, placed by the policy as they "
+               "come. ")
+            + "Per window: TTFT at the client, and the share of the window's requests the slow backend served "
+            f"(backends' session tables). \"Before\": {s0.before_source}.",
             "",
-            "| policy | TTFT p99 before (median of windows) | peak after | TTFT p99 last "
+            "| policy | TTFT p99 before | peak with the slow backend | TTFT p99 last "
             f"{AFTER_WINDOWS} windows | slowed backend's share before → last {AFTER_WINDOWS} | placements | "
             "decisions |",
             "|---|---:|---:|---:|---|---|---|",
@@ -512,6 +541,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--window", type=float, default=None, help="slow cell: seconds per window (default 1; quick 0.4)")
     p.add_argument("--before", type=int, default=None, help="slow cell: windows before the slowdown (default 4)")
     p.add_argument("--after", type=int, default=None, help="slow cell: windows after it (default 16; quick 5)")
+    p.add_argument("--slowdown", choices=("speed", "sigstop"), default="speed",
+                   help="slow cell: a backend at --slow-speed from the start (default), or one stopped and "
+                        "continued by signals after --before windows")
+    p.add_argument("--slow-speed", type=float, default=5.0, help="slow cell, speed: the slow backend's --speed")
     p.add_argument("--stop-ms", type=float, default=80.0, help="slow cell: stopped ms per period (default 80)")
     p.add_argument("--period-ms", type=float, default=100.0, help="slow cell: period in ms (default 100)")
     p.add_argument("--no-kv-events", dest="kv_events", action="store_false",
@@ -575,9 +608,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 finally:
                     stack.stop()
             for policy in args.policies if args.slow else ():
-                stack = Stack(policy, tmp, args.kv_events, router_config)
+                stack = Stack(policy, tmp, args.kv_events, router_config,
+                              slow_speed=f"{args.slow_speed:g}" if args.slowdown == "speed" else "0")
+                reference = next((c for c in cells if c.policy == policy and c.mode == "stream"
+                                  and c.concurrency == args.slow_concurrency), None)
                 try:
-                    cell_slow = run_slow_cell(stack, loadgen, policy, args)
+                    cell_slow = run_slow_cell(stack, loadgen, policy, args, reference)
                 finally:
                     stack.stop()
                 slow.append(cell_slow)

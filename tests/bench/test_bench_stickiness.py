@@ -106,6 +106,8 @@ def test_quick_run(tmp_path: os.PathLike[str]) -> None:
         # 4 requests in flight over 2 idle backends: nothing for a session-aware policy to spill
         assert c["majority_mean"] >= 0.9, c
     for s in result["slow"]:
-        assert [w["slowed"] for w in s["windows"]] == [False] * 2 + [True] * 5
+        # --slowdown speed (the default): slow from the start, compared with the all-fast stream cell
+        assert [w["slowed"] for w in s["windows"]] == [True] * 5
+        assert s["before_p99_ms"] == cells[(s["policy"], "stream")]["ttft_p99_ms"]
         assert all(w["errors"] == 0 and w["requests"] > 0 and 0 <= w["slow_share"] <= 1 for w in s["windows"])
         assert s["before_p99_ms"] > 0 and s["after_p99_ms"] > 0
