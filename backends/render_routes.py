@@ -33,6 +33,7 @@ from backends.json_body import check_utf8, too_deep
 from backends.protocol import ModelCard, ModelList
 from contract.errors import BadRequestError, InvalidJSONError
 from contract.ids import IdGenerator
+from contract.kv_events import KV_EVENT_SOURCES_PATH
 from rendering.derender import ChatDerender, CompletionDerender, DerenderOptions
 from rendering.generate_request import encode_generate_request
 from rendering.generate_response import GenerateResponse
@@ -282,6 +283,11 @@ async def _metrics(request: web.Request) -> web.Response:
                         headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
+async def _kv_event_sources(request: web.Request) -> web.Response:
+    """vLLM's render-only server has no engine, so no KV-event publisher: ``{}``."""
+    return web.Response(body=b"{}", content_type="application/json")
+
+
 def create_render_app(model: RenderModel, *, registry: CollectorRegistry | None = None,
                       max_body_bytes: int = MAX_BODY_BYTES) -> web.Application:
     """A render server (``--role render``, vLLM's ``vllm launch render``): no engine."""
@@ -296,4 +302,5 @@ def create_render_app(model: RenderModel, *, registry: CollectorRegistry | None 
     app.router.add_get("/load", _load)
     app.router.add_get("/version", _version)
     app.router.add_get("/metrics", _metrics)
+    app.router.add_get(KV_EVENT_SOURCES_PATH, _kv_event_sources)
     return app

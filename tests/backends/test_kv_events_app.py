@@ -15,6 +15,7 @@ import zmq.asyncio
 
 from backends.app import create_app
 from backends.engine.config import EngineConfig
+from backends.render_routes import create_render_app
 from contract.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -24,6 +25,7 @@ from contract.kv_events import (
     decode_event_sources,
     seq_from_bytes,
 )
+from rendering.model import DEFAULT_MODEL_DIR, load_model
 from tests.backends.kv_event_client import EventStream, IpcDir, Received, free_tcp_endpoint, replay
 
 MODEL = "sim-model"
@@ -261,3 +263,10 @@ async def test_a_tokens_only_engine_serves_kv_event_sources(aiohttp_client: Any,
                                              kv_events=config))
     sources = decode_event_sources(await (await client.get("/kv_event_sources")).read())
     assert sources == {0: config}
+
+
+async def test_a_render_server_has_no_kv_event_sources(aiohttp_client: Any) -> None:
+    client = await aiohttp_client(create_render_app(load_model(DEFAULT_MODEL_DIR, served_model_name=MODEL,
+                                                               max_model_len=None)))
+    resp = await client.get("/kv_event_sources")
+    assert resp.status == 200 and await resp.read() == b"{}"
