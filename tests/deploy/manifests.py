@@ -19,6 +19,12 @@ from tests.support import REPO
 
 DEPLOY = Path(REPO) / "deploy"
 OVERLAYS = ("plain", "pd", "redis")
+#: what each overlay's routers discover: pool -> the backend Deployment it must select
+POOLS = {
+    "plain": {"default": "vllm"},
+    "pd": {"prefill": "vllm-prefill", "decode": "vllm-decode"},
+    "redis": {"default": "vllm"},
+}
 BIN = Path(sys.executable).parent
 KUBECTL = BIN / "kubectl"
 KUBERNETES_VALIDATE = BIN / "kubernetes-validate"

