@@ -16,7 +16,7 @@ from router.config import build_config
 from router.state import ROUTER_STATE
 from tests.fakes import EchoBackend
 from tests.router.discovery.fake_dns import FakeDNS
-from tests.router.discovery.fake_kube import FakeKubeAPI, pod
+from bench.fake_kube import FakeKubeAPI, pod
 from tests.support import eventually, metric_sum
 
 BOUND_S = 10.0

@@ -13,7 +13,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from tests.router.discovery.fake_kube import FakeKubeAPI, pod
+from bench.fake_kube import FakeKubeAPI, pod
 from tests.support import Proc, eventually, kill_alive, metric_sum, start_backend, start_router
 
 logger = logging.getLogger(__name__)

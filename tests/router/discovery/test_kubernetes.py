@@ -24,7 +24,7 @@ from router.config.schema import KubernetesDiscoveryConfig
 from router.discovery.backoff import Backoff
 from router.discovery.kubernetes import Pod, PodWatch, api_client, backend_url
 from router.discovery.metrics import DiscoveryMetrics
-from tests.router.discovery.fake_kube import TOKEN, FakeKubeAPI, pod
+from bench.fake_kube import TOKEN, FakeKubeAPI, pod
 from tests.support import eventually
 
 logger = logging.getLogger(__name__)
