@@ -18,11 +18,14 @@ prometheus_client's text parser, summed over the label sets an engine exports (d
     Δ``vllm:prompt_tokens_total`` − Δ``vllm:prefix_cache_hits_total``, against the time spent
     prefilling: Δ``vllm:request_prefill_time_seconds`` sum when the engine exports it (vLLM
     does), else Δ``vllm:time_to_first_token_seconds`` sum (which includes queueing, so it errs on
-    the side of a dearer prefill), less one step per request; only learned from intervals that
-    computed at least ``MIN_COMPUTED_PER_REQUEST`` tokens per request (a mostly cached interval
-    says little about the prefill rate);
-  * a queued request's cost (``queued_request_s``): mean e2e latency / running requests, i.e. how
-    often a running request finishes and makes room (Little's law);
+    the side of a dearer prefill), less one step per request. Prefills that run concurrently share
+    steps, so that per-request sum counts shared time once per request; the engine cannot have
+    spent more than the wall time between the two scrapes, so the time is capped there. Only
+    learned from intervals that computed at least ``MIN_COMPUTED_PER_REQUEST`` tokens per request
+    (a mostly cached interval says little about the prefill rate);
+  * a queued request's cost (``queued_request_s``): the wall time between the scrapes / the
+    requests that finished in it: how often a running request finishes and makes room, which is
+    what a waiting request waits for (the engine queues only when it is full);
   * interference (``busy_s_per_request``): what one request in flight adds to a new request's
     first step on average: the share of a request's life spent before its first token (Δ TTFT sum
     / Δ e2e sum) times the mean computed prefill per request, in seconds.
@@ -93,6 +96,8 @@ class EngineSample:
     itl_count: float = 0.0
     e2e_sum: float = 0.0
     e2e_count: float = 0.0
+    #: monotonic time of the scrape (set by ``EngineLoad.apply``)
+    at: float = 0.0
 
 
 def parse_metrics(text: str) -> EngineSample | None:
@@ -130,6 +135,7 @@ def _blend(old: float, sample: float) -> float:
 
 def learn(backend: Backend, before: EngineSample, now: EngineSample) -> None:
     """Update ``backend``'s learned constants from the interval between two scrapes (module docstring)."""
+    elapsed = now.at - before.at
     d_itl_count = now.itl_count - before.itl_count
     if d_itl_count > 0:
         step = (now.itl_sum - before.itl_sum) / d_itl_count
@@ -143,14 +149,16 @@ def learn(backend: Backend, before: EngineSample, now: EngineSample) -> None:
         requests = now.ttft_count - before.ttft_count
         spent = now.ttft_sum - before.ttft_sum
     if requests > 0 and computed >= MIN_COMPUTED_PER_REQUEST * requests:
-        per_token = max(0.0, spent - requests * step) / computed
+        spent -= requests * step
+        if elapsed > 0 and spent > elapsed:
+            spent = elapsed  # concurrent prefills shared that time (module docstring)
+        per_token = max(0.0, spent) / computed
         backend.prefill_s_per_token = _blend(backend.prefill_s_per_token, min(MAX_S_PER_TOKEN, per_token))
     d_e2e_count = now.e2e_count - before.e2e_count
     d_e2e_sum = now.e2e_sum - before.e2e_sum
     if d_e2e_count > 0:
-        e2e = d_e2e_sum / d_e2e_count
-        running = max(1.0, (before.running + now.running) / 2)
-        backend.queued_request_s = _blend(backend.queued_request_s, min(MAX_STEP_S * 10, max(0.0, e2e / running)))
+        if elapsed > 0:
+            backend.queued_request_s = _blend(backend.queued_request_s, min(MAX_STEP_S, elapsed / d_e2e_count))
         d_ttft_count = now.ttft_count - before.ttft_count
         if d_e2e_sum > 0 and d_ttft_count > 0 and computed >= 0:
             before_first = min(1.0, max(0.0, (now.ttft_sum - before.ttft_sum) / d_e2e_sum))
@@ -200,7 +208,7 @@ class EngineLoad:
         backend.engine_waiting = sample.waiting
         backend.engine_running = sample.running
         backend.kv_usage = sample.kv_usage
-        backend.load_scraped_at = self._clock()
+        backend.load_scraped_at = sample.at = self._clock()
         backend.in_flight_at_scrape = backend.in_flight
         before = self._previous.get(backend.url)
         self._previous[backend.url] = sample

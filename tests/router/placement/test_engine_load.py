@@ -1,0 +1,143 @@
+"""``router.engine_load``: vLLM's series parsed from ``/metrics``, the constants learned from the deltas,
+and the same against a real ``session-backend`` process."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from router.engine_load import EngineLoad, EngineSample, learn, parse_metrics
+from router.membership import Backend
+from tests.support import kill_alive, start_backend
+
+TEXT = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+vllm:num_requests_running{engine="1",model_name="m"} 2.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 4.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5
+vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.75
+# TYPE vllm:prompt_tokens counter
+vllm:prompt_tokens_total{engine="0",model_name="m"} 1000.0
+vllm:prompt_tokens_created{engine="0",model_name="m"} 1.7e9
+# TYPE vllm:prefix_cache_hits counter
+vllm:prefix_cache_hits_total{engine="0",model_name="m"} 200.0
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="m"} 4.0
+vllm:time_to_first_token_seconds_count{engine="0",model_name="m"} 4.0
+vllm:time_to_first_token_seconds_sum{engine="0",model_name="m"} 0.5
+# TYPE vllm:request_prefill_time_seconds histogram
+vllm:request_prefill_time_seconds_count{engine="0",model_name="m"} 4.0
+vllm:request_prefill_time_seconds_sum{engine="0",model_name="m"} 0.25
+"""
+
+
+def test_parse_sums_ranks_and_takes_the_fullest_kv_cache() -> None:
+    sample = parse_metrics(TEXT)
+    assert sample is not None
+    assert (sample.running, sample.waiting, sample.kv_usage) == (5.0, 4.0, 0.75)
+    assert (sample.prompt_tokens, sample.prefix_hits) == (1000.0, 200.0)
+    assert (sample.ttft_count, sample.ttft_sum) == (4.0, 0.5)
+    assert sample.has_prefill_time and (sample.prefill_time_count, sample.prefill_time_sum) == (4.0, 0.25)
+    assert parse_metrics("# nothing of vLLM here\nother_metric 1.0\n") is None
+
+
+def test_learning_from_the_deltas_between_scrapes() -> None:
+    backend = Backend("http://127.0.0.1:8100")
+    before = EngineSample(running=4, itl_sum=1.0, itl_count=100, prompt_tokens=0, prefix_hits=0,
+                          ttft_sum=1.0, ttft_count=10, e2e_sum=10.0, e2e_count=10)
+    # 10 requests computed 4,000 - 400 = 3,600 tokens in 2.0 s of TTFT, less 10 steps of 20 ms
+    now = EngineSample(running=4, itl_sum=3.0, itl_count=200, prompt_tokens=4000, prefix_hits=400,
+                       ttft_sum=3.0, ttft_count=20, e2e_sum=30.0, e2e_count=20)
+    now.at = 10.0  # seconds after ``before``
+    learn(backend, before, now)
+    assert backend.step_s == pytest.approx(0.02)
+    assert backend.prefill_s_per_token == pytest.approx((2.0 - 10 * 0.02) / 3600)
+    assert backend.queued_request_s == pytest.approx(10.0 / 10)  # 10 requests finished in 10 s
+    # interference: 10% of a request's life before its first token, x 360 computed tokens each
+    assert backend.busy_s_per_request == pytest.approx(0.1 * 360 * backend.prefill_s_per_token)
+    # a mostly cached interval teaches nothing about the prefill rate; a later one blends in
+    learned = backend.prefill_s_per_token
+    cached = EngineSample(running=4, itl_sum=3.0, itl_count=200, prompt_tokens=5000, prefix_hits=1390,
+                          ttft_sum=3.5, ttft_count=30, e2e_sum=30.0, e2e_count=20, at=20.0)
+    learn(backend, now, cached)
+    assert backend.prefill_s_per_token == learned
+
+
+def test_concurrent_prefills_count_their_shared_time_once() -> None:
+    """Six prompts prefilled in one 1 s step: each TTFT is 1 s, but the engine spent 1 s, not 6."""
+    backend = Backend("http://127.0.0.1:8100")
+    before = EngineSample(at=0.0)
+    now = EngineSample(prompt_tokens=6000, ttft_sum=6.0, ttft_count=6, at=1.0)
+    learn(backend, before, now)
+    assert backend.prefill_s_per_token == pytest.approx(1.0 / 6000)
+
+
+def test_the_prefill_histogram_is_preferred_over_ttft() -> None:
+    backend = Backend("http://127.0.0.1:8100")
+    before = EngineSample(has_prefill_time=True)
+    now = EngineSample(has_prefill_time=True, prompt_tokens=1000, prefill_time_sum=0.5, prefill_time_count=2,
+                       ttft_sum=9.0, ttft_count=2)
+    learn(backend, before, now)
+    assert backend.prefill_s_per_token == pytest.approx(0.5 / 1000)  # step not learned: counted as 0
+
+
+def test_apply_records_the_gauges_and_a_restart_restarts_the_deltas() -> None:
+    load = EngineLoad(clock=lambda: 42.0)
+    backend = Backend("http://127.0.0.1:8100")
+    backend.in_flight = 7
+    load.apply(backend, EngineSample(waiting=2, running=5, kv_usage=0.5, itl_sum=1.0, itl_count=100))
+    assert (backend.engine_waiting, backend.engine_running, backend.kv_usage) == (2, 5, 0.5)
+    assert (backend.load_scraped_at, backend.in_flight_at_scrape) == (42.0, 7)
+    load.apply(backend, EngineSample(itl_sum=0.5, itl_count=10))  # counters went back: an engine restart
+    assert backend.step_s == -1.0
+    load.apply(backend, EngineSample(itl_sum=0.7, itl_count=20))
+    assert backend.step_s == pytest.approx(0.02)
+    load.clear(backend)
+    assert (backend.engine_waiting, backend.engine_running, backend.kv_usage) == (0, 0, 0)
+    assert backend.step_s == pytest.approx(0.02)  # learned constants stay
+    frozen = EngineLoad(learn=False)
+    other = Backend("http://127.0.0.1:8101")
+    frozen.apply(other, EngineSample(itl_sum=0.0, itl_count=0))
+    frozen.apply(other, EngineSample(itl_sum=1.0, itl_count=10))
+    assert other.step_s == -1.0  # learn = false: the configured values only
+
+
+@pytest.mark.slow
+async def test_constants_learned_from_a_real_backend(tmp_path: Path) -> None:
+    """Two real backends, one four times slower: their learned step and prefill cost say so."""
+    fast = start_backend(str(tmp_path), speed="0.5")
+    slow = start_backend(str(tmp_path), speed="2")
+    try:
+        load = EngineLoad()
+        backends = [Backend(fast.url), Backend(slow.url)]
+        timeout = aiohttp.ClientTimeout(total=5)
+        async with aiohttp.ClientSession() as http:
+            for backend in backends:
+                assert await load.scrape(backend, http, timeout)
+
+            async def one(url: str, i: int) -> None:
+                body = {"prompt": f"request {i}: " + "lorem ipsum dolor sit amet " * 30, "max_tokens": 4,
+                        "ignore_eos": True}
+                async with http.post(url + "/v1/completions", json=body, timeout=timeout) as resp:
+                    assert resp.status == 200
+                    await resp.read()
+
+            for backend in backends:  # each engine on its own: the scrapes bracket its own work
+                for round_ in range(2):
+                    await asyncio.gather(*(one(backend.url, round_ * 10 + i) for i in range(6)))
+                    assert await load.scrape(backend, http, timeout)
+        quick, sluggish = backends
+        for backend in backends:
+            assert backend.step_s > 0 and backend.prefill_s_per_token > 0 and backend.queued_request_s > 0
+            assert backend.load_scraped_at > 0 and backend.engine_waiting == 0
+        assert sluggish.step_s > 2 * quick.step_s
+        assert sluggish.prefill_s_per_token > 2 * quick.prefill_s_per_token
+    finally:
+        kill_alive(fast, slow)

@@ -1,0 +1,270 @@
+"""The ``kv_aware`` policy's decisions (``router.placement.kv_aware``), on hand-set engine signals."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+
+import pytest
+
+from contract.errors import NoHealthyBackendError
+from router.membership import Backend, BackendPool
+from router.placement import KVAwarePolicy, KVAwareSettings, Outcome, PlacementHint, SessionPolicy, make_policy
+from router.sessions.table import SessionEntry, SessionTable
+
+PROMPT = 2000  # tokens: 0.5 s to prefill at the default 4,000 tokens/s
+
+
+def make_pool(n: int, first_port: int = 8100) -> BackendPool:
+    return BackendPool("default", [Backend(f"http://127.0.0.1:{first_port + i}") for i in range(n)])
+
+
+def table() -> SessionTable:
+    return SessionTable(1000, 3600)
+
+
+def hint(prompt: int = PROMPT, last: int | None = None, **extra: object) -> PlacementHint:
+    return PlacementHint(prompt, last_tokens=prompt - 50 if last is None else last, **extra)  # type: ignore[arg-type]
+
+
+class FakeKV:
+    """The two reads the policy makes of the KV index."""
+
+    def __init__(self, sessions: dict[str, dict[str, int]] | None = None,
+                 prefixes: dict[tuple[int, ...], dict[str, int]] | None = None) -> None:
+        self.sessions = sessions or {}
+        self.prefixes = prefixes or {}
+
+    def session_tokens(self, session_id: str) -> Mapping[str, int]:
+        return self.sessions.get(session_id, {})
+
+    def prefix_tokens(self, prompt_ids: Sequence[int]) -> Mapping[str, int]:
+        return self.prefixes.get(tuple(prompt_ids), {})
+
+
+def pinned(policy: KVAwarePolicy, pool: BackendPool, sessions: SessionTable, sid: str) -> tuple[SessionEntry, Backend]:
+    entry = sessions.touch(sid)
+    first = policy.place(pool, sid, entry, hint=hint(last=0))
+    assert first.outcome is Outcome.NEW
+    return entry, first.backend
+
+
+def test_is_the_default_policy_and_session_stays_one_setting_away() -> None:
+    from router.config import RouterConfig
+
+    assert RouterConfig().placement.policy == "kv_aware"
+    assert isinstance(make_policy("kv_aware", load_factor=1.25, reported_load_weight=0.0), KVAwarePolicy)
+    assert isinstance(make_policy("session", load_factor=1.25, reported_load_weight=0.0), SessionPolicy)
+
+
+def test_prediction_is_step_plus_uncached_prefill_plus_wait() -> None:
+    policy = KVAwarePolicy(KVAwareSettings(prefill_tokens_per_s=1000.0, per_request_step_s=0.01,
+                                           queued_request_s=0.2, kv_pressure_from=0.8))
+    b = Backend("http://127.0.0.1:8100")
+    assert policy.predict(b, 500, 100) == pytest.approx((0.01 + 0.4, 0.0))
+    b.engine_waiting, b.in_flight, b.in_flight_at_scrape = 2, 5, 3  # 2 queued + 2 sent since the scrape
+    assert policy.predict(b, 500, 100) == pytest.approx((0.41 + 0.8, 0.8))
+    b.engine_waiting = 0  # not queueing: arrivals since the scrape are batched, not a wait
+    assert policy.predict(b, 500, 100) == pytest.approx((0.41, 0.0))
+    b.kv_usage = 0.9  # half-way from 0.8 to full: half of 2 x the prompt
+    assert policy.predict(b, 500, 100) == pytest.approx((0.41 + 0.5, 0.5))
+    b.kv_usage = 0.0
+    b.step_s, b.prefill_s_per_token, b.busy_s_per_request = 0.05, 0.002, 0.01  # learned values win
+    assert policy.predict(b, 500, 100) == pytest.approx((0.05 + 0.8 + 0.05, 0.05))
+
+
+def test_sessions_stay_put_under_chance_in_flight_fluctuations() -> None:
+    """The issue's short-request complaint: in-flight counts crossing mean + headroom by chance made
+    sessions wander. Two backends that are not queueing: every request of every session stays."""
+    rng = random.Random(7)
+    for policy in (KVAwarePolicy(), SessionPolicy()):
+        pool, sessions = make_pool(2), table()
+        ids = [f"s{i}" for i in range(64)]
+        entries = {sid: sessions.touch(sid) for sid in ids}
+        for sid in ids:
+            policy.place(pool, sid, entries[sid], hint=hint(60, last=0))
+        homes = {sid: entries[sid].pins["default"] for sid in ids}
+        moved = 0
+        for _ in range(5000):
+            for backend in pool.members:  # c=16 spread by chance, as a closed loop sees it
+                backend.in_flight = rng.randint(0, 16)
+            sid = rng.choice(ids)
+            placement = policy.place(pool, sid, entries[sid], hint=hint(60, last=40))
+            moved += placement.backend.url != homes[sid]
+        if isinstance(policy, KVAwarePolicy):
+            assert moved == 0
+            assert all(entries[sid].pins["default"] == homes[sid] for sid in ids)
+        else:  # the old policy spills on those chance crossings (what the new default fixes)
+            assert moved > 100
+
+
+def test_a_saturated_pin_sheds_its_session_to_a_backend_with_headroom() -> None:
+    policy, pool, sessions = KVAwarePolicy(), make_pool(2), table()
+    entry, pin = pinned(policy, pool, sessions, "s")
+    other = next(b for b in pool.members if b is not pin)
+    pin.engine_waiting = 30  # 30 queued x 0.1 s: 3 s of wait against a 0.5 s recompute elsewhere
+    placement = policy.place(pool, "s", entry, hint=hint())
+    assert (placement.backend, placement.outcome, placement.reason) == (other, Outcome.SPILL, "wait")
+    assert entry.pins["default"] == other.url  # the pin moved with the freshest prefix
+    assert placement.cached_tokens == 0 and placement.predicted_ttft_s == pytest.approx(0.01 + 0.5)
+    # the next request stays on the new pin (its prefix is there now)
+    again = policy.place(pool, "s", entry, hint=hint())
+    assert (again.backend, again.outcome) == (other, Outcome.STICKY)
+
+
+def test_a_short_queue_does_not_pay_for_recomputing_the_prefix() -> None:
+    policy, pool, sessions = KVAwarePolicy(), make_pool(2), table()
+    entry, pin = pinned(policy, pool, sessions, "s")
+    pin.engine_waiting = 3  # 0.3 s of queue < the 0.5 s prefill a move costs
+    placement = policy.place(pool, "s", entry, hint=hint())
+    assert (placement.backend, placement.outcome, placement.reason) == (pin, Outcome.STICKY, "cached")
+    assert placement.cached_tokens == PROMPT - 50
+    assert placement.wait_s == pytest.approx(0.3)
+
+
+def test_a_kv_pressured_pin_sheds_its_session() -> None:
+    policy, pool, sessions = KVAwarePolicy(), make_pool(2), table()
+    entry, pin = pinned(policy, pool, sessions, "s")
+    pin.kv_usage = 0.99
+    placement = policy.place(pool, "s", entry, hint=hint())
+    assert (placement.outcome, placement.reason) == (Outcome.SPILL, "kv_pressure")
+    assert placement.backend is not pin and entry.pins["default"] == placement.backend.url
+
+
+def test_a_slow_backend_loses_its_sessions() -> None:
+    policy, pool, sessions = KVAwarePolicy(), make_pool(2), table()
+    entry, pin = pinned(policy, pool, sessions, "s")
+    pin.step_s = 2.0  # learned: its steps take 2 s (the other's are the configured 10 ms)
+    placement = policy.place(pool, "s", entry, hint=hint())
+    assert placement.backend is not pin and (placement.outcome, placement.reason) == (Outcome.SPILL, "wait")
+
+
+def test_new_sessions_go_by_rendezvous_hash_unless_it_is_clearly_slower() -> None:
+    policy, pool, sessions, ranking = KVAwarePolicy(), make_pool(4), table(), SessionPolicy()
+    for i in range(40):
+        sid = f"n{i}"
+        placement = policy.place(pool, sid, sessions.touch(sid), hint=hint(last=0))
+        assert (placement.outcome, placement.reason) == (Outcome.NEW, "hash")
+        assert placement.backend is ranking.candidates(pool, sid)[0]
+    hashed = ranking.candidates(pool, "late")[0]
+    hashed.engine_waiting = 50
+    placement = policy.place(pool, "late", sessions.touch("late"), hint=hint(last=0))
+    assert placement.backend is not hashed and (placement.outcome, placement.reason) == (Outcome.NEW, "wait")
+
+
+def test_a_child_session_goes_where_its_parent_is() -> None:
+    policy, pool, sessions = KVAwarePolicy(), make_pool(4), table()
+    parent, parent_pin = pinned(policy, pool, sessions, "parent")
+    for i in range(20):
+        child = sessions.touch(f"child{i}")
+        placement = policy.place(pool, f"child{i}", child,
+                                 hint=hint(last=0, parent_session="parent", parent_entry=parent))
+        assert (placement.backend, placement.outcome, placement.reason) == (parent_pin, Outcome.NEW, "parent")
+        assert child.pins["default"] == parent_pin.url
+    # with the KV index, where the parent's KV is wins over its pin
+    holder = next(b for b in pool.members if b is not parent_pin)
+    policy.kv = FakeKV(sessions={"parent": {holder.url: 1500}})
+    placement = policy.place(pool, "kid", sessions.touch("kid"),
+                             hint=hint(last=0, parent_session="parent", parent_entry=parent))
+    assert (placement.backend, placement.reason, placement.cached_tokens) == (holder, "parent", 1500)
+
+
+def test_the_kv_index_says_what_is_cached_where() -> None:
+    policy, pool, sessions = KVAwarePolicy(), make_pool(3), table()
+    entry, pin = pinned(policy, pool, sessions, "s")
+    holder = next(b for b in pool.members if b is not pin)
+    # the index says the session's KV is elsewhere (its pin lost it): it follows its KV
+    policy.kv = FakeKV(sessions={"s": {holder.url: PROMPT}})
+    placement = policy.place(pool, "s", entry, hint=hint())
+    assert (placement.backend, placement.outcome, placement.cached_tokens) == (holder, Outcome.SPILL, PROMPT)
+    # tokens mode: a new session's prompt prefix resident on one backend draws it there
+    ids = tuple(range(PROMPT))
+    policy.kv = FakeKV(prefixes={ids: {pin.url: PROMPT - 16}})
+    new = sessions.touch("fresh")
+    placement = policy.place(pool, "fresh", new, hint=PlacementHint(PROMPT, ids))
+    assert placement.backend is pin and placement.cached_tokens == PROMPT - 16
+    assert placement.reason in ("hash", "cached")
+
+
+def test_the_safety_net_bounds_the_spread() -> None:
+    """A pin over max(ceil(max_load_factor x (total + 1) / n), ceil((total + 1) / n) + headroom) in
+    flight sheds the session ("load") to the fastest backend within it. Over two backends a factor of
+    2 never binds (one backend may carry all); from three on it does."""
+    policy, pool, sessions = KVAwarePolicy(), make_pool(2), table()
+    entry, pin = pinned(policy, pool, sessions, "s")
+    pin.in_flight = 80
+    assert policy.place(pool, "s", entry, hint=hint()).outcome is Outcome.STICKY
+    pool3, sessions3 = make_pool(3), table()
+    entry3, pin3 = pinned(policy, pool3, sessions3, "t")
+    others = [b for b in pool3.members if b is not pin3]
+    pin3.in_flight, others[0].in_flight, others[1].in_flight = 8, 4, 4  # bound max(ceil(2 x 17 / 3), 6 + 2) = 12
+    assert policy.place(pool3, "t", entry3, hint=hint()).outcome is Outcome.STICKY
+    pin3.in_flight, others[0].in_flight, others[1].in_flight = 14, 2, 3  # bound max(ceil(2 x 20 / 3), 7 + 2) = 14
+    placement = policy.place(pool3, "t", entry3, hint=hint())
+    assert (placement.backend, placement.outcome, placement.reason) == (others[0], Outcome.SPILL, "load")
+    assert entry3.pins["default"] == others[0].url
+
+
+def test_a_retry_goes_elsewhere_and_keeps_the_pin() -> None:
+    policy, pool, sessions = KVAwarePolicy(), make_pool(2), table()
+    entry, pin = pinned(policy, pool, sessions, "s")
+    placement = policy.place(pool, "s", entry, frozenset({pin.url}), hint())
+    assert placement.backend is not pin and (placement.outcome, placement.reason) == (Outcome.SPILL, "retry")
+    assert entry.pins["default"] == pin.url
+
+
+def test_a_dead_or_removed_pin_is_replaced() -> None:
+    policy, pool, sessions = KVAwarePolicy(), make_pool(3), table()
+    entry, pin = pinned(policy, pool, sessions, "s")
+    pin.healthy = False
+    placement = policy.place(pool, "s", entry, hint=hint())
+    assert placement.backend is not pin and placement.outcome is Outcome.REPIN_UNHEALTHY
+    assert entry.pins["default"] == placement.backend.url
+    moved_to = placement.backend
+    pool.remove(moved_to.url)
+    placement = policy.place(pool, "s", entry, hint=hint())
+    assert placement.outcome is Outcome.REPIN_REMOVED and placement.backend is not moved_to
+    for backend in pool.members:
+        backend.healthy = False
+    with pytest.raises(NoHealthyBackendError):
+        policy.place(pool, "s", entry, hint=hint())
+    with pytest.raises(NoHealthyBackendError):
+        policy.place(pool, None, None, hint=hint())
+
+
+def test_requests_without_a_session_go_to_the_least_loaded_of_the_fastest() -> None:
+    policy, pool = KVAwarePolicy(), make_pool(3)
+    slow, busy, free = pool.members
+    slow.step_s = 5.0
+    busy.in_flight, free.in_flight = 4, 1
+    for _ in range(5):
+        placement = policy.place(pool, None, None, hint=hint(last=0))
+        assert (placement.backend, placement.outcome, placement.reason) == (free, Outcome.NO_SESSION, "least")
+    busy.in_flight = free.in_flight = 0  # ties take turns, never the slow one
+    chosen = {policy.place(pool, None, None).backend.url for _ in range(4)}
+    assert chosen == {busy.url, free.url}
+
+
+def test_the_fast_path_on_a_large_pool_matches_a_full_prediction() -> None:
+    """Pools over SMALL_POOL refresh the load total every STATS_EVERY placements; decisions made on
+    the fast path are the ones a full prediction makes when nothing is clearly faster."""
+    policy, pool, sessions = KVAwarePolicy(), make_pool(64), table()
+    entries = {f"s{i}": sessions.touch(f"s{i}") for i in range(500)}
+    for sid, entry in entries.items():
+        policy.place(pool, sid, entry, hint=hint(last=0))
+    homes = {sid: e.pins["default"] for sid, e in entries.items()}
+    rng = random.Random(3)
+    for backend in pool.members:
+        backend.in_flight = 4
+    for _ in range(2000):
+        for backend in rng.sample(pool.members, 8):  # ~256 in flight, each backend 2-6 (bound: 9)
+            backend.in_flight = rng.randint(2, 6)
+        sid = rng.choice(list(entries))
+        placement = policy.place(pool, sid, entries[sid], hint=hint())
+        assert (placement.outcome, placement.backend.url) == (Outcome.STICKY, homes[sid])
+    # one backend starts queueing hard: its sessions leave it, the others stay
+    victim = pool.get(homes["s0"])
+    assert victim is not None
+    victim.engine_waiting = 100
+    placement = policy.place(pool, "s0", entries["s0"], hint=hint())
+    assert placement.backend is not victim and placement.outcome is Outcome.SPILL
