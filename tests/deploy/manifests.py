@@ -73,11 +73,15 @@ class Rendered:
 
 def render(overlay: str) -> Rendered:
     """``kubectl kustomize deploy/overlays/<overlay>``; fails the test with kubectl's message."""
-    out = subprocess.run([str(KUBECTL), "kustomize", str(DEPLOY / "overlays" / overlay)],
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, f"kubectl kustomize {overlay} failed:\n{out.stderr}"
+    return render_path(DEPLOY / "overlays" / overlay)
+
+
+def render_path(directory: Path) -> Rendered:
+    """``kubectl kustomize <directory>`` (a kustomization under deploy/)."""
+    out = subprocess.run([str(KUBECTL), "kustomize", str(directory)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, f"kubectl kustomize {directory} failed:\n{out.stderr}"
     docs = tuple(d for d in yaml.safe_load_all(out.stdout) if d)
-    return Rendered(overlay, out.stdout, docs)
+    return Rendered(directory.name, out.stdout, docs)
 
 
 def validate(kubernetes_version: str, *paths: Path) -> subprocess.CompletedProcess[str]:

@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 
 import pytest
 import redis as redis_client
+import yaml
 
 from contract.kv_events import parse_kv_events_config
 from router.config import RouterConfig, load_config
@@ -36,6 +37,7 @@ from tests.deploy.manifests import (
     named_ports,
     pod_labels,
     render,
+    render_path,
     selector_matches,
     validate,
 )
@@ -323,3 +325,37 @@ def test_the_router_memory_request_holds_its_tables_at_the_configured_bounds(
     (container,) = containers(rendered[name].router)
     resources = container["resources"]
     assert need <= _mebibytes(resources["requests"]["memory"]) <= _mebibytes(resources["limits"]["memory"]), need
+
+
+def test_the_envoy_ingress_runs_the_recipe_against_the_routers_headless_service(
+        rendered: dict[str, Rendered], tmp_path: Path) -> None:
+    """deploy/envoy deploys envoy.yaml unchanged; its listener is the container's port "http" and its
+    cluster is the base's headless router Service, in the overlays' namespace, on the routers' port."""
+    ingress = render_path(DEPLOY / "envoy")
+    path = tmp_path / "envoy.yaml"
+    path.write_text(ingress.text)
+    out = validate(KUBERNETES_VERSIONS[0], path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    recipe_text = (DEPLOY / "envoy" / "envoy.yaml").read_text()
+    configmap = ingress.named_prefix("ConfigMap", "session-router-envoy")
+    assert configmap["data"]["envoy.yaml"] == recipe_text
+    deployment = ingress.one("Deployment", "session-router-ingress")
+    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["config"]["configMap"]["name"] == configmap["metadata"]["name"]
+    (envoy,) = containers(deployment)
+    mount = next(m for m in envoy["volumeMounts"] if m["name"] == "config")
+    assert envoy["args"][:2] == ["-c", f"{mount['mountPath']}/envoy.yaml"]
+    recipe = yaml.safe_load(recipe_text)
+    (listener,) = recipe["static_resources"]["listeners"]
+    assert named_ports(deployment) == {"http": listener["address"]["socket_address"]["port_value"]}
+    (cluster,) = recipe["static_resources"]["clusters"]
+    address = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]
+    plain = rendered["plain"]
+    headless = plain.one("Service", "session-router-headless")
+    assert headless["spec"]["clusterIP"] == "None"
+    namespace = headless["metadata"]["namespace"]
+    assert address["address"] == f"session-router-headless.{namespace}.svc.cluster.local"
+    assert address["port_value"] == named_ports(plain.router)["http"]
+    assert deployment["metadata"]["namespace"] == namespace
+    service = ingress.one("Service", "session-router-ingress")
+    assert service["spec"]["selector"].items() <= pod_labels(deployment).items()
