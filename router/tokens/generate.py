@@ -41,7 +41,7 @@ from router.bodies import OpenFields
 from router.exchange import REQUEST_ID_HEADER, ResponseWriter
 from router.membership import Backend
 from router.pd import Handoff
-from router.proxy import JSON_CONTENT_TYPE, Proxy, event_boundary
+from router.proxy import DECISION_HEADER, JSON_CONTENT_TYPE, Proxy, decision_value, event_boundary
 from router.routes import ROUTES, Route
 from router.tokens.engine import GENERATE_PATH, EngineAborts, engine_headers, engine_request_id
 from router.tokens.sse import SSEEvents
@@ -116,6 +116,8 @@ class EngineCall:
         headers = [("Content-Type", content_type), (REQUEST_ID_HEADER, attempt.request_id)]
         if attempt.session_id is not None:
             headers.append((self.proxy.session_header, attempt.session_id))
+        if self.proxy.decision_header and attempt.placement is not None:
+            headers.append((DECISION_HEADER, decision_value(attempt.placement)))
         return headers
 
     async def run(self, payload: bytes) -> None:

@@ -102,3 +102,29 @@ async def test_the_engines_load_comes_from_their_metrics_and_moves_sessions(make
         stays = await http.post(router.url + "/v1/completions", json=body)
         assert (await stays.json())["backend"] == other
         assert stays.headers[DECISION_HEADER].startswith("sticky;")
+
+
+async def test_the_decision_header_in_tokens_mode(make_router: MakeRouter) -> None:
+    """Tokens mode answers through its own handlers: the header is there too, the prompt's size
+    exact (the rendered ids), and the second turn's cached tokens the first turn's prompt + answer."""
+    from rendering.model import DEFAULT_MODEL_DIR, load_model
+    from tests.router.tokens.conftest import Engine, tokens_settings
+
+    model = load_model(DEFAULT_MODEL_DIR)
+    router = await make_router("raw", fakes=[Engine("e0", model), Engine("e1", model)], named=True,
+                               placement={"decision_header": True}, **tokens_settings())
+    messages = [{"role": "user", "content": "Count to ten."}]
+    async with aiohttp.ClientSession() as http:
+        first = await http.post(router.url + "/v1/chat/completions", headers={"X-Session-ID": "t"},
+                                json={"model": "tiny-llama", "messages": messages, "max_tokens": 4})
+        assert first.status == 200, await first.text()
+        usage = (await first.json())["usage"]
+        assert first.headers[DECISION_HEADER] == "new;cached=0;wait=0;reason=hash"
+        stream = await http.post(router.url + "/v1/chat/completions", headers={"X-Session-ID": "t"},
+                                 json={"model": "tiny-llama", "messages": messages + [
+                                     {"role": "assistant", "content": "1 2 3"}, {"role": "user", "content": "more"}],
+                                     "max_tokens": 4, "stream": True})
+        assert stream.status == 200
+        value = stream.headers[DECISION_HEADER]
+        assert value == f"sticky;cached={usage['prompt_tokens'] + usage['completion_tokens']};wait=0;reason=cached"
+        await stream.read()
