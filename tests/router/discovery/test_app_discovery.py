@@ -137,3 +137,32 @@ def test_discovery_config_file(tmp_path: Path) -> None:
     path.write_text('[discovery.decode]\nsource = "dns"\n[discovery.decode.dns]\nname = "d.test"\ninterval_s = 0\n')
     with pytest.raises(ConfigError, match="discovery.decode.dns.interval_s: must be a positive number of seconds"):
         build_config(["--config", str(path)])
+
+
+async def test_render_servers_discovered_in_tokens_mode(tmp_path: Path, aiohttp_server: Any,
+                                                        aiohttp_client: Any) -> None:
+    """The ``render`` role: tokens mode's render pool, filled from DNS, is the one the remote renderer uses."""
+    from router.app import TOKENS
+    from router.tokens.render_client import POOL_RENDER, RemoteRenderer
+
+    (_, render_port), = await backends(aiohttp_server, "r")
+    server = FakeDNS()
+    await server.start()
+    try:
+        server.set("render.test", "A", "127.0.0.1")
+        path = tmp_path / "router.toml"
+        path.write_text(f'[discovery.render.dns]\nnameservers = ["{server.nameserver}"]\ninterval_s = 0.1\n')
+        model = str(Path(__file__).resolve().parents[3] / "models" / "tiny-llama")
+        config = build_config(["--config", str(path), "--upstream-api", "tokens", "--model-dir", model,
+                               "--backend", "http://127.0.0.9:1", "--discovery", "render:dns",
+                               "--dns-name", "render:render.test", "--dns-port", f"render:{render_port}"])
+        app = create_app(config, registry=CollectorRegistry())
+        render_pool = app[ROUTER_STATE].pools[POOL_RENDER]
+        renderer = app[TOKENS].renderer
+        assert isinstance(renderer, RemoteRenderer) and renderer.pool is render_pool
+        assert len(render_pool) == 0
+        await aiohttp_client(app)
+        await eventually(lambda: [b.url for b in render_pool.members] == [f"http://127.0.0.1:{render_port}"],
+                         timeout=BOUND_S, what="the render server")
+    finally:
+        server.stop()
