@@ -35,6 +35,7 @@ KV-cache events (vLLM's ``--kv-events-config``; ``backends/kv_events``)::
         "endpoint": "ipc:///tmp/b0/kv.sock", "replay_endpoint": "ipc:///tmp/b0/kv-replay.sock"}'
 
 Bad JSON or a bad field stops start-up with exit status 2; a socket that cannot be bound exits 1.
+Block hashes go out as vLLM's default ints; ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`` sends bytes.
 ``GET /kv_event_sources`` says where the events are (``{}`` without the flag).
 """
 
@@ -43,6 +44,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -54,6 +56,7 @@ from backends.app import create_app, create_side_channel_app
 from backends.render_routes import create_render_app
 from backends.engine.config import EngineConfig
 from backends.kv_events.publisher import PublisherError
+from backends.kv_events.recorder import int_block_hashes
 from backends.kv_transfer.allow_list import parse_allow_entry
 from backends.kv_transfer.pull_client import DEFAULT_PULL_TIMEOUT_S
 from contract.aiohttp_json_errors import JsonErrorAppRunner
@@ -196,8 +199,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             p.error("--kv-events-config needs an engine; a --role render server has none")
         try:
             args.kv_events_config = parse_kv_events_config(args.kv_events_config)
-        except ConfigError as exc:
+            args.kv_events_int_hashes = int_block_hashes(os.environ)
+        except (ConfigError, ValueError) as exc:
             p.error(str(exc))
+    else:
+        args.kv_events_int_hashes = True
     return args
 
 
@@ -249,7 +255,7 @@ async def serve(args: argparse.Namespace, model: RenderModel) -> None:
                          tokens_only=args.tokens_only, prompt_tokens_details=args.enable_prompt_tokens_details,
                          kv_allow=args.kv_allow, kv_pull_timeout_s=args.kv_pull_timeout,
                          kv_side_channel_on_data_port=not dedicated, kv_events=args.kv_events_config,
-                         kv_events_host=args.host)
+                         kv_events_host=args.host, kv_events_int_hashes=args.kv_events_int_hashes)
     runner = JsonErrorAppRunner(app, access_log=None, handler_cancellation=True,
                            shutdown_timeout=args.shutdown_timeout)
     await runner.setup()

@@ -99,6 +99,7 @@ def create_app(
     kv_side_channel_on_data_port: bool = True,
     kv_events: KVEventsConfig | None = None,
     kv_events_host: str = "127.0.0.1",
+    kv_events_int_hashes: bool = True,
 ) -> web.Application:
     """Build a backend app; the engine starts and stops with the app (``cleanup_ctx``).
 
@@ -117,7 +118,8 @@ def create_app(
 
     KV-cache events: ``kv_events`` is vLLM's ``--kv-events-config`` (``backends/kv_events``); when it
     publishes, the engine reports its prefix-cache changes and the sockets open at start-up
-    (``tcp://*:0`` binds on ``kv_events_host``). ``GET /kv_event_sources`` is served either way.
+    (``tcp://*:0`` binds on ``kv_events_host``); block hashes go out as ints (vLLM's default) unless
+    ``kv_events_int_hashes`` is false. ``GET /kv_event_sources`` is served either way.
     """
     if model is None:
         model = load_model(DEFAULT_MODEL_DIR, served_model_name=config.model, max_model_len=config.max_model_len)
@@ -140,7 +142,8 @@ def create_app(
     app[FRONTEND] = fe
     app[ENGINE] = engine
     app[REQUEST_IDS] = fe.ids
-    events = KVEvents(kv_events, block_size=config.block_size, host=kv_events_host, registry=registry)
+    events = KVEvents(kv_events, block_size=config.block_size, host=kv_events_host, registry=registry,
+                      int_hashes=kv_events_int_hashes)
     if events.sink is not None:
         engine.core.attach_kv_events(events.sink)
     app[KV_EVENTS] = events

@@ -45,8 +45,9 @@ The payload (msgspec msgpack):
   with the class name under the key ``"type"``: ``{"type": "BlockStored", "block_hashes": ...}``.
   ``omit_defaults`` leaves out every field that has a default and holds it; fields without a
   default are always sent, ``nil`` included. Keys come in field order after ``"type"``.
-- ``BlockStored``: ``block_hashes`` (list of bytes -- sha256 digests by default -- or ints with
-  ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``), ``parent_block_hash`` (the hash of the block before the
+- ``BlockStored``: ``block_hashes`` (ints by default: the low 64 bits of each sha256 digest read
+  big-endian, ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``; the digests' bytes with ``=0``),
+  ``parent_block_hash`` (the hash of the block before the
   first one, ``None`` at the start of a prompt), ``token_ids`` (all the blocks' tokens, in order),
   ``block_size``, ``lora_id``, ``medium`` (``"GPU"``), ``lora_name`` -- these seven always sent --
   then, only when set: ``extra_keys``, ``group_idx`` (vLLM sets the KV-cache group, 0),
@@ -59,7 +60,8 @@ The payload (msgspec msgpack):
 
 What we do: these Structs are declared with vLLM's field order, defaults and struct options, so
 msgspec encodes them to the same bytes vLLM does and decodes vLLM's bytes (the golden recordings
-under ``tests/data/kv_events/`` pin both directions). ``encode_batch``/``decode_batch`` are the only
+under ``tests/data/kv_events/`` pin both directions; so does a batch encoded by vLLM's own Structs,
+``tests/contract/data/kv_event_batch_vllm_0_32.msgpack``). ``encode_batch``/``decode_batch`` are the only
 codec; ``seq_to_bytes``/``seq_from_bytes`` the seq frame; ``parse_kv_events_config`` checks the
 flag's JSON the way vLLM's config class does (unknown fields refused, types checked).
 """

@@ -18,8 +18,9 @@ Here:
 - ``service.KVEvents`` ties them to the app (``KV_EVENTS``; sockets opened before the engine starts,
   closed after it stops); ``routes`` serves ``GET /kv_event_sources`` and ``POST /reset_prefix_cache``.
 
-Differences from vLLM, all invisible on the wire: block hashes are our 16-byte blake2b keys (vLLM:
-sha256 by default); a full queue drops a batch instead of stalling the engine; a reset on an idle
+Differences from vLLM, all invisible on the wire: block hashes come from our 16-byte blake2b keys
+(vLLM: sha256), published as vLLM publishes its own (the low 64 bits as an int by default, the bytes
+with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``); a full queue drops a batch instead of stalling the engine; a reset on an idle
 engine is published at once (vLLM holds it until its next step); blocks a P/D pull put in are
 reported stored when the first request hits them, tagged with its session (vLLM's decode instance
 stores them for the request that loaded them), and never reported if evicted before that.

@@ -22,13 +22,15 @@ class KVEvents:
     """The backend's KV-event publisher, or nothing when events are off."""
 
     def __init__(self, config: KVEventsConfig | None, *, block_size: int, host: str = "127.0.0.1",
-                 registry: CollectorRegistry | None = None) -> None:
+                 registry: CollectorRegistry | None = None, int_hashes: bool = True) -> None:
+        """``int_hashes``: block hashes as vLLM's default ints (``recorder.int_block_hashes`` reads
+        ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``), else bytes."""
         self.publisher: ZmqPublisher | None = None
         self.sink: StepEvents | None = None
         if config is not None and config.publishes:
             metrics = PublisherMetrics(registry) if registry is not None else None
             self.publisher = ZmqPublisher(config, host=host, metrics=metrics)
-            self.sink = StepEvents(block_size, self.publisher.publish)
+            self.sink = StepEvents(block_size, self.publisher.publish, int_hashes=int_hashes)
         self._started = False
 
     def start(self) -> None:

@@ -15,6 +15,7 @@ import zmq.asyncio
 
 from backends.app import create_app
 from backends.engine.config import EngineConfig
+from backends.engine.kv_cache import hash_full_blocks
 from backends.render_routes import create_render_app
 from contract.kv_events import (
     AllBlocksCleared,
@@ -55,9 +56,9 @@ Start = Callable[..., Awaitable[Any]]
 
 @pytest.fixture
 def start_backend(aiohttp_client: Any) -> Start:
-    async def start(kv_events: KVEventsConfig | None, **engine: Any) -> Any:
+    async def start(kv_events: KVEventsConfig | None, int_hashes: bool = True, **engine: Any) -> Any:
         config = EngineConfig(**{"speed": 0.0, "model": MODEL, "block_size": BS, **engine})
-        return await aiohttp_client(create_app(config, kv_events=kv_events))
+        return await aiohttp_client(create_app(config, kv_events=kv_events, kv_events_int_hashes=int_hashes))
     return start
 
 
@@ -116,7 +117,7 @@ async def test_a_chat_requests_blocks_arrive_tagged_with_its_session(
         first = next(e for e in stored_events(got) if e.session_id == session)
         assert first.parent_block_hash is None and first.block_size == BS and first.medium == "GPU"
         assert len(first.block_hashes) == prompt_tokens // BS  # every full block of the prompt, one run
-        assert all(isinstance(h, bytes) and len(h) == 16 for h in first.block_hashes)
+        assert all(isinstance(h, int) and 0 <= h < 2**64 for h in first.block_hashes)  # vLLM's default
         assert len(first.token_ids) == BS * len(first.block_hashes)
         assert all(r.topic == b"kv@b0" for r in got)
     finally:
@@ -125,7 +126,8 @@ async def test_a_chat_requests_blocks_arrive_tagged_with_its_session(
 
 async def test_completion_blocks_carry_the_prompts_tokens_and_chain(
         start_backend: Start, ipc: IpcDir, ctx: zmq.asyncio.Context) -> None:
-    client = await start_backend(events_config(endpoint=ipc.endpoint("pub")))
+    # VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0: the engine's own 16-byte keys
+    client = await start_backend(events_config(endpoint=ipc.endpoint("pub")), int_hashes=False)
     stream = await subscribed(ctx, client, ipc.endpoint("pub"))
     prompt = list(range(10, 50))  # the shipped model has 393 ids
     try:
@@ -133,6 +135,7 @@ async def test_completion_blocks_carry_the_prompts_tokens_and_chain(
         got = await stream.until(lambda g: len(stored_events(g)) >= 2)
         first, second = stored_events(got)[:2]
         assert first.token_ids == prompt[:32] and len(first.block_hashes) == 2
+        assert first.block_hashes == hash_full_blocks(prompt, BS)[:2]
         assert second.parent_block_hash == first.block_hashes[-1]  # the generated tokens fill block 3
         assert second.token_ids[:8] == prompt[32:] and second.session_id == "s-tok"
         seqs = [r.seq for r in got]

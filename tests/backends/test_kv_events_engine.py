@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from backends.engine.config import EngineConfig
 from backends.engine.core import EngineCore
 from backends.engine.kv_cache import KVCacheManager, hash_full_blocks
 from backends.engine.metrics import EngineMetrics
-from backends.kv_events.recorder import StepEvents
+from backends.kv_events.recorder import StepEvents, int_block_hashes
 from contract.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch
 from tests.backends.engine.engine_support import run_to_completion, wire
 
@@ -22,7 +23,9 @@ def make_core(**overrides: Any) -> tuple[EngineCore, list[KVEventBatch]]:
     config = EngineConfig(**{"speed": 0.0, "eos_probability": 0.0, "block_size": BS, **overrides})
     core = EngineCore(config, EngineMetrics(CollectorRegistry(), "m", 0, 10))
     batches: list[KVEventBatch] = []
-    core.attach_kv_events(StepEvents(BS, batches.append))
+    # bytes hashes (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0) compare with the engine's keys directly;
+    # the int conversion (vLLM's default) is tested on its own below
+    core.attach_kv_events(StepEvents(BS, batches.append, int_hashes=False))
     return core, batches
 
 
@@ -125,7 +128,7 @@ def test_reset_publishes_all_blocks_cleared_at_once_and_only_when_nothing_is_in_
 def test_a_partial_reset_reports_each_dropped_key_instead() -> None:
     kv = KVCacheManager(8, 4)
     batches: list[KVEventBatch] = []
-    sink = StepEvents(4, batches.append)
+    sink = StepEvents(4, batches.append, int_hashes=False)
     kv.events = sink
     held, loose = kv.allocate(1), kv.allocate(1)
     kv.cache_block(held[0], b"h" * 16)
@@ -170,3 +173,25 @@ def test_detached_sink_gets_nothing() -> None:
     core.add_request(wire("a", PROMPT, "s", max_tokens=2))
     run_to_completion(core)
     assert core.reset_prefix_cache() and batches == []
+
+
+def test_hashes_are_vllms_default_ints_the_low_64_bits_big_endian() -> None:
+    batches: list[KVEventBatch] = []
+    sink = StepEvents(BS, batches.append)  # the default, as vLLM's VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1
+    key0, key1 = bytes(range(16)), bytes(range(16, 32))
+    sink.stored([key1], key0, list(range(BS)), "s", None)
+    sink.removed(key1)
+    sink.flush()
+    stored_event, removed_event = batches[0].events
+    assert isinstance(stored_event, BlockStored) and isinstance(removed_event, BlockRemoved)
+    # vLLM: int.from_bytes(digest, "big") & (2**64 - 1): the last 8 bytes of our 16-byte key
+    assert stored_event.block_hashes == [0x18191A1B1C1D1E1F] and stored_event.parent_block_hash == 0x08090A0B0C0D0E0F
+    assert removed_event.block_hashes == [0x18191A1B1C1D1E1F]
+
+
+def test_the_int_hashes_switch_reads_like_vllms() -> None:
+    assert int_block_hashes({}) is True
+    assert int_block_hashes({"VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES": "0"}) is False
+    assert int_block_hashes({"VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES": "1"}) is True
+    with pytest.raises(ValueError, match="must be 0 .* or 1"):
+        int_block_hashes({"VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES": "yes"})

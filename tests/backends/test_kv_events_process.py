@@ -45,10 +45,22 @@ def test_render_servers_refuse_the_flag(capsys: pytest.CaptureFixture[str]) -> N
     assert stop.value.code == 2 and "needs an engine" in capsys.readouterr().err
 
 
-def test_a_good_flag_is_parsed_into_vllms_config() -> None:
+def test_a_good_flag_is_parsed_into_vllms_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", raising=False)
     args = parse_args(["--kv-events-config", '{"enable_kv_cache_events": true, "topic": "kv@a"}'])
     assert args.kv_events_config.publishes and args.kv_events_config.topic == "kv@a"
+    assert args.kv_events_int_hashes is True
     assert parse_args([]).kv_events_config is None
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "0")
+    assert parse_args(["--kv-events-config", '{"enable_kv_cache_events": true}']).kv_events_int_hashes is False
+
+
+def test_a_bad_int_hashes_variable_stops_start_up(monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "maybe")
+    with pytest.raises(SystemExit) as stop:
+        main(["--kv-events-config", '{"enable_kv_cache_events": true}'])
+    assert stop.value.code == 2 and "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES must be 0" in capsys.readouterr().err
 
 
 @pytest.fixture

@@ -257,31 +257,69 @@ def test_event_sources_is_vllms_dict_keyed_by_dp_rank() -> None:
 
 # ---- real vLLM's bytes (helper V's recordings) -----------------------------------------------------
 
-def _recorded_payloads() -> list[tuple[str, bytes]]:
-    """Every recorded payload: ``*.msgpack`` files (one payload each) and ``*.jsonl`` lines with a
-    hex ``payload`` field."""
-    found: list[tuple[str, bytes]] = []
+def _recorded_lines() -> list[tuple[str, dict[str, Any]]]:
+    """Every JSON line of the recordings (``*.jsonl``), named ``file:line``."""
+    found: list[tuple[str, dict[str, Any]]] = []
     if not RECORDINGS.is_dir():
         return found
-    for path in sorted(RECORDINGS.iterdir()):
-        if path.suffix == ".msgpack":
-            found.append((path.name, path.read_bytes()))
-        elif path.suffix == ".jsonl":
-            for i, line in enumerate(path.read_text().splitlines()):
-                if not line.strip():
-                    continue
+    for path in sorted(RECORDINGS.glob("*.jsonl")):
+        for i, line in enumerate(path.read_text().splitlines()):
+            if line.strip():
                 record = msgspec.json.decode(line)
-                if isinstance(record, dict) and isinstance(record.get("payload"), str):
-                    found.append((f"{path.name}:{i + 1}", bytes.fromhex(record["payload"])))
+                if isinstance(record, dict):
+                    found.append((f"{path.name}:{i + 1}", record))
     return found
 
 
+def _recorded_payloads() -> list[tuple[str, bytes]]:
+    """Every recorded batch payload: a PUB message's ``payload`` (hex), or the payload frame of a
+    replay answer's ``frames`` (hex ``["", topic, seq, payload]``; the end marker has none)."""
+    found: list[tuple[str, bytes]] = []
+    for name, record in RECORDED_LINES:
+        if isinstance(record.get("payload"), str):
+            found.append((name, bytes.fromhex(record["payload"])))
+        frames = record.get("frames")
+        if isinstance(frames, list) and len(frames) == 4 and bytes.fromhex(frames[2]) != END_SEQ:
+            found.append((name, bytes.fromhex(frames[3])))
+    return found
+
+
+RECORDED_LINES = _recorded_lines()
 RECORDED = _recorded_payloads()
+SOURCES = sorted(RECORDINGS.glob("*kv_event_sources*.json")) if RECORDINGS.is_dir() else []
+NO_RECORDINGS = "no recordings of a live vLLM 0.32 in tests/data/kv_events/ yet"
 
 
-@pytest.mark.skipif(not RECORDED, reason="no recordings of a live vLLM 0.32 in tests/data/kv_events/ yet")
+@pytest.mark.skipif(not RECORDED, reason=NO_RECORDINGS)
 @pytest.mark.parametrize(("name", "payload"), RECORDED, ids=[name for name, _ in RECORDED] or None)
 def test_real_vllm_payloads_decode_and_reencode_byte_for_byte(name: str, payload: bytes) -> None:
     independent_decode(payload)
     batch = decode_batch(payload)
     assert encode_batch(batch) == payload, name
+
+
+@pytest.mark.skipif(not RECORDED_LINES, reason=NO_RECORDINGS)
+def test_real_vllm_frames_are_ours() -> None:
+    """The seq frames, the topic and the replay's end marker, as recorded."""
+    ends = 0
+    for name, record in RECORDED_LINES:
+        if isinstance(record.get("seq"), str):
+            raw = bytes.fromhex(record["seq"])
+            assert len(raw) == 8 and seq_to_bytes(seq_from_bytes(raw)) == raw, name
+        frames = record.get("frames")
+        if isinstance(frames, list) and len(frames) == 4:
+            if bytes.fromhex(frames[2]) == END_SEQ:
+                assert [bytes.fromhex(f) for f in frames] == [b"", b"", END_SEQ, b""], name
+                ends += 1
+            else:
+                assert frames[0] == "" and seq_from_bytes(bytes.fromhex(frames[2])) >= 0, name
+    assert ends > 0  # the recordings hold replays
+
+
+@pytest.mark.skipif(not SOURCES, reason=NO_RECORDINGS)
+@pytest.mark.parametrize("path", SOURCES, ids=[p.name for p in SOURCES] or None)
+def test_real_vllm_kv_event_sources_decode_and_reencode_byte_for_byte(path: Path) -> None:
+    body = path.read_bytes().strip()
+    sources = decode_event_sources(body)
+    assert list(sources) == [0] and sources[0].publishes
+    assert encode_event_sources(sources) == body
