@@ -35,7 +35,8 @@ KV-cache events (``attach_kv_events``; off by default, and then no hook does any
 manager reports stores, reported hits, evictions and resets to the sink as they happen; ``execute``
 flushes them at the start of each step's execution, so one batch holds one step's events (vLLM
 publishes at the end of its step, after the forward pass: same grouping, same order).
-``reset_prefix_cache`` (vLLM's: refused while any block is referenced) flushes at once.
+``reset_prefix_cache`` (vLLM's: refused while any block is referenced) and ``preload_blocks`` (a
+P/D pull may evict) happen between steps and flush at once.
 """
 
 from __future__ import annotations
@@ -467,4 +468,7 @@ class EngineCore:
         """
         bs = self.config.block_size
         keys = hash_full_blocks(token_ids, bs, cache_salt)
-        return self.kv_cache.insert_cached(keys) * bs
+        present = self.kv_cache.insert_cached(keys) * bs
+        if self._kv_events is not None:  # blocks it evicted to make room: published at once
+            self._kv_events.flush()
+        return present

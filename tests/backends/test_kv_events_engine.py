@@ -157,6 +157,18 @@ def test_pulled_blocks_are_reported_when_a_request_first_hits_them() -> None:
     assert pulled.token_ids == PROMPT[:32] and pulled.session_id == "sess-decode"
 
 
+def test_blocks_a_pull_evicts_are_reported_at_once() -> None:
+    core, batches = make_core(num_blocks=4, max_model_len=64)
+    core.add_request(wire("a", list(range(100, 164)), "sa", max_tokens=1))  # 4 cached blocks
+    run_to_completion(core)
+    a_keys = stored(batches)[0].block_hashes
+    batches.clear()
+    core.preload_blocks(list(range(300, 332)))  # 2 pulled blocks evict 2 of a's, between steps
+    [batch] = batches
+    # the tail of a sequence is evicted first (freed in reverse)
+    assert [e.block_hashes[0] for e in batch.events if isinstance(e, BlockRemoved)] == [a_keys[3], a_keys[2]]
+
+
 def test_pulled_blocks_evicted_before_any_hit_are_not_reported_removed() -> None:
     core, batches = make_core(num_blocks=4, max_model_len=64)
     core.preload_blocks(list(range(100, 148)))  # 3 blocks, never hit
