@@ -380,6 +380,11 @@ class Driver:
         self.samples: list[Sample] = []
         self._t0 = 0.0
 
+    def target_for(self, record: TurnRecord) -> str:
+        """The router URL a turn (and its attribution) goes to: the one target here; ``bench.replicas``
+        spreads the turns over router replicas."""
+        return self.target
+
     async def run(self) -> float:
         """Run every session to its end; returns the wall time in seconds."""
         connector = aiohttp.TCPConnector(limit=0, force_close=False)
@@ -423,7 +428,7 @@ class Driver:
         parts: list[str] = []
         started = time.perf_counter()
         try:
-            async with http.post(self.target + "/v1/chat/completions", data=body, headers=headers) as resp:
+            async with http.post(self.target_for(record) + "/v1/chat/completions", data=body, headers=headers) as resp:
                 if resp.status != 200:
                     raise RuntimeError(f"HTTP {resp.status}: {(await resp.read())[:200].decode(errors='replace')}")
                 record.session_id = resp.headers.get(SESSION_HEADER, "")
@@ -454,7 +459,7 @@ class Driver:
 
     async def _attribute(self, http: aiohttp.ClientSession, session_id: str, record: TurnRecord) -> None:
         with contextlib.suppress(aiohttp.ClientError, TimeoutError, msgspec.DecodeError):
-            async with http.get(f"{self.target}/v1/sessions/{session_id}") as resp:
+            async with http.get(f"{self.target_for(record)}/v1/sessions/{session_id}") as resp:
                 if resp.status == 200:
                     info = _session_decoder.decode(await resp.read())
                     record.backend = info.last_backend
