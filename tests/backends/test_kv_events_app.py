@@ -273,3 +273,32 @@ async def test_a_render_server_has_no_kv_event_sources(aiohttp_client: Any) -> N
                                                                max_model_len=None)))
     resp = await client.get("/kv_event_sources")
     assert resp.status == 200 and await resp.read() == b"{}"
+
+
+async def test_a_decode_instance_reports_pulled_blocks_for_the_request_that_loaded_them(
+        aiohttp_client: Any, ipc: IpcDir, ctx: zmq.asyncio.Context) -> None:
+    """P/D: the blocks a decode instance pulls from the prefill are stored blocks of the decode request
+    (tagged with its session), as vLLM's decode instance reports them once the transfer lands."""
+    def engine(role: str) -> EngineConfig:
+        return EngineConfig(speed=0.0, model=MODEL, block_size=BS, role=role)
+    prefill = await aiohttp_client(create_app(engine("prefill")), server_kwargs={"host": "127.0.0.1"})
+    decode = await aiohttp_client(create_app(engine("decode"), kv_events=events_config(endpoint=ipc.endpoint("pub"))),
+                                  server_kwargs={"host": "127.0.0.1"})
+    stream = await subscribed(ctx, decode, ipc.endpoint("pub"))
+    tokens = list(range(300, 375))  # 4 full blocks and 11 tokens
+    session = {"X-Session-ID": "pd-sess"}
+    placeholder = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                   "remote_block_ids": None, "remote_host": None, "remote_port": None}
+    try:
+        resp = await prefill.post("/inference/v1/generate", headers=session, json={
+            "token_ids": tokens, "sampling_params": {"max_tokens": 1}, "kv_transfer_params": placeholder})
+        params = (await resp.json())["kv_transfer_params"]
+        resp = await decode.post("/inference/v1/generate", headers=session, json={
+            "token_ids": tokens, "sampling_params": {"max_tokens": 4}, "kv_transfer_params": params})
+        assert resp.status == 200
+        assert (await resp.json())["usage"]["prompt_tokens_details"]["cached_tokens"] == 64  # pulled, not computed
+        pulled = stored_events(await stream.until(has_session("pd-sess")))[0]
+        assert pulled.session_id == "pd-sess" and pulled.parent_block_hash is None
+        assert pulled.token_ids == tokens[:64] and len(pulled.block_hashes) == 4
+    finally:
+        stream.close()
