@@ -139,8 +139,8 @@ class ZmqPublisher:
                                               endpoint=endpoint, replay_endpoint=replay_endpoint)
         self._thread = threading.Thread(target=self._run, name="kv-events-publisher", daemon=True)
         self._thread.start()
-        log.info("KV events: publishing on %s (%s)%s", endpoint, "bound" if publisher_binds(endpoint)
-                 or self._requested.endpoint == EPHEMERAL_TCP else "connected",
+        how = "bound" if publisher_binds(self._requested.endpoint) else "connected to"
+        log.info("KV events: publishing on %s (%s)%s", endpoint, how,
                  f", replay on {replay_endpoint}" if replay_endpoint else "")
         return self.config
 
