@@ -15,7 +15,9 @@ The protocol, as client-go's reflector does it, with nothing but ``get``/``list`
    ``ADDED``/``MODIFIED``/``DELETED`` change one pod each; ``BOOKMARK`` only advances the version; each
    event's ``metadata.resourceVersion`` is remembered. When the server ends the watch (its timeout), it
    is resumed from the last version, without a list;
-3. **410 Gone** (the version is too old, as an HTTP status or as an ``ERROR`` event): list again;
+3. **410 Gone** (the version is too old, as an HTTP status or as an ``ERROR`` event): list again, at once
+   (a 410 again before any event arrived waits a backoff first: an API that expires every version at
+   once is not flooded with lists);
 4. any other failure (connection refused or reset, timeouts, 5xx, 401/403, garbage): counted, logged,
    then retried after a bounded exponential backoff with jitter (``discovery.backoff_*``). The set found
    before stays as it is meanwhile: an API server that cannot be reached never empties a pool.
@@ -190,6 +192,12 @@ class PodWatch:
         self.resource_version: str | None = None
         #: completed lists (a resync after 410 is one more)
         self.lists = 0
+        #: watch events applied (bookmarks included)
+        self.events = 0
+        #: 410s in a row with no event between them (the second one on waits a backoff), and the event
+        #: count at the last one
+        self._gone_streak = 0
+        self._events_at_gone = 0
 
     async def run(self) -> None:
         """List and watch until cancelled; never raises otherwise."""
@@ -200,7 +208,8 @@ class PodWatch:
                     api = k8s_client.CoreV1Api(await self._client_factory())
                 if self.resource_version is None:
                     await self._list(api)
-                    self.backoff.reset()
+                    if self._gone_streak <= 1:  # not the list of a 410 that follows another at once
+                        self.backoff.reset()
                 if await self._watch(api):
                     self.backoff.reset()
                     continue
@@ -209,9 +218,17 @@ class PodWatch:
                 raise
             except Gone as exc:
                 self.metrics.error(self.pool, SOURCE, exc.reason)
-                logger.info("kubernetes discovery for pool %s: %s; listing the pods again", self.pool, exc)
                 self.resource_version = None
-                continue
+                if self.events > self._events_at_gone:  # an event came since the last 410: a new streak
+                    self._gone_streak = 0
+                self._events_at_gone = self.events
+                self._gone_streak += 1
+                if self._gone_streak == 1:  # the usual expiry: list again at once
+                    logger.info("kubernetes discovery for pool %s: %s; listing the pods again", self.pool, exc)
+                    continue
+                delay = self.backoff.next_delay()
+                logger.warning("kubernetes discovery for pool %s: %s again with no event since the last one; keeping its %d "
+                               "backends, listing again in %.1fs", self.pool, exc, len(self.backends), delay)
             except Exception as exc:  # noqa: BLE001 - every failure is retried; the set found stays
                 reason, text = _describe(exc)
                 self.metrics.error(self.pool, SOURCE, reason)
@@ -288,6 +305,7 @@ class PodWatch:
             pod = _pod.decode(event.object)
         except msgspec.DecodeError as exc:
             raise WatchFailed("protocol", f"a watch event is not a pod event: {exc}") from None
+        self.events += 1
         if pod.metadata.resourceVersion:
             self.resource_version = pod.metadata.resourceVersion
         if event.type == "BOOKMARK":

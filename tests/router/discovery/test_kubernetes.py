@@ -264,3 +264,22 @@ async def test_in_cluster_credentials_are_the_service_account_token_and_ca(
             await api_client("")
     finally:
         await fake.stop()
+
+
+async def test_a_list_whose_version_is_gone_at_once_backs_off(fake: FakeKubeAPI, tmp_path: Path) -> None:
+    """An API that answers 410 to every watch (a version expired as soon as listed) is not hammered
+    with lists: after the first resync, each next one waits a backoff; the set listed stays."""
+    await fake.put(pod("a", "10.0.0.1"))
+    fake.oldest = 10**9  # every version is "too old"
+    async with watching(fake.kubeconfig(str(tmp_path))) as w:
+        await w.converge({A}, "the first list")
+        await eventually(lambda: w.watch.backoff.failures >= 3, timeout=BOUND_S, what="backoff after 410s")
+        assert w.errors("gone") >= 3
+        lists, started = fake.lists(), time.monotonic()
+        await asyncio.sleep(0.3)
+        assert fake.lists() - lists <= 0.3 / 0.01 / 2  # spaced by the backoff, not a busy loop
+        assert w.current == frozenset({A})
+        fake.oldest = 0
+        await fake.put(pod("b", "10.0.0.2"))
+        await w.converge({A, B}, "watching again")
+        assert time.monotonic() - started < BOUND_S
