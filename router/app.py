@@ -84,7 +84,9 @@ def build_state(config: RouterConfig, registry: CollectorRegistry | None = None)
         on_change=lambda backend, healthy: metrics.health_transitions.labels(
             backend.name, "healthy" if healthy else "unhealthy").inc(),
         # kv_aware reads the engines' own load and learns their speed from their /metrics
-        engine_load=EngineLoad(learn=config.placement.learn) if config.placement.policy == "kv_aware" else None,
+        engine_load=EngineLoad(learn=config.placement.learn, prefill_tokens_per_s=config.placement.prefill_tokens_per_s,
+                               per_request_step_s=config.placement.per_request_step_s)
+        if config.placement.policy == "kv_aware" else None,
     )
     state = RouterState(
         config=config,

@@ -20,9 +20,13 @@ prometheus_client's text parser, summed over the label sets an engine exports (d
     does), else Δ``vllm:time_to_first_token_seconds`` sum (which includes queueing, so it errs on
     the side of a dearer prefill), less one step per request. Prefills that run concurrently share
     steps, so that per-request sum counts shared time once per request; the engine cannot have
-    spent more than the wall time between the two scrapes, so the time is capped there. Only
-    learned from intervals that computed at least ``MIN_COMPUTED_PER_REQUEST`` tokens per request
-    (a mostly cached interval says little about the prefill rate);
+    spent more than the wall time between the two scrapes, so the time is capped there. From the
+    TTFT (no prefill histogram) the sample is also capped at the configured prefill cost scaled by
+    the engine's learned step over the configured step (``ratio``): TTFT counts queueing and steps
+    shared with other prefills, while a GPU that runs steps k times slower prefills about k times
+    slower. Only learned from intervals that computed at least ``MIN_COMPUTED_PER_REQUEST`` tokens
+    per request (a mostly cached interval says little about the prefill rate); until one does, the
+    configured cost scaled by ``ratio`` stands in;
   * a queued request's cost (``queued_request_s``): the wall time between the scrapes / the
     requests that finished in it: how often a running request finishes and makes room, which is
     what a waiting request waits for (the engine queues only when it is full);
@@ -133,8 +137,10 @@ def _blend(old: float, sample: float) -> float:
     return sample if old < 0 else old + SMOOTHING * (sample - old)
 
 
-def learn(backend: Backend, before: EngineSample, now: EngineSample) -> None:
-    """Update ``backend``'s learned constants from the interval between two scrapes (module docstring)."""
+def learn(backend: Backend, before: EngineSample, now: EngineSample, *, ratio: float = 0.0) -> None:
+    """Update ``backend``'s learned constants from the interval between two scrapes (module docstring).
+
+    ``ratio``: configured seconds per prompt token / configured step seconds (0: no such cap)."""
     elapsed = now.at - before.at
     d_itl_count = now.itl_count - before.itl_count
     if d_itl_count > 0:
@@ -142,18 +148,24 @@ def learn(backend: Backend, before: EngineSample, now: EngineSample) -> None:
         backend.step_s = _blend(backend.step_s, min(MAX_STEP_S, max(0.0, step)))
     step = max(0.0, backend.step_s)
     computed = (now.prompt_tokens - before.prompt_tokens) - (now.prefix_hits - before.prefix_hits)
-    if now.has_prefill_time and before.has_prefill_time:
-        requests = now.prefill_time_count - before.prefill_time_count
-        spent = now.prefill_time_sum - before.prefill_time_sum
-    else:
+    from_ttft = not (now.has_prefill_time and before.has_prefill_time)
+    if from_ttft:
         requests = now.ttft_count - before.ttft_count
         spent = now.ttft_sum - before.ttft_sum
+    else:
+        requests = now.prefill_time_count - before.prefill_time_count
+        spent = now.prefill_time_sum - before.prefill_time_sum
     if requests > 0 and computed >= MIN_COMPUTED_PER_REQUEST * requests:
         spent -= requests * step
         if elapsed > 0 and spent > elapsed:
             spent = elapsed  # concurrent prefills shared that time (module docstring)
         per_token = max(0.0, spent) / computed
+        if from_ttft and ratio > 0 and backend.step_s >= 0:
+            per_token = min(per_token, ratio * backend.step_s)
         backend.prefill_s_per_token = _blend(backend.prefill_s_per_token, min(MAX_S_PER_TOKEN, per_token))
+    elif backend.prefill_s_per_token < 0 and ratio > 0 and backend.step_s >= 0:
+        # nothing to measure the prefill by yet: the configured cost at this engine's learned speed
+        backend.prefill_s_per_token = min(MAX_S_PER_TOKEN, ratio * backend.step_s)
     d_e2e_count = now.e2e_count - before.e2e_count
     d_e2e_sum = now.e2e_sum - before.e2e_sum
     if d_e2e_count > 0:
@@ -180,8 +192,12 @@ class EngineLoad:
     Keeps the previous sample of each backend (by URL) for the deltas; ``forget`` drops one.
     """
 
-    def __init__(self, *, learn: bool = True, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, *, learn: bool = True, prefill_tokens_per_s: float = 4000.0, per_request_step_s: float = 0.010,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """``prefill_tokens_per_s``, ``per_request_step_s``: the configured constants (their ratio
+        caps a prefill cost learned from TTFT; see the module docstring)."""
         self.learn = learn
+        self._ratio = 1.0 / prefill_tokens_per_s / per_request_step_s if per_request_step_s > 0 else 0.0
         self._clock = clock
         self._previous: dict[str, EngineSample] = {}
         #: completed scrapes (tests and the admin view read it)
@@ -213,7 +229,7 @@ class EngineLoad:
         before = self._previous.get(backend.url)
         self._previous[backend.url] = sample
         if self.learn and before is not None and not _went_backwards(before, sample):
-            learn(backend, before, sample)
+            learn(backend, before, sample, ratio=self._ratio)
         self.scrapes += 1
 
     def clear(self, backend: Backend) -> None:

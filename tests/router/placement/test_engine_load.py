@@ -141,3 +141,16 @@ async def test_constants_learned_from_a_real_backend(tmp_path: Path) -> None:
         assert sluggish.prefill_s_per_token > 2 * quick.prefill_s_per_token
     finally:
         kill_alive(fast, slow)
+
+
+def test_a_ttft_sample_is_capped_at_the_configured_cost_at_the_learned_speed() -> None:
+    """From TTFT only (no prefill histogram): queueing must not make a fast engine's prefill look dear;
+    before any sample, the configured cost scaled by the engine's step stands in."""
+    ratio = 0.00025 / 0.010  # the defaults: 4,000 tokens/s and a 10 ms step
+    backend = Backend("http://127.0.0.1:8100")
+    learn(backend, EngineSample(at=0.0), EngineSample(itl_sum=0.5, itl_count=100, at=1.0), ratio=ratio)
+    assert backend.step_s == pytest.approx(0.005)  # an engine twice as fast as configured
+    assert backend.prefill_s_per_token == pytest.approx(0.000125)  # so its prefill too, until measured
+    queued = EngineSample(itl_sum=1.0, itl_count=200, prompt_tokens=1000, ttft_sum=0.9, ttft_count=1, at=2.0)
+    learn(backend, EngineSample(itl_sum=0.5, itl_count=100, at=1.0), queued, ratio=ratio)
+    assert backend.prefill_s_per_token == pytest.approx(0.000125)  # 0.9 s of TTFT was mostly a queue

@@ -1,0 +1,73 @@
+"""``kv_aware`` end to end with real processes: a router (the default policy, the decision header on)
+before two ``session-backend`` processes, one of them slow. The router learns that from the engine's
+own ``/metrics`` and the sessions pinned there leave it; the fast backend's sessions stay put."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from tests.support import kill_alive, start_backend, start_router
+
+SESSIONS = 12
+SYSTEM = "You are a careful assistant who answers in full sentences. " * 8
+
+
+def chat(turns: list[str]) -> dict[str, object]:
+    messages: list[dict[str, str]] = [{"role": "system", "content": SYSTEM}]
+    for i, text in enumerate(turns):
+        messages.append({"role": "user" if i % 2 == 0 else "assistant", "content": text})
+    return {"messages": messages, "max_tokens": 6, "ignore_eos": True}
+
+
+@pytest.mark.slow
+async def test_sessions_leave_a_slow_backend_and_stay_on_a_fast_one(tmp_path: Path) -> None:
+    fast = start_backend(str(tmp_path), speed="0.2")
+    slow = start_backend(str(tmp_path), speed="8")
+    config = tmp_path / "router.toml"
+    config.write_text("[health]\ninterval_s = 0.2\n[placement]\ndecision_header = true\n")
+    router = None
+    try:
+        router = start_router(str(tmp_path), "--config", str(config), "--backend", fast.url, "--backend", slow.url)
+        timeout = aiohttp.ClientTimeout(total=30)
+        async with aiohttp.ClientSession(timeout=timeout) as http:
+            histories: dict[str, list[str]] = {f"conv-{i}": [f"Question {i}: tell me about topic {i}."]
+                                               for i in range(SESSIONS)}
+
+            async def turn(sid: str) -> tuple[str, str]:
+                async with http.post(router.url + "/v1/chat/completions", json=chat(histories[sid]),
+                                     headers={"X-Session-ID": sid}) as resp:
+                    assert resp.status == 200, await resp.text()
+                    answer = (await resp.json())["choices"][0]["message"]["content"]
+                    decision = resp.headers["X-Session-Router-Decision"]
+                histories[sid] += [answer, f"And then, {sid}?"]
+                async with http.get(router.url + f"/v1/sessions/{sid}") as resp:
+                    pin = (await resp.json())["pins"]["default"]
+                return pin, decision
+
+            first = dict(zip(histories, [p for p, _ in await asyncio.gather(*(turn(s) for s in histories))]))
+            on_slow = [sid for sid, pin in first.items() if pin == slow.url]
+            on_fast = [sid for sid, pin in first.items() if pin == fast.url]
+            assert on_slow and on_fast, first  # the hash spreads them over both
+            decisions: list[str] = []
+            pins: dict[str, str] = {}
+            for _ in range(8):  # a few turns each, while the health checker scrapes both engines
+                results = await asyncio.gather(*(turn(s) for s in histories))
+                pins = dict(zip(histories, (p for p, _ in results)))
+                decisions += [d for _, d in results]
+                if all(pin == fast.url for pin in pins.values()):
+                    break
+                await asyncio.sleep(0.3)
+        assert all(pins[sid] == fast.url for sid in on_slow), (pins, decisions[-24:])
+        assert all(pins[sid] == fast.url for sid in on_fast), pins  # never moved to the slow one
+        moves = [d for d in decisions if d.startswith("spill;")]
+        assert len(moves) == len(on_slow) and all(d.endswith(";reason=wait") for d in moves), decisions
+        async with aiohttp.ClientSession(timeout=timeout) as http:
+            async with http.get(router.url + "/metrics") as resp:
+                metrics = await resp.text()
+        assert 'session_router_placement_decisions_total{outcome="spill",policy="kv_aware",reason="wait"}' in metrics
+    finally:
+        kill_alive(*(p for p in (router, fast, slow) if p is not None))
