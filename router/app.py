@@ -39,6 +39,8 @@ from router.proxy import Proxy
 from router.routes import OTHER, ROUTES
 from router.sessions.responses import ResponseIndex
 from router.sessions.table import SessionTable
+from router.shared import Agreement, SharedState
+from router.shared.metrics import SharedMetrics
 from router.state import ROUTER_STATE, RouterState
 from router.tokens.render_client import POOL_RENDER, RemoteRenderer, build_render_pool
 
@@ -54,6 +56,8 @@ TOKENS: web.AppKey[TokensMode] = web.AppKey("tokens")
 DISCOVERY: web.AppKey[Discovery] = web.AppKey("discovery", Discovery)
 #: the subscriptions to the engines' KV events (absent with [kv_events] enabled = false)
 KV_EVENTS: web.AppKey[KVEvents] = web.AppKey("kv_events", KVEvents)
+#: the shared state of replicas and workers in Redis (absent without shared_state)
+SHARED_STATE: web.AppKey[SharedState] = web.AppKey("shared_state", SharedState)
 
 
 def build_pools(config: RouterConfig) -> dict[str, BackendPool]:
@@ -146,6 +150,22 @@ def build_proxy(state: RouterState) -> Proxy:
                  request_ids=state.request_ids, access_log=state.access_log, pd=pd)
 
 
+def build_shared(state: RouterState, proxy: Proxy) -> SharedState | None:
+    """The off-first-choice metric on every router, and with ``shared_state`` the Redis the proxy
+    writes pin moves and Responses ids to and reads them from (``router.shared``)."""
+    config = state.config
+    agreement = proxy.agreement = Agreement(refresh_s=config.sessions.ttl_s / 2)
+    metrics = SharedMetrics(agreement.counts, shared=bool(config.shared_state.url))
+    state.metrics.registry.register(metrics)
+    if not config.shared_state.url:
+        return None
+    shared = SharedState(config.shared_state, sessions=state.sessions, responses=state.responses, metrics=metrics,
+                         pool_name=proxy.pool.name, ttl_s=config.sessions.ttl_s,
+                         max_response_ids=config.sessions.max_response_ids)
+    agreement.shared = proxy.shared = shared
+    return shared
+
+
 def build_tokens(state: RouterState, proxy: Proxy) -> TokensMode:
     """Tokens mode (``[tokens] upstream_api = "tokens"``): the model, the renderer and the handlers the
     proxy calls for chat and completions instead of forwarding (set on ``proxy.tokens``). Imported here:
@@ -176,9 +196,14 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     discovery = app.get(DISCOVERY)
     if discovery is not None:
         discovery.start()
+    shared = app.get(SHARED_STATE)
+    if shared is not None:
+        shared.start()
     try:
         yield
     finally:
+        if shared is not None:
+            await shared.stop()
         if discovery is not None:
             await discovery.stop()
         if kv_events is not None:
@@ -247,6 +272,9 @@ def create_app(config: RouterConfig, *, registry: CollectorRegistry | None = Non
     app.cleanup_ctx.append(_lifecycle)
     app.on_response_prepare.append(_stamp_request_id)
     proxy = app[PROXY] = build_proxy(state)
+    shared = build_shared(state, proxy)
+    if shared is not None:
+        app[SHARED_STATE] = shared
     kv_events = build_kv_events(state)
     if kv_events is not None:
         app[KV_EVENTS] = kv_events

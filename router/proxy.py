@@ -67,6 +67,7 @@ from router.sessions.agents import agent_session, parent_session
 from router.sessions.derive import derive_chat_session, derive_responses_session, mint_session, sender_key
 from router.sessions.responses import ResponseIndex
 from router.sessions.table import SessionTable
+from router.shared import Agreement, SharedState
 from router.upstream import UpstreamPool, UpstreamResponse, UpstreamTimeouts, render_headers, request_head
 from router.usage import Usage, response_id_from_sse, usage_from_json, usage_from_sse_tail
 
@@ -136,6 +137,10 @@ class Proxy:
         #: tokens mode (``[tokens] upstream_api = "tokens"``): route name -> the handler that serves it
         #: instead of forwarding (``router.tokens``); None in text mode, the only test on its path
         self.tokens: dict[str, RouteHandler] | None = None
+        #: the off-first-choice metric and pin writes (``router.shared``; set by the app factory)
+        self.agreement: Agreement | None = None
+        #: the shared state (Redis) of replicas and workers: None without ``shared_state``
+        self.shared: SharedState | None = None
 
     def forwards(self, target: str) -> bool:
         """Whether a request for ``target`` that no route of the router matched goes to a backend
@@ -164,7 +169,12 @@ class Proxy:
                     f"send {request.method} {route.path or '/path'} with the router's address in the Host header"
                 )
             body = await self._read_body(request)
+            shared = self.shared
+            if shared is not None:  # a Responses id another replica stored (router.shared)
+                await shared.recall_response(route.kind, body, request.path_qs)
             fields = self._resolve(request, route, body, attempt)
+            if shared is not None and attempt.entry is not None and attempt.entry.requests == 1:
+                await shared.recall_pins(attempt.entry)  # first sight here: its pins as others left them
             if not self.config.pd.trust_client_kv_params:
                 stripped = without_kv_transfer_params(body, fields)
                 if stripped is not None:  # a client's own P/D parameters reach no backend
@@ -289,6 +299,9 @@ class Proxy:
                 backend = pool.get(home)
                 if backend is not None and backend.available:
                     attempt.placement = placement = Placement(backend, Outcome.STICKY, "cached")
+                    if self.agreement is not None and attempt.entry is not None and attempt.session_id is not None:
+                        pin = attempt.entry.pins.get(pool.name)
+                        self.agreement.placed(pool, attempt.session_id, attempt.entry, pin, placement, attempt.started)
                     return placement
         if self._hinted:
             hint: PlacementHint | None = self._hint(pool, attempt, body_len)
@@ -297,8 +310,13 @@ class Proxy:
             hint = None
             if entry is not None and entry.parent is not None and pool.name not in entry.pins:
                 hint = PlacementHint(parent_session=entry.parent, parent_entry=self.sessions.get(entry.parent))
-        placement = self.policy.place(pool, attempt.session_id, attempt.entry, exclude, hint)
+        entry = attempt.entry
+        agreement = self.agreement
+        before = entry.pins.get(pool.name) if agreement is not None and entry is not None else None
+        placement = self.policy.place(pool, attempt.session_id, entry, exclude, hint)
         attempt.placement = placement
+        if agreement is not None and entry is not None and attempt.session_id is not None:
+            agreement.placed(pool, attempt.session_id, entry, before, placement, attempt.started)
         # A retry's placement is counted only when it re-pinned the session (a pin found dead by a
         # failed connection is a repin_unhealthy, like one found by a health check); a retry that
         # merely goes elsewhere is counted in retries_total, not as a spill.

@@ -153,6 +153,7 @@ _SCALAR_FLAGS = {
     "max_model_len": ("tokens.max_model_len", "--max-model-len"),
     "prompt_cache_bytes": ("tokens.prompt_cache_bytes", "--prompt-cache-bytes"),
     "kv_events": ("kv_events.enabled", "--kv-events"),
+    "shared_state": ("shared_state.url", "--shared-state"),
 }
 
 #: --kv-events: the word -> [kv_events] enabled
@@ -234,6 +235,11 @@ def _parser() -> _Parser:
         help="subscribe to the engines' KV events and index where each session's KV is (placement reads it): "
         "auto (the default: backends configured with kv_events or advertising /kv_event_sources), on (the same, "
         "warning about backends that publish none) or off",
+    )
+    parser.add_argument(
+        "--shared-state", metavar="redis://HOST:PORT/DB",
+        help="share pin moves and Responses ids with the other replicas and workers through this Redis "
+        "(shared_state.url; default none: each process keeps its own)",
     )
     tokens = parser.add_argument_group(
         "tokens mode (vLLM's disaggregated serving: the router renders and derenders, engines take token ids)")

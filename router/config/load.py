@@ -91,6 +91,9 @@ def sectioned(data: Mapping[str, Any]) -> tuple[dict[str, Any], Labels]:
     nested = {key: (dict(value) if key in SECTIONS and isinstance(value, Mapping) else value)
               for key, value in data.items()}
     moved: Labels = {}
+    if isinstance(nested.get("shared_state"), str):  # shared_state = "redis://…": the section's url
+        nested["shared_state"] = {"url": nested["shared_state"]}
+        moved["shared_state.url"] = "shared_state"
     for flat, (section, key) in FLAT_KEYS.items():
         if flat not in data or (flat in SECTIONS and isinstance(data[flat], Mapping)):
             continue
@@ -170,7 +173,19 @@ def validate_config(config: RouterConfig, *, labels: Mapping[str, str] | None = 
         raise ConfigError(_NO_BACKEND)
     pools = {name: _validate_pool(getattr(config, name), name, names.get(name)) for name in _POOL_FIELDS}
     tokens = _validate_tokens(config.tokens, key)
+    _validate_shared_state(config, key)
     return msgspec.structs.replace(config, tokens=tokens, **pools)
+
+
+def _validate_shared_state(config: RouterConfig, key: Callable[[str], str]) -> None:
+    """``shared_state``: a Redis URL the ``redis`` client takes, and a backoff that grows."""
+    shared = config.shared_state
+    if shared.url and not shared.url.startswith(("redis://", "rediss://", "unix://")):
+        raise ConfigError(f"{key('shared_state.url')}: {shared.url!r} is not a Redis URL; write "
+                          "redis://host:6379/0 (rediss:// for TLS, unix:///path for a socket), or leave it out")
+    if shared.backoff_max_s < shared.backoff_min_s:
+        raise ConfigError(f"{key('shared_state.backoff_max_s')}: must be at least backoff_min_s "
+                          f"({shared.backoff_min_s:g})")
 
 
 def _validate_tokens(tokens: TokensConfig, key: Callable[[str], str]) -> TokensConfig:

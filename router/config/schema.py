@@ -25,6 +25,7 @@ DEFAULT_PROXY_DENY = (
     "/reset_prefix_cache", "/reset_mm_cache", "/reset_encoder_cache",
     "/sleep", "/wake_up", "/is_sleeping", "/pause", "/resume", "/is_paused",
     "/collective_rpc", "/server_info", "/abort_requests", "/inference/v1/abort_requests",
+    "/kv_event_sources",  # the engine's KV-event socket addresses
     "/start_profile", "/stop_profile", "/scale_elastic_ep", "/is_scaling_elastic_ep",
     "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
 )
@@ -299,6 +300,25 @@ class KVEventsSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     sources_refresh_s: Seconds = 30.0
 
 
+class SharedStateConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """``[shared_state]`` (or top-level ``shared_state = "redis://…"``, its ``url``): router replicas and
+    workers share pin moves and the Responses id -> backend map through one Redis (``router.shared``)."""
+
+    #: redis://[user:password@]host:port/db, rediss://… or unix:///path; "" = no shared state
+    url: str = ""
+    #: every key and the pub/sub channel start with this (several routers on one Redis: one each)
+    key_prefix: str = "session-router:"
+    #: a read (a session's pins on first sight, an unknown Responses id) waits at most this long
+    read_timeout_s: Seconds = 0.05
+    #: one pipelined batch of writes, and a reconnect's PING, may take this long
+    write_timeout_s: Seconds = 1.0
+    #: writes waiting for the background writer; past it they are dropped (and counted)
+    queue_size: AtLeastOne = 10_000
+    #: reconnect backoff: from the first, doubling up to the second
+    backoff_min_s: Seconds = 0.1
+    backoff_max_s: Seconds = 5.0
+
+
 class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """The whole configuration: the process's own settings at the top, then one struct per section."""
 
@@ -323,6 +343,7 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     tokens: TokensConfig = msgspec.field(default_factory=TokensConfig)
     discovery: DiscoveryConfig = msgspec.field(default_factory=DiscoveryConfig)
     kv_events: KVEventsSettings = msgspec.field(default_factory=KVEventsSettings)
+    shared_state: SharedStateConfig = msgspec.field(default_factory=SharedStateConfig)
 
     @property
     def pd_mode(self) -> bool:
@@ -342,6 +363,7 @@ SECTIONS: dict[str, type[msgspec.Struct]] = {
     "tokens": TokensConfig,
     "discovery": DiscoveryConfig,
     "kv_events": KVEventsSettings,
+    "shared_state": SharedStateConfig,
 }
 
 #: the keys of the flat layout (before sections), still read for one release: flat key -> (section, key)

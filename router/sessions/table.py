@@ -81,6 +81,11 @@ class SessionEntry:
     #: the parent session (an agent's ``x-parent-session-id``, ``router.sessions.agents``), set by
     #: the proxy when the entry is created; placement sends its first request where the parent is
     parent: str | None = None
+    #: why its pin (in the pool the proxy places) is not its first-choice (rendezvous) backend, "" when
+    #: it is: set when the pin is set or moved (``router.shared.agreement``), read per request
+    off_first: str = ""
+    #: loop time after which its off-first pin is written to the shared state again (``router.shared``)
+    shared_until: float = 0.0
 
     def record_usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> None:
         """Add one response's usage."""
