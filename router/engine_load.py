@@ -72,6 +72,9 @@ _SUMMED = frozenset((
     WAITING, RUNNING, PROMPT_TOKENS, PREFIX_HITS,
     *(name + suffix for name in (PREFILL_TIME, TTFT, ITL, E2E) for suffix in ("_sum", "_count")),
 ))
+#: the lines of an exposition worth parsing: the samples read here (an engine's /metrics also holds
+#: histogram buckets and per-session series, ten times the lines, which the parser would read for nothing)
+_WANTED = tuple(name + end for name in (*_SUMMED, KV_USAGE) for end in ("{", " "))
 
 #: weight of a new interval's sample in the learned means
 SMOOTHING = 0.3
@@ -105,11 +108,13 @@ class EngineSample:
 
 
 def parse_metrics(text: str) -> EngineSample | None:
-    """The vLLM series of one ``/metrics`` text (None when it has none of the load gauges)."""
+    """The vLLM series of one ``/metrics`` text (None when it has none of the load gauges). Only the
+    sample lines read here go through prometheus_client's parser (as untyped samples)."""
     totals: dict[str, float] = {}
     kv_usage = 0.0
     seen_gauge = False
-    for family in text_string_to_metric_families(text):
+    wanted = "\n".join(line for line in text.splitlines() if line.startswith(_WANTED))
+    for family in text_string_to_metric_families(wanted):
         for sample in family.samples:
             name = sample.name
             if name in _SUMMED:
