@@ -13,12 +13,16 @@ with a session staying where its KV is until moving is clearly cheaper (DESIGN.m
   counters (``router.engine_load``; ``busy`` is 0 until learned), else the configured
   ``per_request_step_s``, ``1 / prefill_tokens_per_s`` and ``queued_request_s``.
 - ``queue`` counts only real queueing: the engine's ``vllm:num_requests_waiting`` at the last scrape,
-  plus what the router sent there since (``in_flight - in_flight_at_scrape``) only while the engine
-  queues (waiting > 0). An engine that is not queueing batches a newcomer into its next step, so
+  only while the engine queues (waiting > 0), corrected by what the router's own in-flight count did
+  since (``in_flight - in_flight_at_scrape``: requests sent there since queue too, requests finished
+  since drained it). An engine that is not queueing batches a newcomer into its next step, so
   in-flight counts that wander by chance (the issue's short-request complaint) do not count as a wait.
-- ``pressure`` = how far ``vllm:kv_cache_usage_perc`` is past ``kv_pressure_from``, 0..1: near a full
-  KV cache the session's cached prefix may be evicted and the request preempted (recomputed); at
-  100% the prompt is charged twice more.
+- ``pressure`` = how far the KV cache usage is past ``kv_pressure_from``, 0..1: near a full KV cache
+  the session's cached prefix may be evicted and the request preempted (recomputed); at 100% the
+  prompt is charged twice more. The usage is ``vllm:kv_cache_usage_perc`` at the scrape scaled by
+  ``(in_flight + 1) / (in_flight_at_scrape + 1)``: running requests hold that cache, so as they
+  finish (or sessions leave) the pressure fades before the next scrape, and sessions do not leave a
+  pressured backend in a herd.
 - ``C(b)``: with the KV index (KV events), the session's resident tokens there
   (``KVIndex.session_tokens``) or, in tokens mode, the prompt's resident prefix
   (``KVIndex.prefix_tokens``), each at most ``P``. Without events (or when the index knows nothing of
@@ -148,20 +152,21 @@ class KVAwarePolicy:
         wait = 0.0
         waiting = backend.engine_waiting
         if waiting > 0:
-            since = backend.in_flight - backend.in_flight_at_scrape
-            queued = backend.queued_request_s
-            wait = (waiting + (since if since > 0 else 0)) * (queued if queued >= 0 else self._queued)
+            queue = waiting + backend.in_flight - backend.in_flight_at_scrape
+            if queue > 0:
+                queued = backend.queued_request_s
+                wait = queue * (queued if queued >= 0 else self._queued)
         busy = backend.busy_s_per_request
         if busy > 0:
             wait += backend.in_flight * busy
-        usage = backend.kv_usage
-        if usage > self._kv_from:
-            wait += min(1.0, (usage - self._kv_from) / self._kv_span) * KV_PRESSURE_WEIGHT * prompt * per_token
+        if backend.kv_usage > self._kv_from:
+            wait += self._pressure_s(backend, prompt)
         uncached = prompt - cached
         return step + (uncached if uncached > 0 else 0) * per_token + wait, wait
 
     def _pressure_s(self, backend: Backend, prompt: int) -> float:
-        usage = backend.kv_usage
+        """The KV-pressure part of ``backend``'s wait for a ``prompt``-token request (module docstring)."""
+        usage = backend.kv_usage * (backend.in_flight + 1) / (backend.in_flight_at_scrape + 1)
         if usage <= self._kv_from:
             return 0.0
         per_token = backend.prefill_s_per_token

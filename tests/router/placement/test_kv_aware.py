@@ -64,13 +64,18 @@ def test_prediction_is_step_plus_uncached_prefill_plus_wait() -> None:
     assert policy.predict(b, 500, 100) == pytest.approx((0.01 + 0.4, 0.0))
     b.engine_waiting, b.in_flight, b.in_flight_at_scrape = 2, 5, 3  # 2 queued + 2 sent since the scrape
     assert policy.predict(b, 500, 100) == pytest.approx((0.41 + 0.8, 0.8))
-    b.engine_waiting = 0  # not queueing: arrivals since the scrape are batched, not a wait
+    b.in_flight = 1  # 2 of the requests there at the scrape finished since: the queue drained by 2
     assert policy.predict(b, 500, 100) == pytest.approx((0.41, 0.0))
+    b.in_flight, b.engine_waiting = 5, 0  # not queueing: arrivals since the scrape are batched, not a wait
+    assert policy.predict(b, 500, 100) == pytest.approx((0.41, 0.0))
+    b.in_flight = b.in_flight_at_scrape = 3
     b.kv_usage = 0.9  # half-way from 0.8 to full: half of 2 x the prompt
     assert policy.predict(b, 500, 100) == pytest.approx((0.41 + 0.5, 0.5))
+    b.in_flight = 1  # half the requests holding that cache finished: usage about 0.45, no pressure
+    assert policy.predict(b, 500, 100) == pytest.approx((0.41, 0.0))
     b.kv_usage = 0.0
     b.step_s, b.prefill_s_per_token, b.busy_s_per_request = 0.05, 0.002, 0.01  # learned values win
-    assert policy.predict(b, 500, 100) == pytest.approx((0.05 + 0.8 + 0.05, 0.05))
+    assert policy.predict(b, 500, 100) == pytest.approx((0.05 + 0.8 + 0.01, 0.01))  # 1 in flight x 10 ms
 
 
 def test_sessions_stay_put_under_chance_in_flight_fluctuations() -> None:
