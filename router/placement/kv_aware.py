@@ -33,7 +33,8 @@ with a session staying where its KV is until moving is clearly cheaper (DESIGN.m
 ``ttft(A) > f * ttft(B) + m``):
 
 - pinned session, pin available: stays (STICKY, "cached") unless another backend is clearly faster
-  (SPILL, "wait" or "kv_pressure", the larger term of the pin's wait) or the pin is over the
+  (SPILL: "cached" when it holds more of the session's KV than the pin, else "wait" or
+  "kv_pressure", the larger term of the pin's wait) or the pin is over the
   safety bound (SPILL, "load"). A move takes the pin along: the new backend now holds the freshest
   prefix. The fast path is O(1): the pin's prediction against a lower bound of any other
   backend's (the pool's smallest step and prefill cost, no wait, the most any other backend has
@@ -234,7 +235,10 @@ class KVAwarePolicy:
         if target is not pinned and self._clearly_faster(pin_ttft, ttft):
             pins[pool.name] = target.url
             pressure = self._pressure_s(pinned, prompt)
-            reason = "kv_pressure" if pressure > 0 and pressure >= pin_wait - pressure else "wait"
+            if cached > pin_cached:  # the session's KV is there rather than on its pin (the index says)
+                reason = "cached"
+            else:
+                reason = "kv_pressure" if pressure > 0 and pressure >= pin_wait - pressure else "wait"
             return Placement(target, Outcome.SPILL, reason, cached, wait, ttft)
         if pinned.in_flight + 1 > bound:
             # the safety net: the fastest backend within the bound (the pin is not: it is over it)

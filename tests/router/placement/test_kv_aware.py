@@ -181,7 +181,8 @@ def test_the_kv_index_says_what_is_cached_where() -> None:
     # the index says the session's KV is elsewhere (its pin lost it): it follows its KV
     policy.kv = FakeKV(sessions={"s": {holder.url: PROMPT}})
     placement = policy.place(pool, "s", entry, hint=hint())
-    assert (placement.backend, placement.outcome, placement.cached_tokens) == (holder, Outcome.SPILL, PROMPT)
+    assert (placement.backend, placement.outcome, placement.reason) == (holder, Outcome.SPILL, "cached")
+    assert placement.cached_tokens == PROMPT and entry.pins["default"] == holder.url
     # tokens mode: a new session's prompt prefix resident on one backend draws it there
     ids = tuple(range(PROMPT))
     policy.kv = FakeKV(prefixes={ids: {pin.url: PROMPT - 16}})
