@@ -160,7 +160,7 @@ def build_shared(state: RouterState, proxy: Proxy) -> SharedState | None:
     if not config.shared_state.url:
         return None
     shared = SharedState(config.shared_state, sessions=state.sessions, responses=state.responses, metrics=metrics,
-                         pool_name=proxy.pool.name, ttl_s=config.sessions.ttl_s,
+                         pool=proxy.pool, ttl_s=config.sessions.ttl_s,
                          max_response_ids=config.sessions.max_response_ids)
     agreement.shared = proxy.shared = shared
     return shared

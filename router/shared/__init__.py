@@ -26,7 +26,10 @@ queue (``queue_size``; when full the write is dropped and counted) drained by a 
 sends each batch as one pipeline. Reads happen only on first sight, each one round trip bounded by
 ``read_timeout_s``: a session with no local entry reads its pins once (``HGETALL``) before it is
 placed; a ``previous_response_id`` (or a ``/v1/responses/{id}`` path) unknown locally is read once
-(``GET``) and remembered locally. A session already known locally costs no Redis work at all.
+(``GET``) and remembered locally. A client can be faster than the write of the replica that stored
+the response (it got the answer before that replica's writer ran), so a missing id is read again a
+few times, backing off from 4 ms, within the same ``read_timeout_s`` (result ``late`` when found
+then). A session already known locally costs no Redis work at all.
 
 **Redis down or slow.** A failed or timed-out read or write, or a broken subscription, marks the
 shared state down: reads are skipped (the router decides from local state as without Redis), writes

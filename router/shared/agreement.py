@@ -14,7 +14,7 @@ and spills (``load``, ``wait``, ``kv_pressure``, ``cached``, ``parent``; a new s
 choice pushed off its first choice by the load bound is ``load``), ``repin`` (the pin was unhealthy or
 gone), ``retry`` (this request failed on its pin), ``response`` (a Responses follow-up at its stored
 response's backend). A pin learnt from another process (``router.shared.store``) keeps that process's
-reason.
+reason when it is off their own first choice (their backends may differ).
 """
 
 from __future__ import annotations
@@ -85,10 +85,12 @@ class Agreement:
         shared = self.shared
         if pin != before and pin is not None:  # pinned or moved by this placement
             first = first_choice(pool, session_id)
-            off = "" if first is not None and first.url == pin else off_first_reason(placement)
+            why = off_first_reason(placement)
+            off = "" if first is not None and first.url == pin else why
             entry.off_first = off
             if shared is not None and (off or before is not None):
-                shared.pin_moved(session_id, pool.name, pin, off)
+                # the others judge "off first choice" on their own backends: they get the reason either way
+                shared.pin_moved(session_id, pool.name, pin, why)
                 entry.shared_until = now + self.refresh_s
         if pin is None:  # a session-blind policy (round_robin, least_loaded) pins nothing
             return

@@ -20,7 +20,8 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from router.config.schema import SharedStateConfig
-from router.shared.agreement import OFF_FIRST_REASONS
+from router.membership import BackendSet
+from router.shared.agreement import OFF_FIRST_REASONS, first_choice
 from router.shared.metrics import SharedMetrics
 from router.sessions.responses import ResponseIndex
 from router.sessions.table import EvictReason, SessionEntry, SessionTable
@@ -29,6 +30,8 @@ log = logging.getLogger(__name__)
 
 #: ops per pipeline (a longer queue goes in several)
 BATCH = 512
+#: an unknown Responses id is read again after this long, then twice as long, ... within read_timeout_s
+RETRY_FIRST_S = 0.004
 #: a live connection is pinged this often (finds a Redis that went slow or away without traffic)
 PING_EVERY_S = 1.0
 _RESPONSES_PREFIX = "/v1/responses/"
@@ -64,14 +67,17 @@ class SharedState:
     """One process's view of the shared state; ``start``/``stop`` by the app's lifecycle."""
 
     def __init__(self, config: SharedStateConfig, *, sessions: SessionTable, responses: ResponseIndex,
-                 metrics: SharedMetrics, pool_name: str, ttl_s: float, max_response_ids: int,
+                 metrics: SharedMetrics, pool: BackendSet | str, ttl_s: float, max_response_ids: int,
                  client_factory: Callable[[], redis.Redis] | None = None) -> None:
-        """``pool_name``: the pool the proxy places (whose pin ``SessionEntry.off_first`` describes)."""
+        """``pool``: the pool the proxy places (whose pin ``SessionEntry.off_first`` describes; a pin
+        learnt from another process is judged against this process's first choice there), or its name
+        alone (the reason received is then taken as is)."""
         self.config = config
         self.sessions = sessions
         self.responses = responses
         self.metrics = metrics
-        self.pool_name = pool_name
+        self.pool = pool if isinstance(pool, BackendSet) else None
+        self.pool_name = pool if isinstance(pool, str) else pool.name
         self.ttl = max(1, math.ceil(ttl_s))
         self.max_response_ids = max_response_ids
         #: this process's id on the pub/sub channel (its own messages come back and are skipped)
@@ -192,7 +198,11 @@ class SharedState:
     async def _send(self, batch: list[tuple[Any, ...]]) -> None:
         client = self._client
         assert client is not None
-        pipe = client.pipeline(transaction=False)
+        async with client.pipeline(transaction=False) as pipe:
+            await self._queue_ops(pipe, batch)
+            await pipe.execute()
+
+    async def _queue_ops(self, pipe: Any, batch: list[tuple[Any, ...]]) -> None:
         counts = self.metrics.writes
         for op in batch:
             kind = op[0]
@@ -211,7 +221,6 @@ class SharedState:
             else:
                 pipe.delete(self._pins_prefix + op[1])
             counts[kind] = counts.get(kind, 0) + 1
-        await pipe.execute()
 
     # ------------------------------------------------------------------ reads (first sight only)
     async def recall_pins(self, entry: SessionEntry) -> None:
@@ -225,7 +234,7 @@ class SharedState:
             if url:
                 entry.pins[pool] = url
                 if pool == self.pool_name:
-                    entry.off_first = reason if not reason or reason in OFF_FIRST_REASONS else "other"
+                    entry.off_first = self._off_first(entry.session_id, url, reason)
 
     async def recall_response(self, kind: str, body: bytes, target: str) -> None:
         """Before a Responses request is resolved: a ``previous_response_id`` (route ``responses``) or a
@@ -248,9 +257,37 @@ class SharedState:
         if self.max_response_ids == 0 or response_id in self.responses:
             return
         found = await self._read("response", "get", self._resp_prefix + response_id)
+        if found is None and self.up:
+            # The id may be on its way: the replica that stored it wrote it off its request path, and the
+            # client can be faster than that write. Read again, backing off, within read_timeout_s.
+            found = await self._read_again(self._resp_prefix + response_id)
         if found:
             url, _, session_id = found.partition("\t")
             self.responses.remember(response_id, url, session_id or None, share=False)
+
+    async def _read_again(self, key: str) -> Any:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.read_timeout_s
+        pause = RETRY_FIRST_S
+        reads = self.metrics.reads
+        client = self._client
+        assert client is not None
+        while loop.time() + pause < deadline and self.up:
+            await asyncio.sleep(pause)
+            pause *= 2
+            try:
+                found = await asyncio.wait_for(client.get(key), max(0.001, deadline - loop.time()))
+            except asyncio.TimeoutError as exc:
+                self.metrics.read_timeouts += 1
+                self._failed("read", exc)
+                return None
+            except _FAILURES as exc:
+                self._failed("read", exc)
+                return None
+            if found:
+                reads[("response", "late")] = reads.get(("response", "late"), 0) + 1
+                return found
+        return None
 
     async def _read(self, kind: str, command: str, key: str) -> Any:
         reads = self.metrics.reads
@@ -295,6 +332,10 @@ class SharedState:
                         await asyncio.wait_for(pubsub.aclose(), self.config.write_timeout_s)
             except _FAILURES as exc:
                 self._failed("connect" if not self.up else "subscribe", exc)
+            # whatever the pool holds was connected to the Redis that failed (maybe restarted since):
+            # closed, so that the next command connects afresh instead of failing on a dead socket
+            with contextlib.suppress(*_FAILURES):
+                await asyncio.wait_for(client.connection_pool.disconnect(), self.config.write_timeout_s)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self.config.backoff_max_s)
 
@@ -324,5 +365,15 @@ class SharedState:
             return
         entry.pins[pool] = url
         if pool == self.pool_name:
-            entry.off_first = reason if not reason or reason in OFF_FIRST_REASONS else "other"
+            entry.off_first = self._off_first(session_id, url, reason)
         self.metrics.pushes += 1
+
+    def _off_first(self, session_id: str, url: str, reason: str) -> str:
+        """``SessionEntry.off_first`` for a pin learnt from another process: "" when ``url`` is this
+        process's first choice, else the mover's reason (one pass over the pool, off the request path)."""
+        if self.pool is not None:
+            first = first_choice(self.pool, session_id)
+            if first is not None and first.url == url:
+                return ""
+            reason = reason or "other"
+        return reason if not reason or reason in OFF_FIRST_REASONS else "other"

@@ -13,6 +13,8 @@ import pytest
 import redis.asyncio as redis
 
 from router.config.schema import SharedStateConfig
+from router.membership import Backend, BackendPool
+from router.shared.agreement import first_choice
 from router.sessions.responses import ResponseIndex
 from router.sessions.table import SessionTable
 from router.shared.metrics import SharedMetrics
@@ -25,6 +27,7 @@ class Replica:
     """What one router process holds: its session table, Responses index and shared state."""
 
     def __init__(self, url: str, **settings: Any) -> None:
+        pool = settings.pop("pool", "default")
         ttl_s = settings.pop("ttl_s", 600.0)
         max_ids = settings.pop("max_response_ids", 1000)
         self.sessions = SessionTable(1000, ttl_s)
@@ -32,7 +35,7 @@ class Replica:
         self.metrics = SharedMetrics({}, shared=True)
         config = msgspec.convert({"url": url, **settings}, SharedStateConfig)
         self.shared = SharedState(config, sessions=self.sessions, responses=self.responses, metrics=self.metrics,
-                                  pool_name="default", ttl_s=ttl_s, max_response_ids=max_ids)
+                                  pool=pool, ttl_s=ttl_s, max_response_ids=max_ids)
 
 
 @pytest.fixture
@@ -79,6 +82,21 @@ async def test_a_pin_moved_on_one_replica_is_pushed_to_one_that_knows_the_sessio
     fresh = c.sessions.touch("s-new")
     await c.shared.recall_pins(fresh)
     assert fresh.pins == {} and c.metrics.reads[("pins", "miss")] == 1
+
+
+async def test_a_learnt_pin_is_judged_against_this_processes_own_first_choice(replicas: Callable[..., Any]) -> None:
+    pool = BackendPool("default", [Backend("http://127.0.0.1:9001"), Backend("http://127.0.0.1:9002")])
+    first = first_choice(pool, "s1")
+    other = next(b for b in pool.members if b is not first)
+    a, b = await replicas(), await replicas(pool=pool)
+    b.sessions.touch("s1").pins["default"] = other.url
+    b.sessions.get("s1").off_first = "load"
+    a.shared.pin_moved("s1", "default", first.url, "repin")  # off the mover's first choice, not b's
+    await eventually(lambda: b.sessions.get("s1").pins["default"] == first.url, timeout=5, what="the push")
+    assert b.sessions.get("s1").off_first == ""
+    a.shared.pin_moved("s1", "default", other.url, "")  # on the mover's first choice, off b's
+    await eventually(lambda: b.sessions.get("s1").pins["default"] == other.url, timeout=5, what="the push")
+    assert b.sessions.get("s1").off_first == "other"
 
 
 async def test_a_responses_id_stored_on_one_replica_is_read_once_by_another(replicas: Callable[..., Any]) -> None:
@@ -157,6 +175,13 @@ async def test_redis_killed_degrades_to_local_state_and_recovers_when_it_is_back
     await client.aclose()
     a.shared.pin_moved("s1", "default", "http://b3", "load")
     await eventually(lambda: b.sessions.get("s1").pins["default"] == "http://b3", timeout=5, what="pushes again")
+    # the connections to the Redis that died are not reused: the first write and read after it work
+    errors = dict(a.metrics.errors)
+    a.responses.remember("r-after", "http://b1", "s1")
+    await eventually(lambda: a.metrics.writes.get("resp") == 1, timeout=5, what="the write")
+    await b.shared.recall_response("other", b"", "/v1/responses/r-after")
+    assert b.responses.lookup("r-after") == ("http://b1", "s1")
+    assert a.metrics.errors == errors and a.metrics.dropped_writes == 0
 
 
 async def test_a_full_queue_drops_and_counts(replicas: Callable[..., Any], redis_server: RedisServer) -> None:
