@@ -43,7 +43,7 @@ import asyncio
 import contextlib
 import importlib.util
 import os
-import secrets
+import signal
 import socket
 import statistics
 import subprocess
@@ -489,20 +489,28 @@ async def _run_cell(plan: CellPlan, run: RunConfig, workload: Workload, log_dir:
             report.on_first_backend += r.backend == first[r.session]
     agreement(report)
     report.chains = sorted(chains.records, key=lambda c: (c.chain, c.turn))
-    for c in report.chains:
-        if c.ok and len(c.stored_on) != 1:
-            report.stored_not_once += 1
-        if c.turn == 0:
-            report.chain_first_failed += not c.ok
-            continue
-        report.followups += 1
-        if c.ok:
-            report.followups_reached += bool(c.stored_on) and c.stored_on == c.previous_on
-        elif c.status == 404:
-            report.followups_not_found += 1
-        else:
-            report.followups_failed += 1
+    tally_chains(report)
     return report
+
+
+def tally_chains(cell: CellReport) -> None:
+    """The Responses chains' counts: a follow-up reached the storing backend when its own answer is stored
+    on the one backend that held the previous answer; a 404 is a backend that did not hold it."""
+    cell.followups = cell.followups_reached = cell.followups_not_found = cell.followups_failed = 0
+    cell.chain_first_failed = cell.stored_not_once = 0
+    for c in cell.chains:
+        if c.ok and len(c.stored_on) != 1:
+            cell.stored_not_once += 1
+        if c.turn == 0:
+            cell.chain_first_failed += not c.ok
+            continue
+        cell.followups += 1
+        if c.ok:
+            cell.followups_reached += len(c.stored_on) == 1 and c.stored_on == c.previous_on
+        elif c.status == 404:
+            cell.followups_not_found += 1
+        else:
+            cell.followups_failed += 1
 
 
 async def _until_all_healthy(http: aiohttp.ClientSession, router: str, urls: Sequence[str]) -> None:
@@ -710,9 +718,10 @@ def quick_config(seed: int) -> RunConfig:
 
 
 def full_config(seed: int) -> RunConfig:
-    spec = WorkloadSpec(sessions=32, turns=6, arrival_rate=1.0, think_s=1.5, user_tokens=(30, 90),
-                        answer_tokens=(60, 120), system_tokens=300, seed=seed)
-    return RunConfig(spec=spec, num_blocks=384, chains=12, chain_turns=5, chain_think_s=1.0)
+    """``bench.multiturn``'s uniform sizes (768 blocks per backend), 48 sessions of 8 turns at 1.5/s."""
+    spec = WorkloadSpec(sessions=48, turns=8, arrival_rate=1.5, think_s=2.0, user_tokens=(40, 120),
+                        answer_tokens=(100, 200), system_tokens=300, seed=seed)
+    return RunConfig(spec=spec, num_blocks=768, chains=12, chain_turns=5, chain_think_s=1.0)
 
 
 def plans(quick: bool, redis: bool, churn_period_s: float, duration_hint_s: float) -> list[CellPlan]:
@@ -733,7 +742,12 @@ def plans(quick: bool, redis: bool, churn_period_s: float, duration_hint_s: floa
     return out
 
 
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)  # unwinds through the cell's finally: its processes are stopped
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     p = argparse.ArgumentParser(prog="python -m bench.replicas", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="CI smoke: small workload, short churn period (< 90 s)")
     p.add_argument("--redis", choices=("auto", "on", "off"), default="auto",
