@@ -95,6 +95,7 @@ class SharedState:
         self._up_event = asyncio.Event()
         self._down_event = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+        self._was_up = False
         metrics.up = 0
         responses.on_remember = self.response_stored if max_response_ids > 0 else None
         sessions.add_evict_hook(self._evicted)
@@ -198,12 +199,15 @@ class SharedState:
     async def _send(self, batch: list[tuple[Any, ...]]) -> None:
         client = self._client
         assert client is not None
+        sent: dict[str, int] = {}
         async with client.pipeline(transaction=False) as pipe:
-            await self._queue_ops(pipe, batch)
+            await self._queue_ops(pipe, batch, sent)
             await pipe.execute()
+        counts = self.metrics.writes  # counted once Redis has them
+        for kind, count in sent.items():
+            counts[kind] = counts.get(kind, 0) + count
 
-    async def _queue_ops(self, pipe: Any, batch: list[tuple[Any, ...]]) -> None:
-        counts = self.metrics.writes
+    async def _queue_ops(self, pipe: Any, batch: list[tuple[Any, ...]], counts: dict[str, int]) -> None:
         for op in batch:
             kind = op[0]
             if kind == "pin":
@@ -321,8 +325,9 @@ class SharedState:
                 pubsub = client.pubsub(ignore_subscribe_messages=True)
                 try:
                     await asyncio.wait_for(pubsub.subscribe(self.channel), self.config.write_timeout_s)
-                    if not self.up:
-                        log.warning("shared state (%s) connected", self.config.url)
+                    if not self.up:  # a reconnect is news (it said when it went down); the first one is not
+                        (log.warning if self._was_up else log.info)("shared state (%s) connected", self.config.url)
+                        self._was_up = True
                     self._set_up()
                     self._wake.set()  # flush what queued meanwhile
                     backoff = self.config.backoff_min_s

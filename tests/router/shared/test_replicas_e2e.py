@@ -126,6 +126,10 @@ async def test_a_pin_moved_on_one_replica_is_followed_by_the_others_and_response
     text = await metrics(http, c)
     assert metric_sum(text, "session_router_shared_state_reads_total", kind="pins", result="hit") == 1
     assert metric_sum(text, "session_router_shared_state_up") == 1
+    # a session known locally costs no Redis read: C's next requests read nothing
+    for _ in range(3):
+        assert await chat(http, c, session) == 200
+    assert metric_sum(await metrics(http, c), "session_router_shared_state_reads_total", kind="pins") == 1
     # B and C (which still have its first choice) count its requests as off it, by A's reason; for A,
     # without that backend, the new pin is the first choice
     assert metric_sum(await metrics(http, a), "session_router_off_first_choice_total") == 0
