@@ -12,8 +12,8 @@ prometheus_client's text parser, summed over the label sets an engine exports (d
 - counters and histograms are compared with the previous scrape of the same backend, and the
   deltas teach the model's constants per backend (``learn = true``):
 
-  * engine step (``step_s``): the mean inter-token latency, Δ``vllm:inter_token_latency_seconds``
-    sum / count (one decode step of the batch);
+  * decode step (``decode_step_s``): the mean inter-token latency,
+    Δ``vllm:inter_token_latency_seconds`` sum / count (one step of the batch);
   * prefill cost (``prefill_s_per_token``): the prompt tokens the engine actually computed,
     Δ``vllm:prompt_tokens_total`` − Δ``vllm:prefix_cache_hits_total``, against the time spent
     prefilling: Δ``vllm:request_prefill_time_seconds`` sum when the engine exports it (vLLM
@@ -22,11 +22,16 @@ prometheus_client's text parser, summed over the label sets an engine exports (d
     steps, so that per-request sum counts shared time once per request; the engine cannot have
     spent more than the wall time between the two scrapes, so the time is capped there. From the
     TTFT (no prefill histogram) the sample is also capped at the configured prefill cost scaled by
-    the engine's learned step over the configured step (``ratio``): TTFT counts queueing and steps
+    the engine's decode step over the configured step (``ratio``): TTFT counts queueing and steps
     shared with other prefills, while a GPU that runs steps k times slower prefills about k times
     slower. Only learned from intervals that computed at least ``MIN_COMPUTED_PER_REQUEST`` tokens
     per request (a mostly cached interval says little about the prefill rate); until one does, the
     configured cost scaled by ``ratio`` stands in;
+  * first step (``step_s``, what a request waits before its first token besides its own prefill):
+    the mean TTFT (Δ``vllm:time_to_first_token_seconds`` sum / count) less the mean computed prefill
+    per request at that cost, at least one decode step. It is what a newcomer meets there: an engine
+    whose steps are long, or that is stalled part of the time (starved of its GPU, stopped), shows
+    it here even when its decode steps look short;
   * a queued request's cost (``queued_request_s``): the wall time between the scrapes / the
     requests that finished in it: how often a running request finishes and makes room, which is
     what a waiting request waits for (the engine queues only when it is full);
@@ -149,9 +154,10 @@ def learn(backend: Backend, before: EngineSample, now: EngineSample, *, ratio: f
     elapsed = now.at - before.at
     d_itl_count = now.itl_count - before.itl_count
     if d_itl_count > 0:
-        step = (now.itl_sum - before.itl_sum) / d_itl_count
-        backend.step_s = _blend(backend.step_s, min(MAX_STEP_S, max(0.0, step)))
-    step = max(0.0, backend.step_s)
+        decode = (now.itl_sum - before.itl_sum) / d_itl_count
+        backend.decode_step_s = _blend(backend.decode_step_s, min(MAX_STEP_S, max(0.0, decode)))
+    decode = backend.decode_step_s
+    step = decode if decode > 0 else 0.0
     computed = (now.prompt_tokens - before.prompt_tokens) - (now.prefix_hits - before.prefix_hits)
     from_ttft = not (now.has_prefill_time and before.has_prefill_time)
     if from_ttft:
@@ -165,24 +171,31 @@ def learn(backend: Backend, before: EngineSample, now: EngineSample, *, ratio: f
         if elapsed > 0 and spent > elapsed:
             spent = elapsed  # concurrent prefills shared that time (module docstring)
         per_token = max(0.0, spent) / computed
-        if from_ttft and ratio > 0 and backend.step_s >= 0:
-            per_token = min(per_token, ratio * backend.step_s)
+        if from_ttft and ratio > 0 and decode >= 0:
+            per_token = min(per_token, ratio * decode)
         backend.prefill_s_per_token = _blend(backend.prefill_s_per_token, min(MAX_S_PER_TOKEN, per_token))
-    elif backend.prefill_s_per_token < 0 and ratio > 0 and backend.step_s >= 0:
+    elif backend.prefill_s_per_token < 0 and ratio > 0 and decode >= 0:
         # nothing to measure the prefill by yet: the configured cost at this engine's learned speed
-        backend.prefill_s_per_token = min(MAX_S_PER_TOKEN, ratio * backend.step_s)
+        backend.prefill_s_per_token = min(MAX_S_PER_TOKEN, ratio * decode)
+    per_token = backend.prefill_s_per_token
+    d_ttft_count = now.ttft_count - before.ttft_count
+    d_ttft_sum = now.ttft_sum - before.ttft_sum
+    if d_ttft_count > 0:
+        # what came before the first token besides the request's own prefill: at least a step
+        own = (computed / d_ttft_count) * per_token if computed > 0 and per_token > 0 else 0.0
+        first = max(step, d_ttft_sum / d_ttft_count - own)
+        backend.step_s = _blend(backend.step_s, min(MAX_STEP_S, first))
+    elif d_itl_count > 0:
+        backend.step_s = _blend(backend.step_s, step)
     d_e2e_count = now.e2e_count - before.e2e_count
     d_e2e_sum = now.e2e_sum - before.e2e_sum
     if d_e2e_count > 0:
         if elapsed > 0:
             backend.queued_request_s = _blend(backend.queued_request_s, min(MAX_STEP_S, elapsed / d_e2e_count))
-        d_ttft_count = now.ttft_count - before.ttft_count
-        if d_e2e_sum > 0 and d_ttft_count > 0 and computed >= 0:
-            before_first = min(1.0, max(0.0, (now.ttft_sum - before.ttft_sum) / d_e2e_sum))
-            per_token = backend.prefill_s_per_token
-            if per_token >= 0:
-                busy = before_first * (computed / d_ttft_count) * per_token
-                backend.busy_s_per_request = _blend(backend.busy_s_per_request, min(MAX_STEP_S, busy))
+        if d_e2e_sum > 0 and d_ttft_count > 0 and computed >= 0 and per_token >= 0:
+            before_first = min(1.0, max(0.0, d_ttft_sum / d_e2e_sum))
+            busy = before_first * (computed / d_ttft_count) * per_token
+            backend.busy_s_per_request = _blend(backend.busy_s_per_request, min(MAX_STEP_S, busy))
 
 
 def _went_backwards(before: EngineSample, now: EngineSample) -> bool:

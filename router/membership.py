@@ -57,8 +57,11 @@ class Backend:
     # -- the model's constants learned from that engine's counters (-1.0: not learned, use the configured)
     #: seconds to prefill one prompt token
     prefill_s_per_token: float = -1.0
-    #: seconds of one engine step (the floor of a time to first token)
+    #: seconds before a request's first token besides its own prefill (its first step, and what it
+    #: meets there: queueing, stalls)
     step_s: float = -1.0
+    #: seconds of one decode step (the mean inter-token latency)
+    decode_step_s: float = -1.0
     #: seconds each request the engine has waiting delays a new one
     queued_request_s: float = -1.0
     #: seconds one request in flight adds to a new request's first step, on average (its prefill share)

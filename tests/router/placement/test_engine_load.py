@@ -154,3 +154,15 @@ def test_a_ttft_sample_is_capped_at_the_configured_cost_at_the_learned_speed() -
     queued = EngineSample(itl_sum=1.0, itl_count=200, prompt_tokens=1000, ttft_sum=0.9, ttft_count=1, at=2.0)
     learn(backend, EngineSample(itl_sum=0.5, itl_count=100, at=1.0), queued, ratio=ratio)
     assert backend.prefill_s_per_token == pytest.approx(0.000125)  # 0.9 s of TTFT was mostly a queue
+
+
+def test_the_first_step_is_what_a_newcomer_meets_there() -> None:
+    """Short decode steps, long first tokens (an engine stalled part of the time, or queueing): the
+    first step is learned from the TTFT less the requests' own prefill, the decode step from the ITL."""
+    backend = Backend("http://127.0.0.1:8100")
+    backend.prefill_s_per_token = 0.0001
+    before = EngineSample(at=0.0)
+    now = EngineSample(itl_sum=0.2, itl_count=100, ttft_sum=0.5, ttft_count=10, prompt_tokens=100, at=1.0)
+    learn(backend, before, now)
+    assert backend.decode_step_s == pytest.approx(0.002)
+    assert backend.step_s == pytest.approx(0.05 - 10 * 0.0001)  # mean TTFT 50 ms, 1 ms of it prefill
