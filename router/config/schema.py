@@ -124,7 +124,8 @@ class PlacementConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # -- kv_aware (router.placement.kv_aware): the TTFT model's constants, configured or learned
     #: prompt tokens an engine prefills per second (learned per backend when learn = true)
     prefill_tokens_per_s: Annotated[float, msgspec.Meta(gt=0)] = 4000.0
-    #: seconds of one engine step: the floor of any time to first token (learned: mean inter-token latency)
+    #: seconds before a first token besides the prompt's prefill: an engine step at least (learned: mean
+    #: TTFT less the prefill, at least the mean inter-token latency)
     per_request_step_s: SecondsOrZero = 0.010
     #: seconds each request an engine has waiting adds to a newcomer's wait (learned: e2e / running)
     queued_request_s: SecondsOrZero = 0.1
