@@ -70,6 +70,10 @@ HIT_RATIO_SHARE = 0.98
 SAME_BACKEND_SHARE = 0.99
 CONVERGE_S = 2.0
 CHURN_POLL_S = 0.02
+#: the shared state's counters a cell reports (name after session_router_shared_state_, label keys)
+SHARED_COUNTERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("reads", ("kind", "result")), ("writes", ("kind",)), ("pushes", ()), ("read_timeouts", ()),
+    ("dropped_writes", ()), ("errors", ("op",)))
 NUM_BACKENDS = 4
 
 # ---------------------------------------------------------------------------------------------
@@ -148,6 +152,8 @@ class CellReport(msgspec.Struct, kw_only=True):
     #: off-first-choice placements by reason (session_router_off_first_choice_total, summed over replicas)
     off_first_choice: dict[str, int] = {}
     placements: dict[str, int] = {}
+    #: session_router_shared_state_* counter deltas summed over the replicas alive at the end ("reads/pin/miss")
+    shared: dict[str, int] = {}
     records: list[mt.TurnRecord] = []
     turn_replicas: list[int] = []
     chains: list[ChainRecord] = []
@@ -334,6 +340,8 @@ async def converge(http: aiohttp.ClientSession, routers: Sequence[str], url: str
 
 
 class CellPlan(msgspec.Struct, frozen=True, kw_only=True):
+    #: short name for --cells
+    key: str
     name: str
     replicas: int
     redis: bool
@@ -471,6 +479,9 @@ async def _run_cell(plan: CellPlan, run: RunConfig, workload: Workload, log_dir:
     report.ttft_p50, report.ttft_p99 = round(cell.ttft_p50, 4), round(cell.ttft_p99, 4)
     report.placements = cell.placements
     report.off_first_choice = mt.counter_deltas(rb, ra, "session_router_off_first_choice_total", "reason")
+    for metric, keys in SHARED_COUNTERS:
+        for key, value in mt.counter_deltas(rb, ra, f"session_router_shared_state_{metric}_total", *keys).items():
+            report.shared[f"{metric}/{key}" if keys else metric] = value
     records = sorted(driver.records, key=lambda r: (r.session, r.turn))
     report.records = records
     report.turn_replicas = [driver.sent_to[(r.session, r.turn)] for r in records]
@@ -699,6 +710,11 @@ def render(cells: Sequence[CellReport], found: Sequence[mt.TargetCheck], facts: 
         lines += ["", "Off first choice (`session_router_off_first_choice_total`, summed over replicas): "
                   + "; ".join(f"{c.name}: " + ", ".join(f"{k} {v}" for k, v in c.off_first_choice.items())
                               for c in offs) + "."]
+    shared = [c for c in cells if c.shared]
+    if shared:
+        lines += ["", "Shared state (`session_router_shared_state_*_total`, summed over the replicas alive at the "
+                  "end): " + "; ".join(f"{c.name}: " + ", ".join(f"{k} {v}" for k, v in sorted(c.shared.items()))
+                                       for c in shared) + "."]
     lines += ["", "Targets (issue 15 §5):", ""]
     lines += [f"- {'met' if c.ok else '**NOT met**'}: {c.name}: {c.detail}" for c in found]
     if notes:
@@ -727,17 +743,18 @@ def full_config(seed: int) -> RunConfig:
 def plans(quick: bool, redis: bool, churn_period_s: float, duration_hint_s: float) -> list[CellPlan]:
     """The cells of a run. Quick: the 3-replica cells compare with one 1-replica cell (without Redis: one
     router alone shares nothing); full: a 1-replica cell per mode and a repeat that measures the noise."""
-    out = [CellPlan(name="1 replica", replicas=1, redis=False), CellPlan(name="3 replicas", replicas=3, redis=False)]
+    out = [CellPlan(key="1", name="1 replica", replicas=1, redis=False),
+           CellPlan(key="3", name="3 replicas", replicas=3, redis=False)]
     if not quick:
-        out.append(CellPlan(name="1 replica (repeat)", replicas=1, redis=False, chains=False))
+        out.append(CellPlan(key="1-repeat", name="1 replica (repeat)", replicas=1, redis=False, chains=False))
     if redis:
         if not quick:
-            out.append(CellPlan(name="1 replica, Redis", replicas=1, redis=True))
-        out.append(CellPlan(name="3 replicas, Redis", replicas=3, redis=True))
+            out.append(CellPlan(key="1-redis", name="1 replica, Redis", replicas=1, redis=True))
+        out.append(CellPlan(key="3-redis", name="3 replicas, Redis", replicas=3, redis=True))
     tag = ", Redis" if redis else ""
-    out.append(CellPlan(name=f"3 replicas{tag}, one killed", replicas=3, redis=redis, chains=False,
+    out.append(CellPlan(key="kill", name=f"3 replicas{tag}, one killed", replicas=3, redis=redis, chains=False,
                         kill_at_s=round(duration_hint_s / 2, 1)))
-    out.append(CellPlan(name=f"3 replicas{tag}, pod churn", replicas=3, redis=redis, chains=False,
+    out.append(CellPlan(key="churn", name=f"3 replicas{tag}, pod churn", replicas=3, redis=redis, chains=False,
                         churn_period_s=churn_period_s))
     return out
 
@@ -754,13 +771,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="the Redis cells: auto = when redis-server and router.shared exist")
     p.add_argument("--churn-period", type=float, default=None, metavar="SECONDS",
                    help="a pod NotReady -> Ready every SECONDS (default 20; quick 3)")
-    p.add_argument("--cells", default="", help="comma-separated cell names to run (default all)")
+    p.add_argument("--cells", default="", help="comma-separated cells to run: 1, 3, 1-repeat (full), 1-redis (full), "
+                                                "3-redis, kill, churn (default all)")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="KV blocks per backend (default 768, quick 128; a capacity that holds the whole working set "
+                        "leaves placement as the only cause of misses)")
     p.add_argument("--out", default=None, help="JSON results (default bench/out/replicas-<time>.json)")
     p.add_argument("--write-results", action="store_true", help="write the section 'replicas' of bench/RESULTS.md")
     p.add_argument("--results", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md"))
     args = p.parse_args(argv)
     run = quick_config(args.seed) if args.quick else full_config(args.seed)
+    if args.num_blocks:
+        run = msgspec.structs.replace(run, num_blocks=args.num_blocks)
     notes: list[str] = []
     why_not = redis_ready()
     if args.redis == "on" and why_not:
@@ -774,7 +797,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     cell_plans = plans(args.quick, redis, churn, hint)
     if args.cells:
         wanted = set(args.cells.split(","))
-        cell_plans = [c for c in cell_plans if c.name in wanted]
+        unknown = wanted - {c.key for c in cell_plans}
+        if unknown:
+            p.error(f"--cells: unknown {', '.join(sorted(unknown))} (known: {', '.join(c.key for c in cell_plans)})")
+        cell_plans = [c for c in cell_plans if c.key in wanted]
     bench = mt.BenchConfig(variants=(), num_backends=NUM_BACKENDS, num_blocks=run.num_blocks, keep_records=True)
     facts = machine_facts(None, sys.argv[1:] if argv is None else list(argv), module="bench.replicas")
     print(f"replicas benchmark: {len(cell_plans)} cells, {len(workload.sessions)} sessions, "
