@@ -13,7 +13,8 @@ What it does, all on 127.0.0.1 with ephemeral ports and ipc sockets under a temp
    drop messages on request: a real gap); the router is configured with A's relay endpoint and A's own
    replay socket. Engine B is found the way a deployment finds it: ``[kv_events] enabled = "auto"`` reads
    its ``GET /kv_event_sources``.
-3. An observer in this process subscribes to both engines directly and keeps the engine-side truth from
+3. Each engine gets ``--warmup`` requests directly (a cold engine's first one is slow, and the router
+   learns each engine's speed from its own histograms). An observer in this process subscribes to both engines directly and keeps the engine-side truth from
    the same events (per engine: block hash -> live copies, tokens, the sessions that stored it; a hash is
    resident while its stores outnumber its removals; reset on ``AllBlocksCleared`` and on a seq that goes
    back, i.e. a restarted engine).
@@ -348,6 +349,7 @@ class Harness:
     names: dict[str, str]          # backend url -> engine name
     records: list[dict[str, Any]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    t0: float = field(default_factory=time.monotonic)
 
     def view(self, sid: str) -> dict[str, Any]:
         status, body, _ = http_json("GET", f"{self.router}/v1/sessions/{sid}")
@@ -374,12 +376,14 @@ class Harness:
     def turn(self, session: Session, phase: str, max_tokens: int = 16) -> dict[str, Any]:
         session.messages.append({"role": "user", "content": f"Turn {session.turns}: what do the notes say about "
                                  f"{WORDS[(session.turns * 7) % len(WORDS)]} and {WORDS[(session.turns * 3 + 1) % len(WORDS)]}?"})
-        before = self.kv(session.sid)
+        view_before = self.view(session.sid)
+        before = {k: int(v) for k, v in (view_before.get("kv") or {}).items()}
         body = {"model": MODEL_NAME, "messages": session.messages, "max_tokens": max_tokens, "temperature": 0,
                 "ignore_eos": True, "session_id": session.sid}
         t0 = time.monotonic()
         status, answer, headers = http_json("POST", f"{self.router}/v1/chat/completions", body)
-        latency = time.monotonic() - t0
+        t1 = time.monotonic()
+        latency = t1 - t0
         if status != 200 or not isinstance(answer, dict):
             raise RuntimeError(f"turn of {session.sid} failed: {status} {answer!r}"[:500])
         text = answer["choices"][0]["message"]["content"] or ""
@@ -395,10 +399,12 @@ class Harness:
             "phase": phase, "session": session.sid, "turn": session.turns, "served": self.names.get(served, served),
             "decision": headers.get(DECISION_HEADER, ""), "prompt_tokens": usage.get("prompt_tokens"),
             "cached_tokens": cached, "index_before_on_served": before.get(served, 0),
+            "known_before": bool(view_before),
             "index_before": {self.names.get(k, k): v for k, v in before.items()},
             "router_kv": {self.names.get(k, k): v for k, v in router_kv.items()},
             "engine_kv": {self.names.get(k, k): v for k, v in engine_kv.items()},
             "equal": equal, "converge_s": round(took, 3), "latency_s": round(latency, 3),
+            "t_start": round(t0 - self.t0, 3), "t_end": round(t1 - self.t0, 3),
         }
         with self.lock:
             self.records.append(record)
@@ -469,6 +475,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--blocks", type=int, default=160, help="KV blocks of 32 tokens per engine")
     parser.add_argument("--engine-timeout", type=float, default=600.0)
     parser.add_argument("--seed", type=int, default=14)
+    parser.add_argument("--warmup", type=int, default=3,
+                        help="requests sent to each engine directly before the router starts (a cold engine's "
+                             "first request takes ~1 s, and the router learns its speed from its histograms)")
     parser.add_argument("--out", default=os.path.join(REPO, "bench", "out", "vllm_kv_live.json"))
     args = parser.parse_args(argv)
     if not os.path.exists(args.vllm):
@@ -501,6 +510,15 @@ def main(argv: list[str] | None = None) -> int:
                                                 env={**os.environ, "PYTHONPATH": shim_dir,
                                                      "VLLM_TARGET_DEVICE": "cpu"}).stdout.strip().splitlines()[-1:]
         result["kv_event_sources"] = {e.name: http_json("GET", e.url + "/kv_event_sources")[1] for e in (a, b)}
+        for engine in (a, b):
+            for i in range(args.warmup):
+                http_json("POST", engine.url + "/v1/chat/completions", {
+                    "model": MODEL_NAME, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+                    "messages": [{"role": "user", "content": f"warm-up {i} " + "words " * (100 * (i + 1))}]})
+        h_settle_until = time.monotonic() + 10
+        while time.monotonic() < h_settle_until and not observer.quiet_for(0.5):
+            time.sleep(0.05)
+        result["engine_metrics_after_warmup"] = {e.name: engine_cache_metrics(e.url) for e in (a, b)}
         config = os.path.join(tmp, "router.toml")
         write_config(config, a, b, relay_endpoint)
         router = start_router(log_dir, "--config", config, port=pr)
@@ -592,6 +610,18 @@ def summarize(result: dict[str, Any]) -> None:
     later = [r for r in turns if r["turn"] > 1]
     agree = sum((r["index_before_on_served"] > 0) == (r["cached_tokens"] > 0) for r in later)
     print(f"later turns: index said KV on the serving backend <-> the engine reported cached tokens: {agree}/{len(later)}")
+    # vLLM serves at most prompt - 1 tokens from its cache, in whole blocks: what the index predicts it will serve
+    def predicted(r: dict[str, Any]) -> int:
+        return min(r["index_before_on_served"], (r["prompt_tokens"] - 1) // 32 * 32)
+    # (a session's first routed turn has no view to read before it: the gap probe's, sent to A directly first)
+    routed = [r for r in records if r["phase"] != "restart" and r.get("known_before", True)]
+    exact = [r for r in routed if predicted(r) == r["cached_tokens"]]
+    print(f"all routed turns but the restart's: engine cached_tokens == min(index tokens on the serving backend, "
+          f"prompt-1 in blocks): {len(exact)}/{len(routed)}")
+    for r in routed:
+        if predicted(r) != r["cached_tokens"]:
+            print(f"  differs: {r['phase']} {r['session']} t{r['turn']} on {r['served']}: index {r['index_before_on_served']} "
+                  f"cached {r['cached_tokens']} (turn {r['t_start']}..{r['t_end']} s)")
     converge = sorted(r["converge_s"] for r in records)
     if converge:
         print(f"router view equal to the engines' within: median {converge[len(converge) // 2]:.3f} s, "
