@@ -229,7 +229,8 @@ class EngineCore:
             seq.status = _FINISHED
             seq.finish_reason = reason
             req.children.append(seq)
-            self.metrics.count_finished(reason, now - req.added_at, req.num_prompt_tokens, 0)
+            self.metrics.count_finished(reason, now - req.added_at, req.num_prompt_tokens, 0, queued_at=req.added_at,
+                                        scheduled_at=0.0, first_token_at=0.0, last_token_at=0.0, finished_at=now)
         req.num_unfinished = 0
         self._finish_request(req)
         deltas = [CompletionDelta(i, [], reason) for i in range(req.n)]
@@ -391,7 +392,11 @@ class EngineCore:
         req = seq.request
         hold = req.kv_transfer_params is not None and seq.index == 0 and reason != "abort"
         blocks = self.scheduler.finish(seq, free_blocks=not hold)
-        self.metrics.count_finished(reason, now - req.added_at, seq.num_prompt_tokens, len(seq.output_token_ids))
+        self.metrics.count_finished(
+            reason, now - req.added_at, seq.num_prompt_tokens, len(seq.output_token_ids), queued_at=req.added_at,
+            scheduled_at=seq.scheduled_time, first_token_at=seq.first_token_time,
+            last_token_at=seq.last_token_time, finished_at=now,
+        )
         req.num_unfinished -= 1
         if hold:
             self._hold(req, seq, blocks, now)

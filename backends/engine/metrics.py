@@ -10,7 +10,26 @@ child requests:
   ``vllm:request_success`` (extra label ``finished_reason``: stop, length, abort);
 - histograms ``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds``,
   ``vllm:e2e_request_latency_seconds``, ``vllm:request_prompt_tokens``,
-  ``vllm:request_generation_tokens`` (vLLM's bucket choices).
+  ``vllm:request_generation_tokens`` (vLLM's bucket choices);
+- the request-phase histograms, one observation per finished child (where ``e2e`` is observed,
+  so every one of them counts the same requests as ``vllm:request_success``), vLLM 0.32's
+  intervals between the engine's timestamps of a sequence: *queued* (added to the engine),
+  *scheduled* (first admitted to the running batch; a preempted sequence's re-admission does not
+  move it), *first token* and *last token*:
+
+  * ``vllm:request_queue_time_seconds`` = scheduled - queued (WAITING; a preempted sequence's
+    second wait is not in it),
+  * ``vllm:request_prefill_time_seconds`` = first token - scheduled (includes the simulated time
+    of the step that computes the prompt's last chunk and samples the first token, and any
+    preemption before it),
+  * ``vllm:request_decode_time_seconds`` = last token - first token,
+  * ``vllm:request_inference_time_seconds`` = last token - scheduled (= prefill + decode),
+  * ``vllm:request_time_per_output_token_seconds`` = decode / (generated tokens - 1), 0 with one
+    token (inter-token-latency buckets; the others use the e2e buckets, as vLLM does).
+
+  A sequence that finishes without reaching a phase (aborted while waiting, or before its first
+  token; an unschedulable prompt) has that phase end when it finishes: never scheduled = all its
+  time queued and 0 for the rest; no first token = prefill until the finish, 0 decode.
 
 Ours (prefix ``session_backend_``): ``session_backend_session_requests_total``,
 ``session_backend_session_prompt_tokens_total``, ``session_backend_session_cached_tokens_total`` and
@@ -57,10 +76,12 @@ ITL_BUCKETS = (
     0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
 )  # fmt: skip
-E2E_BUCKETS = (
+#: vLLM's "request_latency" family: e2e and the request-phase histograms (queue, prefill, decode, inference)
+REQUEST_LATENCY_BUCKETS = (
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
     120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
 )  # fmt: skip
+E2E_BUCKETS = REQUEST_LATENCY_BUCKETS
 
 
 def buckets_1_2_5(max_value: int) -> tuple[float, ...]:
@@ -140,6 +161,11 @@ class EngineMetrics:
         self.ttft = FastHistogram(TTFT_BUCKETS)
         self.itl = FastHistogram(ITL_BUCKETS)
         self.e2e = FastHistogram(E2E_BUCKETS)
+        self.queue_time = FastHistogram(REQUEST_LATENCY_BUCKETS)
+        self.prefill_time = FastHistogram(REQUEST_LATENCY_BUCKETS)
+        self.decode_time = FastHistogram(REQUEST_LATENCY_BUCKETS)
+        self.inference_time = FastHistogram(REQUEST_LATENCY_BUCKETS)
+        self.time_per_output_token = FastHistogram(ITL_BUCKETS)
         self.request_prompt_tokens = FastHistogram(buckets_1_2_5(1 << 20))
         self.request_generation_tokens = FastHistogram(buckets_1_2_5(1 << 20))
         # bound later by the engine core
@@ -160,13 +186,38 @@ class EngineMetrics:
         self.request_prompt_tokens = FastHistogram(buckets_1_2_5(max_model_len))
         self.request_generation_tokens = FastHistogram(buckets_1_2_5(max_model_len))
 
-    def count_finished(self, reason: str, e2e_s: float, prompt_tokens: int, generation_tokens: int) -> None:
-        """One child sequence finished with ``reason``."""
+    def count_finished(
+        self,
+        reason: str,
+        e2e_s: float,
+        prompt_tokens: int,
+        generation_tokens: int,
+        *,
+        queued_at: float,
+        scheduled_at: float,
+        first_token_at: float,
+        last_token_at: float,
+        finished_at: float,
+    ) -> None:
+        """One child sequence finished with ``reason``.
+
+        The ``*_at`` are its engine timestamps (monotonic; 0.0 = never reached): the request-phase
+        histograms get vLLM's intervals between them (module docstring)."""
         success = self.request_success
         success[reason] = success.get(reason, 0) + 1
         self.e2e.observe(e2e_s)
         self.request_prompt_tokens.observe(prompt_tokens)
         self.request_generation_tokens.observe(generation_tokens)
+        if scheduled_at == 0.0:  # never scheduled: queued until it finished
+            scheduled_at = finished_at
+        if first_token_at == 0.0:  # no token: in prefill until it finished
+            first_token_at = last_token_at = finished_at
+        decode_s = last_token_at - first_token_at
+        self.queue_time.observe(scheduled_at - queued_at)
+        self.prefill_time.observe(first_token_at - scheduled_at)
+        self.decode_time.observe(decode_s)
+        self.inference_time.observe(last_token_at - scheduled_at)
+        self.time_per_output_token.observe(decode_s / (generation_tokens - 1) if generation_tokens > 1 else 0.0)
 
     # -- exposition ------------------------------------------------------------------------
     def families(self) -> Iterator[Metric]:
@@ -220,6 +271,16 @@ class EngineMetrics:
             ("vllm:request_prompt_tokens", "Number of prefill tokens processed.", self.request_prompt_tokens),
             ("vllm:request_generation_tokens", "Number of generation tokens processed.",
              self.request_generation_tokens),
+            ("vllm:request_time_per_output_token_seconds",
+             "Histogram of time_per_output_token_seconds per request.", self.time_per_output_token),
+            ("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
+             self.queue_time),
+            ("vllm:request_inference_time_seconds", "Histogram of time spent in RUNNING phase for request.",
+             self.inference_time),
+            ("vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.",
+             self.prefill_time),
+            ("vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.",
+             self.decode_time),
         )  # fmt: skip
         for name, doc, hist in histograms:
             h = HistogramMetricFamily(name, doc, labels=names)

@@ -26,11 +26,14 @@ The scheduler never sees a sequence that cannot fit alone: the core caps every s
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 
 from backends.engine.kv_cache import KVCacheManager
 from backends.engine.sequence import Sequence, SeqStatus
+
+_monotonic = time.monotonic
 
 
 class SchedulerOutput:
@@ -207,6 +210,7 @@ class Scheduler:
                     seq.blocks.extend(kv.allocate(need))
                 seq.num_computed_tokens = num_hit_tokens
                 if seq.num_cached_tokens < 0:
+                    seq.scheduled_time = _monotonic()  # vLLM's first SCHEDULED event (request-phase metrics)
                     seq.num_cached_tokens = min(num_hit_tokens, seq.num_prompt_tokens)
                     out.prefix_queries += seq.num_prompt_tokens
                     # blocks a P/D pull just put in are external hits (vllm:external_prefix_cache_*),

@@ -148,6 +148,7 @@ class Sequence:
         "token_span",
         "token_pool",
         "rng",
+        "scheduled_time",
         "first_token_time",
         "last_token_time",
         "finish_reason",
@@ -192,6 +193,9 @@ class Sequence:
         self.token_pool = token_pool or None
         self.token_span = len(token_pool) if token_pool else max(token_hi - token_lo, 1)
         self.rng = random.Random(_child_seed(request, index))
+        #: engine monotonic times (0.0 = not yet): first admitted to the running batch (a
+        #: re-admission after preemption does not move it), first and last sampled token
+        self.scheduled_time = 0.0
         self.first_token_time = 0.0
         self.last_token_time = 0.0
         self.finish_reason: str | None = None
