@@ -135,6 +135,7 @@ def build_kv_events(state: RouterState) -> KVEvents | None:
                       lambda: [pool for name, pool in state.pools.items() if name != POOL_RENDER], metrics,
                       configured=configured, request_timeout_s=config.health.timeout_s)
     state.changes.subscribe(events)
+    state.health.add_change_hook(events.health_changed)
     return events
 
 

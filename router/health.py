@@ -129,6 +129,20 @@ class HealthChecker:
             engine_load=engine_load,
         )
 
+    def add_change_hook(self, hook: Callable[[Backend, bool], None]) -> None:
+        """Call ``hook(backend, healthy)`` too on every transition, after the hooks set before."""
+        first = self._on_change
+        if first is None:
+            self._on_change = hook
+            return
+        earlier: Callable[[Backend, bool], None] = first
+
+        def both(backend: Backend, healthy: bool) -> None:
+            earlier(backend, healthy)
+            hook(backend, healthy)
+
+        self._on_change = both
+
     # ---------------------------------------------------------------- lifecycle
 
     @property

@@ -24,11 +24,17 @@ are re-tagged, so ``session_tokens`` is one dict lookup. ``forget_session`` (the
 evict hook) drops a session at once; the blocks it tagged keep a dead tag until they go.
 
 Bound. ``max_blocks`` over all backends: past it the least recently stored or reused block goes
-(one LRU across backends, an intrusive doubly linked list, O(1) per store, reuse and eviction), as
-a ``BlockRemoved`` would. Measured (``bench/kv_index.py``, CPython 3.11, 64-bit): about
-``BYTES_PER_BLOCK`` bytes per indexed block with one session tag and 16-byte engine hashes, all
-structures included (block record, per-backend hash table, content-key table, session tables);
-each further tag on a block adds a few dozen bytes (at most ``MAX_TAGS`` per block).
+(one LRU across backends, a doubly linked list through the block ids, O(1) per store, reuse and
+eviction), as a ``BlockRemoved`` would. Measured (``bench/kv_index.py``, CPython 3.11, 64-bit):
+about ``BYTES_PER_BLOCK`` bytes per indexed block with one session tag and 16-byte engine hashes,
+all structures included (block arrays, per-backend hash table, content-key table, session
+tables); each further tag on a block adds a few dozen bytes (at most ``MAX_TAGS`` per block).
+
+Layout. A block is an integer id into parallel arrays (content key, tokens, owner, LRU links,
+tag) and one list (its engine hash); sessions are integer serials, their token maps plain dicts
+of str -> int. So a million indexed blocks add no objects for Python's cyclic garbage collector
+to walk (a full collection over a million small block objects takes seconds here, and it stops
+the event loop, the proxy's with it), only a few containers.
 
 Costs. ``apply``: O(blocks in the events), one blake2b per newly stored block (a reuse or a removal
 hashes nothing). ``session_tokens``: O(1), the session's own live map (no copy). ``prefix_tokens``:
@@ -58,11 +64,22 @@ _TOKEN_FORMAT: Final = "q"
 _TOKEN_BYTES: Final = 8
 _INDEXED_MEDIA: Final = (None, "GPU")
 _EMPTY: Final[Mapping[str, int]] = MappingProxyType({})
+#: a block's content key when its parent was unknown (a real key that hashes to 0 is stored as 1)
+_NO_KEY: Final = 0
+#: a block's tag when its sessions are in ``_more`` (a list)
+_MANY: Final = -1
 
 
-def _chain(parent: bytes, raw: bytes) -> bytes:
-    """The content key of a block: blake2b-64 of its parent's key and its tokens' bytes."""
-    return blake2b(parent + raw, digest_size=8).digest()
+def _key_of(parent: bytes, raw: bytes) -> tuple[int, bytes]:
+    """The content key of a block (as the int stored, and as the bytes its children chain on):
+    blake2b-64 of its parent's key bytes and its tokens' bytes."""
+    digest = blake2b(parent + raw, digest_size=8).digest()
+    key = int.from_bytes(digest, "little", signed=True)
+    return (key, digest) if key != _NO_KEY else (1, (1).to_bytes(8, "little", signed=True))
+
+
+def _key_bytes(key: int) -> bytes:
+    return key.to_bytes(8, "little", signed=True)
 
 
 def _token_bytes(token_ids: Sequence[int]) -> bytes | None:
@@ -74,8 +91,8 @@ def _token_bytes(token_ids: Sequence[int]) -> bytes | None:
 
 
 def prompt_block_keys(prompt_ids: Sequence[int], block_size: int) -> list[int]:
-    """The content keys (as ints) of the prompt's full blocks of ``block_size`` tokens: the keys
-    ``KVIndex`` gives the same tokens when an engine stores them (a partial last block has none)."""
+    """The content keys of the prompt's full blocks of ``block_size`` tokens: the keys ``KVIndex``
+    gives the same tokens when an engine stores them (a partial last block has none)."""
     if block_size < 1:
         raise ValueError(f"block_size must be at least 1, got {block_size}")
     raw = _token_bytes(prompt_ids)
@@ -85,43 +102,13 @@ def prompt_block_keys(prompt_ids: Sequence[int], block_size: int) -> list[int]:
     keys: list[int] = []
     parent = ROOT
     for start in range(0, (len(prompt_ids) // block_size) * step, step):
-        parent = _chain(parent, raw[start:start + step])
-        keys.append(int.from_bytes(parent, "big"))
+        key, parent = _key_of(parent, raw[start:start + step])
+        keys.append(key)
     return keys
 
 
-class _Session:
-    """One session's resident tokens per backend URL. ``live`` is False once forgotten or empty:
-    blocks may still hold the record (a dead tag), which then counts for nothing."""
-
-    __slots__ = ("sid", "tokens", "live")
-
-    def __init__(self, sid: str) -> None:
-        self.sid = sid
-        self.tokens: dict[str, int] = {}
-        self.live = True
-
-
-class _Block:
-    """One resident block of one backend, and its place in the index-wide LRU list."""
-
-    __slots__ = ("owner", "ehash", "key", "tokens", "tags", "prev", "next")
-
-    def __init__(self, owner: _Backend | None, ehash: ExternalBlockHash | None, key: bytes | None,
-                 tokens: int) -> None:
-        self.owner = owner
-        self.ehash = ehash
-        #: content key (None: the parent was unknown, so it cannot match a prompt)
-        self.key = key
-        self.tokens = tokens
-        #: None, one session, or a list of up to MAX_TAGS sessions (oldest first)
-        self.tags: _Session | list[_Session] | None = None
-        self.prev: _Block = self
-        self.next: _Block = self
-
-
 class _Backend:
-    """One backend's resident blocks by engine hash, and its bit in the content-key table."""
+    """One backend's resident blocks (engine hash -> block id) and its bit in the content-key table."""
 
     __slots__ = ("url", "slot", "bit", "blocks", "dups")
 
@@ -129,10 +116,10 @@ class _Backend:
         self.url = url
         self.slot = slot
         self.bit = 1 << slot
-        self.blocks: dict[ExternalBlockHash, _Block] = {}
+        self.blocks: dict[ExternalBlockHash, int] = {}
         #: content key -> extra blocks of this backend with that key (two engine hashes, one content:
         #: e.g. a different LoRA or salt); absent when there is one, the usual case
-        self.dups: dict[bytes, int] = {}
+        self.dups: dict[int, int] = {}
 
 
 class KVIndex:
@@ -149,10 +136,24 @@ class KVIndex:
         self._block_size_learned = False
         self._backends: dict[str, _Backend] = {}
         self._slots: list[_Backend | None] = []
-        self._sessions: dict[str, _Session] = {}
+        # blocks, by id; id 0 is the LRU list's sentinel (next: the oldest block, prev: the newest)
+        self._key = array("q", [_NO_KEY])
+        self._tokens = array("i", [0])
+        self._owner = array("i", [-1])
+        self._prev = array("i", [0])
+        self._next = array("i", [0])
+        #: 0: no session; > 0: one session's serial; _MANY: the serials are in ``_more``
+        self._tag = array("q", [0])
+        self._more: dict[int, list[int]] = {}
+        self._ehash: list[ExternalBlockHash | None] = [None]
+        self._free: list[int] = []
         #: content key -> bits of the backends holding a block with that key
-        self._holders: dict[bytes, int] = {}
-        self._lru = _Block(None, None, None, 0)  # sentinel of the circular list: next = oldest
+        self._holders: dict[int, int] = {}
+        # sessions: id -> serial (never reused), serial -> its tokens per backend URL (live ones only)
+        self._serial_of: dict[str, int] = {}
+        self._name_of: dict[int, str] = {}
+        self._live: dict[int, dict[str, int]] = {}
+        self._next_serial = 1
         self._count = 0
         self._version = 0
         #: blocks dropped to stay within max_blocks (a counter, for metrics)
@@ -173,7 +174,7 @@ class KVIndex:
     @property
     def sessions(self) -> int:
         """Sessions with resident tokens somewhere."""
-        return len(self._sessions)
+        return len(self._live)
 
     def backend_blocks(self, backend_url: str) -> int:
         backend = self._backends.get(backend_url)
@@ -182,8 +183,10 @@ class KVIndex:
     def session_tokens(self, session_id: str) -> Mapping[str, int]:
         """Backend URL -> the session's resident tokens there (only backends holding some). The
         index's own live map, not a copy: read it, do not keep it across an ``apply``."""
-        session = self._sessions.get(session_id)
-        return _EMPTY if session is None else session.tokens
+        serial = self._serial_of.get(session_id)
+        if serial is None:
+            return _EMPTY
+        return self._live.get(serial, _EMPTY)
 
     def prefix_tokens(self, prompt_ids: Sequence[int]) -> dict[str, int]:
         """Backend URL -> the longest prefix of ``prompt_ids`` resident there, in tokens (whole
@@ -203,9 +206,11 @@ class KVIndex:
         slots = self._slots
         alive = -1  # every bit: all backends still match
         parent = ROOT
+        from_bytes = int.from_bytes
         for i in range(blocks):
             parent = blake2b(parent + raw[i * step:(i + 1) * step], digest_size=8).digest()
-            held = holders.get(parent, 0) & alive
+            key = from_bytes(parent, "little", signed=True) or 1
+            held = holders.get(key, 0) & alive
             if i:
                 lost = alive & ~held
                 while lost:
@@ -215,6 +220,8 @@ class KVIndex:
             alive = held
             if not alive:
                 return answer
+            if key == 1:
+                parent = _key_bytes(1)
         while alive:
             low = alive & -alive
             alive ^= low
@@ -264,10 +271,10 @@ class KVIndex:
 
     def forget_session(self, session_id: str) -> None:
         """Drop a session (it left the session table): its tokens count nowhere from now on."""
-        session = self._sessions.pop(session_id, None)
-        if session is not None:
-            session.live = False
-            session.tokens = {}
+        serial = self._serial_of.pop(session_id, None)
+        if serial is not None:
+            self._name_of.pop(serial, None)
+            self._live.pop(serial, None)
             self._version += 1
 
     # ------------------------------------------------------------------ internals
@@ -283,11 +290,35 @@ class KVIndex:
         self._backends[url] = backend
         return backend
 
-    def _session(self, sid: str) -> _Session:
-        session = self._sessions.get(sid)
-        if session is None:
-            session = self._sessions[sid] = _Session(sid)
-        return session
+    def _serial(self, sid: str) -> int:
+        serial = self._serial_of.get(sid)
+        if serial is None:
+            serial = self._next_serial
+            self._next_serial += 1
+            self._serial_of[sid] = serial
+            self._name_of[serial] = sid
+            self._live[serial] = {}
+        return serial
+
+    def _new_block(self, slot: int, ehash: ExternalBlockHash, key: int, tokens: int) -> int:
+        free = self._free
+        if free:
+            block = free.pop()
+            self._key[block] = key
+            self._tokens[block] = tokens
+            self._owner[block] = slot
+            self._ehash[block] = ehash
+        else:
+            block = len(self._ehash)
+            self._key.append(key)
+            self._tokens.append(tokens)
+            self._owner.append(slot)
+            self._prev.append(0)
+            self._next.append(0)
+            self._tag.append(0)
+            self._ehash.append(ehash)
+        self._count += 1
+        return block
 
     def _store(self, backend: _Backend, event: BlockStored) -> None:
         if event.medium not in _INDEXED_MEDIA or event.group_idx:
@@ -301,7 +332,7 @@ class KVIndex:
         chained = True
         if len(tokens) == count * size:
             per = size
-            if not self._block_size_learned and count and size > 0:
+            if not self._block_size_learned and size > 0:
                 self.block_size = size
                 self._block_size_learned = True
         elif count == 1:
@@ -311,64 +342,78 @@ class KVIndex:
             chained = False
         if per < 1:
             return
-        session = self._session(event.session_id) if event.session_id is not None else None
+        serial = self._serial(event.session_id) if event.session_id is not None else 0
         blocks = backend.blocks
+        keys = self._key
+        prev = self._prev
+        nxt = self._next
         parent_hash = event.parent_block_hash
+        parent: bytes | None
         if parent_hash is None:
-            parent: bytes | None = ROOT
+            parent = ROOT
         else:
             parent_block = blocks.get(parent_hash)
-            parent = parent_block.key if parent_block is not None else None
+            parent_key = keys[parent_block] if parent_block is not None else _NO_KEY
+            parent = _key_bytes(parent_key) if parent_key != _NO_KEY else None
+        if not chained:
+            parent = None
         raw: bytes | None = None
         step = per * _TOKEN_BYTES
-        tail = self._lru
         holders = self._holders
         bit = backend.bit
-        credit = 0  # tokens of new blocks tagged to ``session``, credited once at the end
+        slot = backend.slot
+        credit = 0  # tokens of new blocks tagged to ``serial``, credited once at the end
         for i, ehash in enumerate(hashes):
             block = blocks.get(ehash)
             if block is None:
-                key = None
-                if parent is not None and chained:
+                key = _NO_KEY
+                if parent is not None:
                     if raw is None:
                         raw = _token_bytes(tokens) or b""
                     if raw:
-                        key = blake2b(parent + raw[i * step:(i + 1) * step], digest_size=8).digest()
-                block = _Block(backend, ehash, key, per)
-                blocks[ehash] = block
-                self._count += 1
-                if key is not None:
+                        key, parent = _key_of(parent, raw[i * step:(i + 1) * step])
+                    else:
+                        parent = None
+                block = blocks[ehash] = self._new_block(slot, ehash, key, per)
+                if key != _NO_KEY:
                     bits = holders.get(key, 0)
                     if bits & bit:
-                        self._hold(backend, key)
+                        backend.dups[key] = backend.dups.get(key, 0) + 1
                     else:
                         holders[key] = bits | bit
-                if session is not None:
-                    block.tags = session
+                if serial:
+                    self._tag[block] = serial
                     credit += per
             else:
                 # a reuse: most recent now; learn its content key if it had none (parent now known)
-                block.prev.next = block.next
-                block.next.prev = block.prev
-                if block.key is None and parent is not None and chained:
-                    if raw is None:
-                        raw = _token_bytes(tokens) or b""
-                    if raw:
-                        block.key = blake2b(parent + raw[i * step:(i + 1) * step], digest_size=8).digest()
-                        self._hold(backend, block.key)
-                if session is not None:
-                    self._tag(block, session)
-            last = tail.prev
-            block.prev = last
-            block.next = tail
-            last.next = block
-            tail.prev = block
-            parent = block.key
+                before, after = prev[block], nxt[block]
+                nxt[before] = after
+                prev[after] = before
+                key = keys[block]
+                if key == _NO_KEY:
+                    if parent is not None:
+                        if raw is None:
+                            raw = _token_bytes(tokens) or b""
+                        if raw:
+                            key, parent = _key_of(parent, raw[i * step:(i + 1) * step])
+                            keys[block] = key
+                            self._hold(backend, key)
+                        else:
+                            parent = None
+                else:
+                    parent = _key_bytes(key)
+                if serial:
+                    self._tag_block(block, serial)
+            last = prev[0]
+            prev[block] = last
+            nxt[block] = 0
+            nxt[last] = block
+            prev[0] = block
         if credit:
-            assert session is not None and session.live
-            session.tokens[backend.url] = session.tokens.get(backend.url, 0) + credit
+            tokens_of = self._live[serial]
+            tokens_of[backend.url] = tokens_of.get(backend.url, 0) + credit
 
-    def _hold(self, backend: _Backend, key: bytes) -> None:
+    def _hold(self, backend: _Backend, key: int) -> None:
         holders = self._holders
         bits = holders.get(key, 0)
         if bits & backend.bit:
@@ -376,7 +421,7 @@ class KVIndex:
         else:
             holders[key] = bits | backend.bit
 
-    def _release(self, backend: _Backend, key: bytes) -> None:
+    def _release(self, backend: _Backend, key: int) -> None:
         dups = backend.dups
         extra = dups.get(key)
         if extra is not None:
@@ -392,61 +437,72 @@ class KVIndex:
         else:
             holders.pop(key, None)
 
-    def _tag(self, block: _Block, session: _Session) -> None:
-        tags = block.tags
-        if tags is session:
+    def _tag_block(self, block: int, serial: int) -> None:
+        tag = self._tag[block]
+        if tag == serial:
             return
-        if tags is None:
-            block.tags = session
-        elif type(tags) is _Session:
-            block.tags = [tags, session] if tags.live else session
+        live = self._live
+        if tag == 0:
+            self._tag[block] = serial
+        elif tag > 0:
+            if tag in live:
+                self._more[block] = [tag, serial]
+                self._tag[block] = _MANY
+            else:
+                self._tag[block] = serial  # a dead tag: replaced
         else:
-            assert isinstance(tags, list)
-            if session in tags:
-                if tags[-1] is not session:
-                    tags.remove(session)
-                    tags.append(session)
+            tags = self._more[block]
+            if serial in tags:
+                if tags[-1] != serial:
+                    tags.remove(serial)
+                    tags.append(serial)
                 return
-            tags.append(session)
+            tags.append(serial)
             if len(tags) > MAX_TAGS:
-                live = [s for s in tags if s.live]
-                if len(live) > MAX_TAGS:
-                    self._credit(live.pop(0), block, -1)
-                block.tags = live
-        self._credit(session, block, 1)
+                kept = [s for s in tags if s in live]
+                if len(kept) > MAX_TAGS:
+                    self._credit(kept.pop(0), block, -1)
+                self._more[block] = kept
+        self._credit(serial, block, 1)
 
-    def _credit(self, session: _Session, block: _Block, sign: int) -> None:
-        if not session.live:
-            return
-        url = block.owner.url  # type: ignore[union-attr]
-        tokens = session.tokens
-        left = tokens.get(url, 0) + sign * block.tokens
+    def _credit(self, serial: int, block: int, sign: int) -> None:
+        tokens = self._live.get(serial)
+        if tokens is None:
+            return  # a dead tag (forgotten, or emptied) counts for nothing
+        url = self._slots[self._owner[block]].url  # type: ignore[union-attr]
+        left = tokens.get(url, 0) + sign * self._tokens[block]
         if left > 0:
             tokens[url] = left
             return
         tokens.pop(url, None)
         if not tokens:
-            session.live = False
-            if self._sessions.get(session.sid) is session:
-                del self._sessions[session.sid]
+            del self._live[serial]
+            name = self._name_of.pop(serial)
+            if self._serial_of.get(name) == serial:
+                del self._serial_of[name]
 
-    def _drop(self, block: _Block) -> None:
-        """Unlink ``block`` from the LRU list, its content key and its sessions (not its backend's dict)."""
-        block.prev.next = block.next
-        block.next.prev = block.prev
+    def _drop(self, block: int) -> None:
+        """Unlink ``block`` from the LRU list, its content key and its sessions, and free its id
+        (not from its backend's dict: the caller does that)."""
+        prev, nxt = self._prev, self._next
+        before, after = prev[block], nxt[block]
+        nxt[before] = after
+        prev[after] = before
         self._count -= 1
-        owner = block.owner
+        owner = self._slots[self._owner[block]]
         assert owner is not None
-        if block.key is not None:
-            self._release(owner, block.key)
-        tags = block.tags
-        if tags is not None:
-            if type(tags) is _Session:
-                self._credit(tags, block, -1)
-            else:
-                for session in tags:  # type: ignore[union-attr]
-                    self._credit(session, block, -1)
-            block.tags = None
+        key = self._key[block]
+        if key != _NO_KEY:
+            self._release(owner, key)
+        tag = self._tag[block]
+        if tag > 0:
+            self._credit(tag, block, -1)
+        elif tag == _MANY:
+            for serial in self._more.pop(block):
+                self._credit(serial, block, -1)
+        self._tag[block] = 0
+        self._ehash[block] = None
+        self._free.append(block)
 
     def _remove(self, backend: _Backend, event: BlockRemoved) -> None:
         if event.medium not in _INDEXED_MEDIA or event.group_idx:
@@ -465,11 +521,11 @@ class KVIndex:
         backend.dups.clear()
 
     def _evict_over(self) -> None:
-        head = self._lru
+        nxt = self._next
         while self._count > self.max_blocks:
-            oldest = head.next
-            owner = oldest.owner
+            oldest = nxt[0]
+            owner = self._slots[self._owner[oldest]]
             assert owner is not None
-            del owner.blocks[oldest.ehash]  # type: ignore[arg-type]
+            del owner.blocks[self._ehash[oldest]]  # type: ignore[index]
             self._drop(oldest)
             self.evicted += 1

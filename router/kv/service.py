@@ -11,9 +11,9 @@ Where a backend publishes (its ``EventSource`` list):
   given, nothing asked;
 - else (``[kv_events] enabled = "auto"`` or true) its ``GET /kv_event_sources`` (vLLM 0.32's, and
   ours): one source per data-parallel rank whose config publishes on ZMQ. Read when the backend
-  joins, when it turns healthy again (an engine that restarted may publish elsewhere: ``tcp://*:0``),
-  and every ``sources_refresh_s``. A read that fails keeps what the backend had; an answer that
-  changed re-subscribes (and resets the backend's entries). With ``enabled = true`` a backend that
+  joins, when it turns healthy again (``health_changed``, the health checker's hook: an engine that
+  restarted may publish elsewhere, ``tcp://*:0``), and every ``sources_refresh_s``. A read that
+  fails keeps what the backend had; an answer that changed re-subscribes (and resets the backend's entries). With ``enabled = true`` a backend that
   publishes nothing is logged as a warning (once until it does).
 
 Several data-parallel ranks of one backend feed the same index entries; a reset caused by one rank
@@ -53,7 +53,6 @@ class _Tracked:
     backend: Backend
     sources: tuple[EventSource, ...] = ()
     streams: list[Stream] = field(default_factory=list)
-    healthy: bool = True
     #: loop time of the last /kv_event_sources read (0: never)
     read_at: float = 0.0
     reading: asyncio.Task[None] | None = None
@@ -71,7 +70,8 @@ class KVEvents:
         self.settings = settings
         self._pools = pools
         self.metrics = metrics
-        self._configured = dict(configured or {})
+        #: backends whose endpoints the configuration gives (the others are asked)
+        self._configured = {url: given for url, given in (configured or {}).items() if given.kv_events}
         self._request_timeout_s = request_timeout_s
         self._tracked: dict[str, _Tracked] = {}
         self._sockets: dict[tuple[bool, str], SubSocket] = {}
@@ -117,6 +117,13 @@ class KVEvents:
         if tracked is not None and tracked.backend is backend:
             self._forget_backend(backend.url)
 
+    def health_changed(self, backend: Backend, healthy: bool) -> None:
+        """``HealthChecker`` hook: a backend healthy again may be a restarted engine publishing
+        elsewhere (``tcp://*:0``): its sources are read again."""
+        tracked = self._tracked.get(backend.url)
+        if healthy and tracked is not None and tracked.backend is backend and backend.url not in self._configured:
+            self._read_sources(tracked)
+
     # ------------------------------------------------------------------ views
 
     def sources_of(self, backend_url: str) -> tuple[EventSource, ...]:
@@ -127,6 +134,11 @@ class KVEvents:
         """Whether events of ``backend_url`` are subscribed to (its index entries may be trusted)."""
         tracked = self._tracked.get(backend_url)
         return tracked is not None and bool(tracked.streams)
+
+    def batches_applied(self, backend_url: str) -> int:
+        """Batches applied by the streams subscribed now for ``backend_url`` (0 after a re-subscribe)."""
+        tracked = self._tracked.get(backend_url)
+        return 0 if tracked is None else sum(stream.applied for stream in tracked.streams)
 
     def sources_by_backend(self) -> dict[str, int]:
         return {t.backend.name: len(t.streams) for t in self._tracked.values()}
@@ -140,12 +152,8 @@ class KVEvents:
             try:
                 self._sync_members()
                 now = loop.time()
-                for tracked in self._tracked.values():
-                    backend = tracked.backend
-                    came_back = backend.healthy and not tracked.healthy
-                    tracked.healthy = backend.healthy
-                    due = now - tracked.read_at >= self.settings.sources_refresh_s
-                    if backend.url not in self._configured and (came_back or due):
+                for url, tracked in self._tracked.items():
+                    if url not in self._configured and now - tracked.read_at >= self.settings.sources_refresh_s:
                         self._read_sources(tracked)
             except Exception:  # the follower must outlive any one bad round
                 logger.exception("KV events: following the pools failed")
@@ -159,9 +167,9 @@ class KVEvents:
                 self._follow_backend(backend)
 
     def _follow_backend(self, backend: Backend) -> None:
-        tracked = self._tracked[backend.url] = _Tracked(backend, healthy=backend.healthy)
+        tracked = self._tracked[backend.url] = _Tracked(backend)
         given = self._configured.get(backend.url)
-        if given is not None and given.kv_events:
+        if given is not None:
             source = EventSource(backend.url, given.kv_events, given.kv_replay or None, given.kv_topic, 0,
                                  backend.name)
             self._subscribe(tracked, (source,))

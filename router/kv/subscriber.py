@@ -261,6 +261,13 @@ class Stream:
             dealer.close(linger=0)
 
 
+async def _cancel(task: asyncio.Task[None] | None) -> None:
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
 class Slicer:
     """Yields to the event loop once a reader has worked ``SLICE_S`` seconds since the last yield."""
 
@@ -331,15 +338,14 @@ class SubSocket:
     async def close(self) -> None:
         for stream in self.streams.values():
             stream.closed = True
-        for task in (self._task, self._monitor_task):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        await _cancel(self._task)
         if self._socket is not None:
+            # the monitor stops while its PAIR is still open: libzmq's last monitor events would
+            # otherwise block on a PAIR with no peer
             with contextlib.suppress(zmq.ZMQError):
                 self._socket.disable_monitor()
             self._socket.close(linger=0)
+        await _cancel(self._monitor_task)
 
     async def _watch(self, monitor: zmq.asyncio.Socket) -> None:
         """A peer disconnected: the streams here start anew with their next batch."""
