@@ -66,7 +66,7 @@ from typing import Protocol
 from router.membership import Backend, BackendSet
 from router.placement.base import Outcome, Placement, PlacementHint, SessionPins
 from router.placement.least_loaded import NOTHING_EXCLUDED, no_available_backend
-from router.placement.session import SessionPolicy, load_bound
+from router.placement.session import Ring, load_bound
 
 #: placements between two refreshes of a pool's load total and fastest constants on the sticky fast path
 STATS_EVERY = 16
@@ -133,9 +133,8 @@ class KVAwarePolicy:
         self._kv_from = settings.kv_pressure_from
         self._kv_span = max(1e-9, 1.0 - settings.kv_pressure_from)
         self._weight = settings.reported_load_weight
-        #: rendezvous ranking and the load bound for new sessions, as the ``session`` policy ranks them
-        self._hash = SessionPolicy(load_factor=settings.load_factor, reported_load_weight=settings.reported_load_weight,
-                                   sticky_headroom=settings.sticky_headroom)
+        #: ``pool.key`` -> its members with their URL absorbed by blake2b (rendezvous ranking of new sessions)
+        self._rings: dict[str, Ring] = {}
         self._stats: dict[str, _PoolStats] = {}
         #: ``pool.key`` -> where the next no-session scan starts (ties go round-robin)
         self._cursor: dict[str, int] = {}
@@ -369,17 +368,34 @@ class KVAwarePolicy:
         return None, 0
 
     def _hash_choice(self, pool: BackendSet, session_id: str, exclude: frozenset[str], stats: _PoolStats) -> Backend:
-        """The first candidate in rendezvous order within the load bound (else the least loaded)."""
+        """The first candidate in rendezvous order (``session_score``, as the ``session`` policy ranks)
+        within the load bound, else the least loaded (the earliest in that order among equals): one
+        pass, no sort."""
         bound = load_bound(self.settings.load_factor, stats.total, stats.count)
+        ring = self._rings.get(pool.key)
+        if ring is None or ring.version != pool.version:
+            ring = self._rings[pool.key] = Ring(pool)
+        key = session_id.encode()
         weight = self._weight
+        best: Backend | None = None
+        best_rank = (-1, "")
         least: Backend | None = None
         least_load = 0.0
-        for backend in self._hash.candidates(pool, session_id, exclude):
+        least_rank = (-1, "")
+        for backend, state in ring.states:
+            if not backend.available or (exclude and backend.url in exclude):
+                continue
+            h = state.copy()
+            h.update(key)
+            rank = (int.from_bytes(h.digest(), "little"), backend.url)
             load = backend.in_flight + weight * backend.reported_load if weight else backend.in_flight
             if load + 1 <= bound:
-                return backend
-            if least is None or load < least_load:
-                least, least_load = backend, load
+                if rank > best_rank:
+                    best, best_rank = backend, rank
+            elif best is None and (least is None or load < least_load or (load == least_load and rank > least_rank)):
+                least, least_load, least_rank = backend, load, rank
+        if best is not None:
+            return best
         if least is None:
             raise no_available_backend(pool)
         return least

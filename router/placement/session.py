@@ -85,7 +85,7 @@ def session_score(url: str, session_id: str) -> int:
     return int.from_bytes(digest, "little")
 
 
-class _Ring:
+class Ring:
     """Per-membership work of one pool: each backend with its URL already absorbed by blake2b."""
 
     __slots__ = ("version", "states")
@@ -110,7 +110,7 @@ class SessionPolicy:
         self._weight = reported_load_weight
         self._least = LeastLoaded(reported_load_weight)
         #: ``pool.key`` -> that set's ring (a pool's, or a model's candidate set's)
-        self._rings: dict[str, _Ring] = {}
+        self._rings: dict[str, Ring] = {}
 
     # -- the hot path -------------------------------------------------------------------------
 
@@ -185,7 +185,7 @@ class SessionPolicy:
     ) -> list[tuple[int, str, Backend]]:
         ring = self._rings.get(pool.key)
         if ring is None or ring.version != pool.version:
-            ring = self._rings[pool.key] = _Ring(pool)
+            ring = self._rings[pool.key] = Ring(pool)
         key = session_id.encode()
         ranked: list[tuple[int, str, Backend]] = []
         for backend, state in ring.states:

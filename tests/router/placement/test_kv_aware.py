@@ -274,3 +274,18 @@ def test_the_fast_path_on_a_large_pool_matches_a_full_prediction() -> None:
     victim.engine_waiting = 100
     placement = policy.place(pool, "s0", entries["s0"], hint=hint())
     assert placement.backend is not victim and placement.outcome is Outcome.SPILL
+
+
+def test_new_sessions_land_where_the_session_policy_would_put_them() -> None:
+    """Without a prediction that tells backends apart, a new session's home is the session policy's
+    choice: the first in rendezvous order within the load bound, else the least loaded."""
+    rng = random.Random(11)
+    pool, sessions = make_pool(5), table()
+    ours, theirs = KVAwarePolicy(), SessionPolicy()
+    for i in range(300):
+        for backend in pool.members:
+            backend.in_flight = rng.choice((0, 0, 1, 2, 3, 8))
+        sid = f"n{i}"
+        mine = ours.place(pool, sid, sessions.touch(sid), hint=hint(last=0))
+        other = theirs.place(pool, sid, SessionTable(10, 60).touch(sid))
+        assert mine.backend is other.backend and mine.outcome is other.outcome is Outcome.NEW
