@@ -96,8 +96,12 @@ def test_checks_hold_the_cells_to_issue_15s_targets() -> None:
     ]
     found = {c.name: c for c in checks(cells)}
     assert found["hit ratio, 3 replicas >= 98% of 1 replica's (without Redis)"].ok  # 0.79 / 0.80 = 98.75%
-    # the Redis cells compare with the plain 1-replica cell when there is no 1-replica Redis cell
+    # every cell compares with the 1-replica cells' mean (here the one plain cell)
     assert not found["hit ratio, 3 replicas >= 98% of 1 replica's (with Redis)"].ok
+    cells.append(_cell("1 replica, Redis", 1, True, hit_ratio=0.62, failed_by_replica=[0]))
+    found = {c.name: c for c in checks(cells)}
+    assert found["hit ratio, 3 replicas >= 98% of 1 replica's (with Redis)"].ok  # 0.70 / mean(0.80, 0.62) = 98.6%
+    assert "0.710" in found["hit ratio, 3 replicas >= 98% of 1 replica's (with Redis)"].detail
     assert found["follow-up turns placed as a single router would (without Redis): figure"].ok
     assert found["follow-up turns placed as a single router would (with Redis) >= 99%"].ok  # 99/100
     assert "90/100" in found["follow-up turns placed as a single router would (without Redis): figure"].detail
