@@ -348,13 +348,15 @@ class KVIndex:
         prev = self._prev
         nxt = self._next
         parent_hash = event.parent_block_hash
-        parent: bytes | None
+        #: the chain so far: the previous block's key as bytes (ROOT at a prompt's start), or as the int
+        #: stored (turned into bytes only if a block after it needs hashing), or None (unknown)
+        parent: bytes | int | None
         if parent_hash is None:
             parent = ROOT
         else:
             parent_block = blocks.get(parent_hash)
             parent_key = keys[parent_block] if parent_block is not None else _NO_KEY
-            parent = _key_bytes(parent_key) if parent_key != _NO_KEY else None
+            parent = parent_key if parent_key != _NO_KEY else None
         if not chained:
             parent = None
         raw: bytes | None = None
@@ -368,10 +370,12 @@ class KVIndex:
             if block is None:
                 key = _NO_KEY
                 if parent is not None:
+                    if type(parent) is int:
+                        parent = _key_bytes(parent)
                     if raw is None:
                         raw = _token_bytes(tokens) or b""
                     if raw:
-                        key, parent = _key_of(parent, raw[i * step:(i + 1) * step])
+                        key, parent = _key_of(parent, raw[i * step:(i + 1) * step])  # type: ignore[arg-type]
                     else:
                         parent = None
                 block = blocks[ehash] = self._new_block(slot, ehash, key, per)
@@ -392,16 +396,18 @@ class KVIndex:
                 key = keys[block]
                 if key == _NO_KEY:
                     if parent is not None:
+                        if type(parent) is int:
+                            parent = _key_bytes(parent)
                         if raw is None:
                             raw = _token_bytes(tokens) or b""
                         if raw:
-                            key, parent = _key_of(parent, raw[i * step:(i + 1) * step])
+                            key, parent = _key_of(parent, raw[i * step:(i + 1) * step])  # type: ignore[arg-type]
                             keys[block] = key
                             self._hold(backend, key)
                         else:
                             parent = None
                 else:
-                    parent = _key_bytes(key)
+                    parent = key
                 if serial:
                     self._tag_block(block, serial)
             last = prev[0]
