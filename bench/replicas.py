@@ -60,7 +60,7 @@ import msgspec
 from bench import multiturn as mt
 from bench.fake_kube import FakeKubeAPI, pod
 from bench.procs import LOOPBACK, Proc, free_port, free_ports, start_backend, start_router, wait_until
-from bench.router_overhead import machine_facts, publish
+from bench.router_overhead import machine_facts, publish, write_section
 from bench.workload import Workload, WorkloadSpec, generate
 
 SECTION = "replicas"
@@ -667,7 +667,7 @@ def render(cells: Sequence[CellReport], found: Sequence[mt.TargetCheck], facts: 
            notes: Sequence[str]) -> str:
     spec = run.spec
     lines = [
-        f"## Router replicas (issue 15) — {facts['date']}",
+        f"### {run.num_blocks} KV blocks per backend — {facts['date']}",
         "",
         f"`{facts['command']}` (`bench/replicas.py`). Per cell fresh processes: 4 `session-backend` (`--speed 1`, "
         f"{run.num_blocks} KV blocks of 16 tokens, KV events on), 1 or 3 routers (`kv_aware`, decision header), and "
@@ -763,6 +763,32 @@ def plans(quick: bool, redis: bool, churn_period_s: float, duration_hint_s: floa
     return out
 
 
+HEADING = "## Router replicas (issue 15)"
+
+
+class SavedRun(msgspec.Struct):
+    facts: dict[str, str]
+    run: RunConfig
+    cells: list[CellReport]
+    notes: list[str] = []
+
+
+def report_runs(paths: Sequence[str], results: str) -> int:
+    """Render saved runs (checks recomputed), one subsection each; into ``results``' section if given."""
+    parts, ok = [HEADING], True
+    for path in paths:
+        with open(path, "rb") as fh:
+            saved = msgspec.json.decode(fh.read(), type=SavedRun)
+        found = checks(saved.cells)
+        ok = ok and all(c.ok for c in found)
+        parts.append(render(saved.cells, found, saved.facts, saved.run, saved.notes))
+    text = "\n\n".join(parts)
+    if results:
+        write_section(results, text, SECTION)
+    print(text)
+    return 0 if ok else 1
+
+
 def _exit_on_sigterm(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)  # unwinds through the cell's finally: its processes are stopped
 
@@ -784,7 +810,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="JSON results (default bench/out/replicas-<time>.json)")
     p.add_argument("--write-results", action="store_true", help="write the section 'replicas' of bench/RESULTS.md")
     p.add_argument("--results", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md"))
+    p.add_argument("--report", nargs="+", metavar="JSON", default=None,
+                   help="run nothing: render the results of earlier runs (their --out files), one subsection each")
     args = p.parse_args(argv)
+    if args.report:
+        return report_runs(args.report, args.results if args.write_results else "")
     run = quick_config(args.seed) if args.quick else full_config(args.seed)
     if args.num_blocks:
         run = msgspec.structs.replace(run, num_blocks=args.num_blocks)
@@ -829,8 +859,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if single is not None and c is not single:
             compare(c, single)
     found = checks(cells)
-    text = render(cells, found, facts, run, notes)
-    record = {"facts": facts, "run": run, "cells": cells, "checks": found}
+    text = HEADING + "\n\n" + render(cells, found, facts, run, notes)
+    record = {"facts": facts, "run": run, "cells": cells, "checks": found, "notes": notes}
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "out",
                                    f"replicas-{time.strftime('%Y%m%d-%H%M%S')}.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
