@@ -50,11 +50,22 @@ class BackendView(msgspec.Struct):
     draining: bool
     in_flight: int
     reported_load: float
+    #: the engine's own load at the last scrape of its /metrics (router.engine_load; 0 when not scraped)
+    engine_waiting: float = 0.0
+    engine_running: float = 0.0
+    kv_usage: float = 0.0
+    #: kv_aware's constants learned from it (null: not learned, and the configured value applies; or
+    #: too fast to measure, for the prefill rate)
+    step_s: float | None = None
+    prefill_tokens_per_s: float | None = None
 
 
 def _view(backend: Backend) -> BackendView:
+    per_token = backend.prefill_s_per_token
     return BackendView(backend.name, backend.url, backend.pool, backend.healthy, backend.draining,
-                       backend.in_flight, backend.reported_load)
+                       backend.in_flight, backend.reported_load, backend.engine_waiting, backend.engine_running,
+                       backend.kv_usage, backend.step_s if backend.step_s >= 0 else None,
+                       1.0 / per_token if per_token > 0 else None)
 
 
 def _authorize(request: web.Request, state: RouterState) -> None:

@@ -80,7 +80,7 @@ async def test_no_decision_header_by_default(make_router: MakeRouter, front: str
 async def test_the_engines_load_comes_from_their_metrics_and_moves_sessions(make_router: MakeRouter) -> None:
     fakes = [MetricsBackend("b0"), MetricsBackend("b1")]
     router = await make_router("raw", fakes=fakes, named=True, health_interval_s=0.05,
-                               placement={"decision_header": True})
+                               placement={"decision_header": True}, admin_token="t")
     state = router.state
     by_name = {b.name: b for b in state.serving_pool.members}
     fakes[0].running, fakes[0].kv_usage = 3, 0.25
@@ -88,6 +88,10 @@ async def test_the_engines_load_comes_from_their_metrics_and_moves_sessions(make
                      what="b0's scraped load")
     assert by_name["b0"].load_scraped_at > 0
     async with aiohttp.ClientSession() as http:
+        listing = await (await http.get(router.url + "/admin/backends", headers={"Authorization": "Bearer t"})).json()
+        view = {b["name"]: b for b in listing["data"]}
+        assert (view["b0"]["engine_running"], view["b0"]["kv_usage"], view["b0"]["engine_waiting"]) == (3, 0.25, 0)
+        assert view["b0"]["step_s"] is None  # gauges only: nothing learned, the configured step applies
         body = {"prompt": "word " * 400, "session_id": "heavy"}
         first = await http.post(router.url + "/v1/completions", json=body)
         home = (await first.json())["backend"]
