@@ -16,7 +16,8 @@ import aiohttp
 import pytest
 
 from tests.router.shared.conftest import RedisServer
-from tests.support import Proc, eventually, kill_alive, metric_sum, start_backend, start_router
+from tests.support import (LOOPBACK, Proc, eventually, free_port, http_status, kill_alive, metric_sum,
+                           start_backend, start_process, wait_until)
 
 pytestmark = pytest.mark.slow
 
@@ -43,10 +44,25 @@ def backends(tmp_path: Path) -> Iterator[list[Proc]]:
 
 
 def routers_for(tmp_path: Path, backends: list[Proc], redis_url: str | None, count: int, *extra: str) -> list[Proc]:
-    args = [arg for b in backends for arg in ("--backend", b.url)]
+    """``count`` routers before ``backends``, each ready (a healthy backend) when this returns; reconnects
+    to Redis are retried within 0.5 s (the test waits for them; the default backoff goes up to 5 s)."""
+    config = tmp_path / "router.toml"
+    config.write_text("[shared_state]\nbackoff_max_s = 0.5\nwrite_timeout_s = 2.0\n")
+    args = ["--config", str(config), *(arg for b in backends for arg in ("--backend", b.url))]
     if redis_url is not None:
         args += ["--shared-state", redis_url]
-    return [start_router(str(tmp_path), *args, "--admin-token", TOKEN, *extra) for _ in range(count)]
+    routers: list[Proc] = []
+    try:
+        for _ in range(count):
+            port = free_port()  # a generous start-up bound: the shared 2-core machine may be busy
+            routers.append(start_process("router", ["--host", LOOPBACK, "--port", str(port), *args, "--admin-token",
+                                                    TOKEN, *extra], port, str(tmp_path), timeout=60))
+        for router in routers:
+            wait_until(lambda r=router: http_status(r.url + "/health") == 200, timeout=30, what="a healthy backend")
+    except BaseException:
+        kill_alive(*routers)
+        raise
+    return routers
 
 
 @pytest.fixture
@@ -169,7 +185,7 @@ async def test_redis_killed_mid_run_fails_no_request_and_the_routers_recover_whe
         await eventually(lambda: len(statuses) >= seen + 30, timeout=20, what="traffic while Redis is down")
         fleet.redis.start()
         for router in routers:
-            await eventually(lambda r=router: _up(http, r, 1), timeout=15, what="the routers reconnected")
+            await eventually(lambda r=router: _up(http, r, 1), timeout=30, what="the routers reconnected")
         seen = len(statuses)
         await eventually(lambda: len(statuses) >= seen + 30, timeout=20, what="traffic after Redis came back")
     finally:
