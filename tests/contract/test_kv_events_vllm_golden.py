@@ -4,7 +4,9 @@ Every recorded payload (live stream and replay) decodes with our codec and re-en
 frames around it (topic, seq, replay envelope, END_SEQ) read with our helpers; and the behaviour the router's
 index relies on is pinned to the recordings: int block hashes, parents that were stored before, one
 ``BlockRemoved`` per evicted block of a stored hash, the session tag per request channel, prefix hits reported
-only in ``kv_cache_report_mode=full``, ``AllBlocksCleared`` on a reset, seq from 0 after a restart.
+only in ``kv_cache_report_mode=full``, ``AllBlocksCleared`` on a reset, seq from 0 after a restart. Last, the
+recorded stream goes through the router's ``KVIndex`` (``router.kv.index``), which must find every chain vLLM
+stored.
 """
 
 from __future__ import annotations
@@ -306,3 +308,40 @@ def test_metrics_samples_carry_the_load_series(name: str) -> None:
     if name.endswith("load.txt"):
         assert s["vllm:num_requests_running"] >= 1 and s["vllm:num_requests_waiting"] >= 1
         assert s["vllm:kv_cache_usage_perc"] > 0.1
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_the_routers_index_finds_every_chain_vllm_stored(run: str) -> None:
+    """Real vLLM bytes through the router's ``KVIndex``: each stored run of blocks, rebuilt from block 0 along
+    its parents, is found whole by ``prefix_tokens`` right after it arrives (the index keys content by token
+    ids, so vLLM's int hashes only need to resolve parents), and the block size is learned from the events."""
+    from router.kv.index import KVIndex
+
+    url = "http://127.0.0.1:9"
+    index = KVIndex(max_blocks=100_000, block_size_hint=16)
+    chains: dict[int, list[int]] = {}
+    engine = None
+    checked = 0
+    for m in STREAMS[run]:
+        if m.engine_run != engine:
+            if engine is not None:
+                index.reset_backend(url)
+            engine, chains = m.engine_run, {}
+        index.apply(url, m.batch)
+        for e in m.batch.events:
+            if not isinstance(e, BlockStored):
+                continue
+            head = [] if e.parent_block_hash is None else chains[e.parent_block_hash]
+            tokens = head + list(e.token_ids)
+            for i, h in enumerate(e.block_hashes):
+                assert isinstance(h, int)
+                chains[h] = tokens[:len(head) + (i + 1) * e.block_size]
+            assert index.prefix_tokens(tokens).get(url, 0) == len(tokens), (m.seq, m.phase)
+            checked += 1
+    assert index.block_size == 32 and checked > 30
+    if run == "ipc":
+        # the first turn: 6 prefill blocks + 1 filled while decoding, all tagged with its session
+        first = KVIndex(max_blocks=1_000, block_size_hint=16)
+        for m in STREAMS[run][:2]:
+            first.apply(url, m.batch)
+        assert dict(first.session_tokens("sess-body-1")) == {url: 224}
