@@ -17,7 +17,8 @@ What it does, all on 127.0.0.1 with ephemeral ports and ipc sockets under a temp
    learns each engine's speed from its own histograms). An observer in this process subscribes to both engines directly and keeps the engine-side truth from
    the same events (per engine: block hash -> live copies, tokens, the sessions that stored it; a hash is
    resident while its stores outnumber its removals; reset on ``AllBlocksCleared`` and on a seq that goes
-   back, i.e. a restarted engine).
+   back, i.e. a restarted engine). No request here asks for ``kv_cache_report_mode: "full"``, so every
+   ``BlockStored`` is a block the engine really stored (a hit report would not be a new copy).
 4. Starts the router (``python -m router --config <toml>``, policy ``kv_aware``, decision header on) and
    drives multi-turn chat sessions through it (the session in the body's ``session_id``, a distinct
    system prompt per session, 2 at a time). After each turn it compares ``GET /v1/sessions/{id}``'s
