@@ -207,8 +207,8 @@ def gc_pause_ms() -> float:
     return (time.perf_counter() - started) * 1000
 
 
-def report(scene: Scene, build_s: float, events: dict[str, tuple[float, int]], placement: dict[str, float],
-           per_block: float, measured_blocks: int, gc_ms: float) -> str:
+def report(scene: Scene, built: int, build_s: float, events: dict[str, tuple[float, int]],
+           placement: dict[str, float], per_block: float, measured_blocks: int, gc_ms: float) -> str:
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     lines = [
         "### KV index micro-benchmark (`bench/kv_index.py`)",
@@ -216,7 +216,7 @@ def report(scene: Scene, build_s: float, events: dict[str, tuple[float, int]], p
         f"{time.strftime('%Y-%m-%d %H:%M %Z')}, `python -m bench.kv_index"
         + "".join(f" {a}" for a in sys.argv[1:]) + f"`, Python {platform.python_version()}, "
         f"{os.cpu_count()} CPUs (load average {load}: the machine was shared; CPU time of this process).",
-        f"Scene: {len(scene.urls)} backends, {scene.sessions:,} sessions, {scene.index.blocks:,} blocks indexed "
+        f"Scene: {len(scene.urls)} backends, {scene.sessions:,} sessions, {built:,} blocks indexed "
         f"(block size {BS}; a {SYSTEM_BLOCKS}-block system prompt on every backend, {OWN_BLOCKS} own blocks per "
         f"session on its pin, the system prompt's blocks tagged by the latest {MAX_TAGS} sessions), built in "
         f"{build_s:.1f} s.",
@@ -234,7 +234,7 @@ def report(scene: Scene, build_s: float, events: dict[str, tuple[float, int]], p
         f"Memory: {per_block:.0f} bytes per indexed block (tracemalloc, {measured_blocks:,} blocks, 16-byte engine "
         "hashes and "
         f"session tags included; `router.kv.index.BYTES_PER_BLOCK` documents it). A full `gc.collect()` with the "
-        f"{scene.index.blocks:,}-block index resident: {gc_ms:.0f} ms (blocks are ids into arrays, not objects).",
+        f"{built:,}-block index resident: {gc_ms:.0f} ms (blocks are ids into arrays, not objects).",
     ]
     return "\n".join(lines) + "\n"
 
@@ -254,12 +254,13 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     scene = Scene(args.backends, args.sessions, args.max_blocks)
     build_s = time.perf_counter() - started
+    built = scene.index.blocks
     gc_ms = gc_pause_ms()
     events = event_costs(scene, args.calls, args.repeats)
     placement = placement_costs(scene, args.calls, args.repeats)
     measured = 1_000 if args.quick else 100_000
     per_block = bytes_per_block(measured)
-    text = report(scene, build_s, events, placement, per_block, measured, gc_ms)
+    text = report(scene, built, build_s, events, placement, per_block, measured, gc_ms)
     print(text)
     if not args.quick:
         write_section(args.out, text, SECTION)

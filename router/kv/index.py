@@ -31,10 +31,11 @@ all structures included (block arrays, per-backend hash table, content-key table
 tables); each further tag on a block adds a few dozen bytes (at most ``MAX_TAGS`` per block).
 
 Layout. A block is an integer id into parallel arrays (content key, tokens, owner, LRU links,
-tag) and one list (its engine hash); sessions are integer serials, their token maps plain dicts
-of str -> int. So a million indexed blocks add no objects for Python's cyclic garbage collector
-to walk (a full collection over a million small block objects takes seconds here, and it stops
-the event loop, the proxy's with it), only a few containers.
+tag); its engine hash is in a dict of id -> hash; sessions are integer serials, their tokens in
+one dict keyed by serial and backend slot. Arrays and dicts of only ints, strs and bytes are
+nothing Python's cyclic garbage collector walks, so a million indexed blocks and 100,000 sessions
+add (almost) no work to its full collections (over a million small block objects one took
+seconds here, and it stops the event loop, the proxy's with it).
 
 Costs. ``apply``: O(blocks in the events), one blake2b per newly stored block (a reuse or a removal
 hashes nothing). ``session_tokens``: O(1), the session's own live map (no copy). ``prefix_tokens``:
@@ -68,6 +69,8 @@ _EMPTY: Final[Mapping[str, int]] = MappingProxyType({})
 _NO_KEY: Final = 0
 #: a block's tag when its sessions are in ``_more`` (a list)
 _MANY: Final = -1
+#: backend slots per session key (``serial << _SLOT_BITS | slot``)
+_SLOT_BITS: Final = 16
 
 
 def _key_of(parent: bytes, raw: bytes) -> tuple[int, bytes]:
@@ -145,14 +148,16 @@ class KVIndex:
         #: 0: no session; > 0: one session's serial; _MANY: the serials are in ``_more``
         self._tag = array("q", [0])
         self._more: dict[int, list[int]] = {}
-        self._ehash: list[ExternalBlockHash | None] = [None]
+        self._ehash: dict[int, ExternalBlockHash] = {}
         self._free: list[int] = []
         #: content key -> bits of the backends holding a block with that key
         self._holders: dict[int, int] = {}
-        # sessions: id -> serial (never reused), serial -> its tokens per backend URL (live ones only)
+        # sessions: id -> serial (never reused); live serial -> bits of the backend slots holding some of
+        # its tokens; (serial << _SLOT_BITS | slot) -> its tokens there
         self._serial_of: dict[str, int] = {}
         self._name_of: dict[int, str] = {}
-        self._live: dict[int, dict[str, int]] = {}
+        self._held: dict[int, int] = {}
+        self._resident: dict[int, int] = {}
         self._next_serial = 1
         self._count = 0
         self._version = 0
@@ -174,19 +179,31 @@ class KVIndex:
     @property
     def sessions(self) -> int:
         """Sessions with resident tokens somewhere."""
-        return len(self._live)
+        return len(self._held)
 
     def backend_blocks(self, backend_url: str) -> int:
         backend = self._backends.get(backend_url)
         return 0 if backend is None else len(backend.blocks)
 
     def session_tokens(self, session_id: str) -> Mapping[str, int]:
-        """Backend URL -> the session's resident tokens there (only backends holding some). The
-        index's own live map, not a copy: read it, do not keep it across an ``apply``."""
+        """Backend URL -> the session's resident tokens there (only backends holding some); O(those
+        backends)."""
         serial = self._serial_of.get(session_id)
         if serial is None:
             return _EMPTY
-        return self._live.get(serial, _EMPTY)
+        bits = self._held.get(serial, 0)
+        if not bits:
+            return _EMPTY
+        resident = self._resident
+        slots = self._slots
+        base = serial << _SLOT_BITS
+        answer: dict[str, int] = {}
+        while bits:
+            low = bits & -bits
+            bits ^= low
+            slot = low.bit_length() - 1
+            answer[slots[slot].url] = resident[base | slot]  # type: ignore[union-attr]
+        return answer
 
     def prefix_tokens(self, prompt_ids: Sequence[int]) -> dict[str, int]:
         """Backend URL -> the longest prefix of ``prompt_ids`` resident there, in tokens (whole
@@ -274,7 +291,12 @@ class KVIndex:
         serial = self._serial_of.pop(session_id, None)
         if serial is not None:
             self._name_of.pop(serial, None)
-            self._live.pop(serial, None)
+            bits = self._held.pop(serial, 0)
+            base = serial << _SLOT_BITS
+            while bits:
+                low = bits & -bits
+                bits ^= low
+                self._resident.pop(base | (low.bit_length() - 1), None)
             self._version += 1
 
     # ------------------------------------------------------------------ internals
@@ -297,7 +319,7 @@ class KVIndex:
             self._next_serial += 1
             self._serial_of[sid] = serial
             self._name_of[serial] = sid
-            self._live[serial] = {}
+            self._held[serial] = 0
         return serial
 
     def _new_block(self, slot: int, ehash: ExternalBlockHash, key: int, tokens: int) -> int:
@@ -307,16 +329,15 @@ class KVIndex:
             self._key[block] = key
             self._tokens[block] = tokens
             self._owner[block] = slot
-            self._ehash[block] = ehash
         else:
-            block = len(self._ehash)
+            block = len(self._tokens)
             self._key.append(key)
             self._tokens.append(tokens)
             self._owner.append(slot)
             self._prev.append(0)
             self._next.append(0)
             self._tag.append(0)
-            self._ehash.append(ehash)
+        self._ehash[block] = ehash
         self._count += 1
         return block
 
@@ -416,8 +437,9 @@ class KVIndex:
             nxt[last] = block
             prev[0] = block
         if credit:
-            tokens_of = self._live[serial]
-            tokens_of[backend.url] = tokens_of.get(backend.url, 0) + credit
+            where = serial << _SLOT_BITS | slot
+            self._resident[where] = self._resident.get(where, 0) + credit
+            self._held[serial] |= bit
 
     def _hold(self, backend: _Backend, key: int) -> None:
         holders = self._holders
@@ -447,7 +469,7 @@ class KVIndex:
         tag = self._tag[block]
         if tag == serial:
             return
-        live = self._live
+        live = self._held
         if tag == 0:
             self._tag[block] = serial
         elif tag > 0:
@@ -472,20 +494,26 @@ class KVIndex:
         self._credit(serial, block, 1)
 
     def _credit(self, serial: int, block: int, sign: int) -> None:
-        tokens = self._live.get(serial)
-        if tokens is None:
+        bits = self._held.get(serial)
+        if bits is None:
             return  # a dead tag (forgotten, or emptied) counts for nothing
-        url = self._slots[self._owner[block]].url  # type: ignore[union-attr]
-        left = tokens.get(url, 0) + sign * self._tokens[block]
+        slot = self._owner[block]
+        where = serial << _SLOT_BITS | slot
+        resident = self._resident
+        left = resident.get(where, 0) + sign * self._tokens[block]
         if left > 0:
-            tokens[url] = left
+            resident[where] = left
+            self._held[serial] = bits | (1 << slot)
             return
-        tokens.pop(url, None)
-        if not tokens:
-            del self._live[serial]
-            name = self._name_of.pop(serial)
-            if self._serial_of.get(name) == serial:
-                del self._serial_of[name]
+        resident.pop(where, None)
+        bits &= ~(1 << slot)
+        if bits:
+            self._held[serial] = bits
+            return
+        del self._held[serial]
+        name = self._name_of.pop(serial)
+        if self._serial_of.get(name) == serial:
+            del self._serial_of[name]
 
     def _drop(self, block: int) -> None:
         """Unlink ``block`` from the LRU list, its content key and its sessions, and free its id
@@ -507,7 +535,7 @@ class KVIndex:
             for serial in self._more.pop(block):
                 self._credit(serial, block, -1)
         self._tag[block] = 0
-        self._ehash[block] = None
+        del self._ehash[block]
         self._free.append(block)
 
     def _remove(self, backend: _Backend, event: BlockRemoved) -> None:
@@ -532,6 +560,6 @@ class KVIndex:
             oldest = nxt[0]
             owner = self._slots[self._owner[oldest]]
             assert owner is not None
-            del owner.blocks[self._ehash[oldest]]  # type: ignore[index]
+            del owner.blocks[self._ehash[oldest]]
             self._drop(oldest)
             self.evicted += 1

@@ -124,6 +124,15 @@ class KVEvents:
         if healthy and tracked is not None and tracked.backend is backend and backend.url not in self._configured:
             self._read_sources(tracked)
 
+    async def refresh(self, backend_url: str) -> None:
+        """Read ``backend_url``'s ``/kv_event_sources`` again now, and wait for it (and what it changed)."""
+        tracked = self._tracked.get(backend_url)
+        if tracked is None or backend_url in self._configured:
+            return
+        self._read_sources(tracked)
+        if tracked.reading is not None:
+            await asyncio.shield(tracked.reading)
+
     # ------------------------------------------------------------------ views
 
     def sources_of(self, backend_url: str) -> tuple[EventSource, ...]:

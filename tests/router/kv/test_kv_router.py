@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -240,3 +241,44 @@ async def test_a_session_leaving_the_table_is_forgotten_by_the_index(make_router
             assert answer.status == 200
     assert dict(index.session_tokens("gone")) == {}
     assert index.prefix_tokens(list(range(16))) == {url: 16}  # the blocks stay (other sessions, prompts)
+
+
+async def test_a_backend_added_and_removed_through_the_admin_api(make_router: MakeRouter, zctx: zmq.asyncio.Context,
+                                                                  tmp_path: Path, aiohttp_server: Any) -> None:
+    """POST /admin/backends: the joiner's /kv_event_sources is read and subscribed; DELETE: its entries go."""
+    endpoint = f"ipc://{tmp_path}/pub.sock"
+    joiner = SourcesBackend("j", {0: KVEventsConfig(enable_kv_cache_events=True, endpoint=endpoint)})
+    served = await aiohttp_server(joiner.app(), host="127.0.0.1")
+    url = f"http://127.0.0.1:{served.port}"
+    publisher = TestPublisher(zctx, endpoint)
+    try:
+        router = await make_router("aiohttp", admin_token=TOKEN, kv_events={"enabled": "auto"})
+        service = router.app[KV_EVENTS]
+        index = router.state.kv
+        assert index is not None and not service.subscribed(url)
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"{router.url}/admin/backends", headers=auth, json={"url": url}) as answer:
+                assert answer.status == 201, await answer.text()
+            await eventually(lambda: service.subscribed(url), timeout=10, what="the joiner subscribed")
+            await publisher.subscribed()
+            await publisher.send(stored(list(range(16)), "s1"))
+            await eventually(lambda: dict(index.session_tokens("s1")) == {url: 16}, timeout=5, what="its events")
+            async with http.delete(f"{router.url}/admin/backends/{url}", headers=auth) as answer:
+                assert answer.status == 200, await answer.text()
+        assert dict(index.session_tokens("s1")) == {} and not service.subscribed(url)
+    finally:
+        await publisher.close()
+
+
+async def test_enabled_true_warns_once_about_a_backend_that_publishes_nothing(
+        make_router: MakeRouter, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="router.kv.service")
+    router = await make_router("aiohttp", kv_events={"enabled": True})
+    url = router.config.backends[0].url
+    await eventually(lambda: any("publishes none" in r.getMessage() for r in caplog.records), timeout=10,
+                     what="the warning")
+    assert not router.app[KV_EVENTS].subscribed(url)
+    await router.app[KV_EVENTS].refresh(url)  # read again: still nothing, no second warning
+    assert not router.app[KV_EVENTS].subscribed(url)
+    assert sum("publishes none" in r.getMessage() for r in caplog.records) == 1
