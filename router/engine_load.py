@@ -40,9 +40,10 @@ prometheus_client's text parser, summed over the label sets an engine exports (d
     / Δ e2e sum) times the mean computed prefill per request, in seconds.
 
   Each learned value is an exponentially weighted mean (``SMOOTHING``) of the per-interval
-  samples; an interval without the requests to measure leaves the value as it was. ``-1.0`` on a
-  ``Backend`` means "not learned": the policy uses the configured value (always, with
-  ``learn = false``).
+  samples; an interval without the requests to measure leaves the value as it was, and after
+  ``FORGET_AFTER_IDLE`` idle scrapes in a row (no request began or ended there) the learned values
+  are dropped. ``-1.0`` on a ``Backend`` means "not learned": the policy uses the configured value
+  (always, with ``learn = false``).
 
 A scrape that fails (no answer, not a 200, no vLLM series) clears the engine signals (waiting,
 running, KV usage: unknown reads as idle) and keeps the learned constants; a counter that went
@@ -88,6 +89,10 @@ MIN_COMPUTED_PER_REQUEST = 32
 #: learned values are kept within these (a noisy interval must not make a backend look free or dead)
 MAX_S_PER_TOKEN = 0.1
 MAX_STEP_S = 10.0
+#: scrapes in a row with no request started or finished after which a backend's learned constants are
+#: dropped (the configured ones apply again): one that was slow, lost its sessions and recovered is
+#: not judged by old numbers for ever; with traffic again it is learned afresh
+FORGET_AFTER_IDLE = 15
 
 
 @dataclass(slots=True)
@@ -218,6 +223,8 @@ class EngineLoad:
         self._ratio = 1.0 / prefill_tokens_per_s / per_request_step_s if per_request_step_s > 0 else 0.0
         self._clock = clock
         self._previous: dict[str, EngineSample] = {}
+        #: backend URL -> idle scrapes in a row (see FORGET_AFTER_IDLE)
+        self._idle: dict[str, int] = {}
         #: completed scrapes (tests and the admin view read it)
         self.scrapes = 0
 
@@ -248,6 +255,13 @@ class EngineLoad:
         self._previous[backend.url] = sample
         if self.learn and before is not None and not _went_backwards(before, sample):
             learn(backend, before, sample, ratio=self._ratio)
+            if sample.ttft_count == before.ttft_count and sample.e2e_count == before.e2e_count:
+                idle = self._idle[backend.url] = self._idle.get(backend.url, 0) + 1
+                if idle >= FORGET_AFTER_IDLE:
+                    forget_learned(backend)
+                    self._idle[backend.url] = 0
+            else:
+                self._idle[backend.url] = 0
         self.scrapes += 1
 
     def clear(self, backend: Backend) -> None:
@@ -260,3 +274,10 @@ class EngineLoad:
 
     def forget(self, url: str) -> None:
         self._previous.pop(url, None)
+        self._idle.pop(url, None)
+
+
+def forget_learned(backend: Backend) -> None:
+    """Drop ``backend``'s learned constants: the configured ones apply until it is learned again."""
+    backend.prefill_s_per_token = backend.step_s = backend.decode_step_s = -1.0
+    backend.queued_request_s = backend.busy_s_per_request = -1.0

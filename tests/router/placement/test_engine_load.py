@@ -166,3 +166,21 @@ def test_the_first_step_is_what_a_newcomer_meets_there() -> None:
     learn(backend, before, now)
     assert backend.decode_step_s == pytest.approx(0.002)
     assert backend.step_s == pytest.approx(0.05 - 10 * 0.0001)  # mean TTFT 50 ms, 1 ms of it prefill
+
+
+def test_learned_constants_are_dropped_after_a_long_idle_spell() -> None:
+    """A backend that lost its sessions for being slow, and recovered, is not judged by old numbers
+    for ever: after FORGET_AFTER_IDLE idle scrapes the configured constants apply again."""
+    from router.engine_load import FORGET_AFTER_IDLE
+
+    load = EngineLoad()
+    backend = Backend("http://127.0.0.1:8100")
+    load.apply(backend, EngineSample())
+    busy = EngineSample(itl_sum=5.0, itl_count=10, ttft_sum=5.0, ttft_count=10, e2e_sum=9.0, e2e_count=10)
+    load.apply(backend, busy)
+    assert backend.step_s > 0.4 and backend.decode_step_s == pytest.approx(0.5)
+    for _ in range(FORGET_AFTER_IDLE - 1):
+        load.apply(backend, busy)  # nothing began or ended
+    assert backend.step_s > 0.4
+    load.apply(backend, busy)
+    assert backend.step_s == backend.decode_step_s == backend.prefill_s_per_token == -1.0
