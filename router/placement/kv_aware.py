@@ -24,8 +24,9 @@ with a session staying where its KV is until moving is clearly cheaper (DESIGN.m
   finish (or sessions leave) the pressure fades before the next scrape, and sessions do not leave a
   pressured backend in a herd.
 - ``C(b)``: with the KV index (KV events), the session's resident tokens there
-  (``KVIndex.session_tokens``) or, in tokens mode, the prompt's resident prefix
-  (``KVIndex.prefix_tokens``), each at most ``P``. Without events (or when the index knows nothing of
+  (``KVIndex.session_tokens``, one lookup) or, in tokens mode when the index holds nothing of the
+  session yet, the prompt's resident prefix (``KVIndex.prefix_tokens``: a hash per prompt block, so
+  not paid on every turn), each at most ``P``. Without events (or when the index knows nothing of
   this session), the pin counts as holding the session's last prompt + answer (``hint.last_tokens``)
   and other backends nothing.
 
@@ -331,10 +332,11 @@ class KVAwarePolicy:
         kv = self.kv
         if kv is None:
             return None
-        if hint is not None and hint.prompt_ids is not None:
+        found = kv.session_tokens(session_id)  # O(1): the index keeps it per session
+        if not found and hint is not None and hint.prompt_ids is not None:
+            # tokens mode, a session the index has no blocks of yet (a new one): the prompt's own
+            # resident prefix (a shared system prompt, a parent's context), one hash per block
             found = kv.prefix_tokens(hint.prompt_ids)
-        else:
-            found = kv.session_tokens(session_id)
         return found or None
 
     def _prefix_map(self, hint: PlacementHint | None) -> Mapping[str, int] | None:

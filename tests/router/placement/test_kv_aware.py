@@ -34,11 +34,13 @@ class FakeKV:
                  prefixes: dict[tuple[int, ...], dict[str, int]] | None = None) -> None:
         self.sessions = sessions or {}
         self.prefixes = prefixes or {}
+        self.prefix_calls = 0
 
     def session_tokens(self, session_id: str) -> Mapping[str, int]:
         return self.sessions.get(session_id, {})
 
     def prefix_tokens(self, prompt_ids: Sequence[int]) -> Mapping[str, int]:
+        self.prefix_calls += 1
         return self.prefixes.get(tuple(prompt_ids), {})
 
 
@@ -190,6 +192,10 @@ def test_the_kv_index_says_what_is_cached_where() -> None:
     placement = policy.place(pool, "fresh", new, hint=PlacementHint(PROMPT, ids))
     assert placement.backend is pin and placement.cached_tokens == PROMPT - 16
     assert placement.reason in ("hash", "cached")
+    # a session the index knows costs one lookup: its prompt's blocks are not hashed on every turn
+    index = policy.kv = FakeKV(sessions={"s": {holder.url: PROMPT}}, prefixes={ids: {pin.url: PROMPT - 16}})
+    placement = policy.place(pool, "s", entry, hint=PlacementHint(PROMPT, ids))
+    assert (placement.backend, placement.cached_tokens, index.prefix_calls) == (holder, PROMPT, 0)
 
 
 def test_the_safety_net_bounds_the_spread() -> None:
