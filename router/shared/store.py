@@ -10,7 +10,6 @@ import logging
 import math
 import uuid
 from collections import deque
-from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -67,8 +66,7 @@ class SharedState:
     """One process's view of the shared state; ``start``/``stop`` by the app's lifecycle."""
 
     def __init__(self, config: SharedStateConfig, *, sessions: SessionTable, responses: ResponseIndex,
-                 metrics: SharedMetrics, pool: BackendSet | str, ttl_s: float, max_response_ids: int,
-                 client_factory: Callable[[], redis.Redis] | None = None) -> None:
+                 metrics: SharedMetrics, pool: BackendSet | str, ttl_s: float, max_response_ids: int) -> None:
         """``pool``: the pool the proxy places (whose pin ``SessionEntry.off_first`` describes; a pin
         learnt from another process is judged against this process's first choice there), or its name
         alone (the reason received is then taken as is)."""
@@ -87,7 +85,6 @@ class SharedState:
         self._resp_prefix = prefix + "resp:"
         self._resp_list = prefix + "resp-ids"
         self.channel = prefix + "pins"
-        self._client_factory = client_factory or self._default_client
         self._client: redis.Redis | None = None
         self._script: Any = None
         self._queue: deque[tuple[Any, ...]] = deque()
@@ -96,6 +93,8 @@ class SharedState:
         self._down_event = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._was_up = False
+        #: a batch being sent (``stop`` waits for it too)
+        self._sending = False
         metrics.up = 0
         responses.on_remember = self.response_stored if max_response_ids > 0 else None
         sessions.add_evict_hook(self._evicted)
@@ -104,7 +103,9 @@ class SharedState:
     def up(self) -> bool:
         return self._up_event.is_set()
 
-    def _default_client(self) -> redis.Redis:
+    def _new_client(self) -> redis.Redis:
+        """A client without redis-py's own retries: a failure marks the shared state down at once and the
+        keeper reconnects (with backoff) instead of a request waiting on retries."""
         timeout = self.config.write_timeout_s
         return redis.Redis.from_url(
             self.config.url, decode_responses=True, socket_timeout=timeout, socket_connect_timeout=timeout,
@@ -113,7 +114,7 @@ class SharedState:
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        self._client = self._client_factory()
+        self._client = self._new_client()
         self._script = self._client.register_script(_REMEMBER_LUA)
         self._tasks = [asyncio.create_task(self._keep(), name="shared-state-keeper"),
                        asyncio.create_task(self._write(), name="shared-state-writer")]
@@ -137,7 +138,7 @@ class SharedState:
             self._client = None
 
     async def _drained(self) -> None:
-        while self._queue and self.up:
+        while (self._queue or self._sending) and self.up:
             await asyncio.sleep(0.005)
 
     def _set_up(self) -> None:
@@ -190,11 +191,14 @@ class SharedState:
                     await self._up_event.wait()
                     continue
                 batch = [queue.popleft() for _ in range(min(BATCH, len(queue)))]
+                self._sending = True
                 try:
                     await asyncio.wait_for(self._send(batch), self.config.write_timeout_s)
                 except _FAILURES as exc:
                     self.metrics.dropped_writes += len(batch)
                     self._failed("write", exc)
+                finally:
+                    self._sending = False
 
     async def _send(self, batch: list[tuple[Any, ...]]) -> None:
         client = self._client

@@ -224,3 +224,15 @@ async def test_metrics_say_up_and_count(replicas: Callable[..., Any]) -> None:
             "session_router_shared_state_writes", "session_router_shared_state_pushes"} <= set(families)
     local = SharedMetrics({"load": 2}, shared=False)
     assert [m.name for m in local.collect()] == ["session_router_off_first_choice"]
+
+
+async def test_stop_flushes_what_is_queued(redis_server: RedisServer) -> None:
+    a = Replica(redis_server.url)
+    a.shared.start()
+    await eventually(lambda: a.shared.up, timeout=5, what="up")
+    for i in range(50):
+        a.shared.pin_moved(f"s{i}", "default", "http://b2", "load")
+    await a.shared.stop()
+    client = await raw(redis_server)
+    assert len(await client.keys("session-router:pins:*")) == 50
+    await client.aclose()
