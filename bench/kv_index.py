@@ -211,9 +211,9 @@ def report(scene: Scene, built: int, build_s: float, events: dict[str, tuple[flo
            placement: dict[str, float], per_block: float, measured_blocks: int, gc_ms: float) -> str:
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     lines = [
-        "### KV index micro-benchmark (`bench/kv_index.py`)",
+        f"## KV index micro-benchmark (issue 14 §2) — {time.strftime('%Y-%m-%d %H:%M %Z')}",
         "",
-        f"{time.strftime('%Y-%m-%d %H:%M %Z')}, `python -m bench.kv_index"
+        "`python -m bench.kv_index"
         + "".join(f" {a}" for a in sys.argv[1:]) + f"`, Python {platform.python_version()}, "
         f"{os.cpu_count()} CPUs (load average {load}: the machine was shared; CPU time of this process).",
         f"Scene: {len(scene.urls)} backends, {scene.sessions:,} sessions, {built:,} blocks indexed "
