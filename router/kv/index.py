@@ -26,9 +26,10 @@ evict hook) drops a session at once; the blocks it tagged keep a dead tag until 
 Bound. ``max_blocks`` over all backends: past it the least recently stored or reused block goes
 (one LRU across backends, a doubly linked list through the block ids, O(1) per store, reuse and
 eviction), as a ``BlockRemoved`` would. Measured (``bench/kv_index.py``, CPython 3.11, 64-bit):
-about ``BYTES_PER_BLOCK`` bytes per indexed block with one session tag and 16-byte engine hashes,
-all structures included (block arrays, per-backend hash table, content-key table, session
-tables); each further tag on a block adds a few dozen bytes (at most ``MAX_TAGS`` per block).
+362 bytes per indexed block with one session tag and 16-byte engine hashes, all structures
+included (block arrays, per-backend hash table, content-key table, session tables); each further
+tag on a block adds a few dozen bytes (at most ``MAX_TAGS`` per block). ``BYTES_PER_BLOCK`` is the
+figure to budget memory with.
 
 Layout. A block is an integer id into parallel arrays (content key, tokens, owner, LRU links,
 tag); its engine hash is in a dict of id -> hash; sessions are integer serials, their tokens in
@@ -56,7 +57,7 @@ from contract.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, Exte
 
 #: sessions one block counts for at most (the most recent ones)
 MAX_TAGS: Final = 8
-#: measured bytes per indexed block (module docstring; bench/kv_index.py prints the current figure)
+#: bytes per indexed block to budget with (362 measured with one tag; bench/kv_index.py prints the figure)
 BYTES_PER_BLOCK: Final = 420
 #: the content key's "parent" of a prompt's first block
 ROOT: Final = b""

@@ -5,7 +5,7 @@ collector turns them into families when ``/metrics`` is read, with the index's s
 Labels: ``backend`` (the backend's name, as the router's other metrics; a socket's address for
 messages no backend could be told from), ``result`` (of a replay: ``filled``, ``partial``,
 ``failed``, ``unavailable``, ``closed``), ``reason`` (of a reset: ``restart``, ``new_stream``,
-``gap``, ``sources_changed``; an engine's own ``AllBlocksCleared`` is an event, not a reset; of an
+``gap``, ``sources_changed``, ``engine_down``; an engine's own ``AllBlocksCleared`` is an event, not a reset; of an
 error: ``frames``, ``decode``, ``replay_frames``, ``apply``).
 """
 

@@ -118,10 +118,16 @@ class KVEvents:
             self._forget_backend(backend.url)
 
     def health_changed(self, backend: Backend, healthy: bool) -> None:
-        """``HealthChecker`` hook: a backend healthy again may be a restarted engine publishing
-        elsewhere (``tcp://*:0``): its sources are read again."""
+        """``HealthChecker`` hook: a backend down whose engine disconnected is reset
+        (``Stream.engine_down``); one healthy again may be a restarted engine publishing elsewhere
+        (``tcp://*:0``): its sources are read again."""
         tracked = self._tracked.get(backend.url)
-        if healthy and tracked is not None and tracked.backend is backend and backend.url not in self._configured:
+        if tracked is None or tracked.backend is not backend:
+            return
+        if not healthy:
+            for stream in tracked.streams:
+                stream.engine_down()
+        elif backend.url not in self._configured:
             self._read_sources(tracked)
 
     async def refresh(self, backend_url: str) -> None:
@@ -148,6 +154,10 @@ class KVEvents:
         """Batches applied by the streams subscribed now for ``backend_url`` (0 after a re-subscribe)."""
         tracked = self._tracked.get(backend_url)
         return 0 if tracked is None else sum(stream.applied for stream in tracked.streams)
+
+    def streams_of(self, backend_url: str) -> tuple[Stream, ...]:
+        tracked = self._tracked.get(backend_url)
+        return () if tracked is None else tuple(tracked.streams)
 
     def sources_by_backend(self) -> dict[str, int]:
         return {t.backend.name: len(t.streams) for t in self._tracked.values()}
@@ -260,8 +270,9 @@ class KVEvents:
         assert self._context is not None
         for source in sources:
             bind, address = subscriber_address(source.endpoint, source.backend_url)
+            backend = tracked.backend
             stream = Stream(source, self.index, self.metrics, self._context,
-                            replay_timeout_s=self.settings.replay_timeout_s)
+                            replay_timeout_s=self.settings.replay_timeout_s, is_down=lambda: not backend.healthy)
             socket = self._sockets.get((bind, address))
             fresh = socket is None
             if socket is None:

@@ -13,9 +13,13 @@ or one data-parallel rank of it) a ``Stream`` checks each seq against the last o
   believe blocks whose removal it may have missed;
 - ``seq <= last``: the engine restarted (a new publisher counts from 0 again): the backend is reset;
 - the first batch of a stream (at start, or after the socket saw the peer disconnect, i.e. a new
-  connection that may be a new engine process): the backend is reset when it held anything, and
-  with ``seq > 0`` the batches before it are fetched by replay (what the engine stored before the
-  router listened, as far as its buffer goes).
+  connection that may be a new engine process): the backend is reset when it held anything (unless
+  the batch is the very next seq: the same engine, reconnected), and with ``seq > 0`` the batches
+  before it are fetched by replay (what the engine stored before the router listened, as far as its
+  buffer goes);
+- the peer disconnected *and* the backend's health check says it is down: the engine is gone, and
+  one that comes back starts empty: the backend is reset at once (``engine_down``), so placement does
+  not count on its old entries while it is away or before its first new batch.
 
 Bind or connect (``subscriber_address``): an engine whose endpoint names a concrete host connects
 its PUB there (vLLM's rule, ``contract.kv_events.publisher_binds``), so the router binds that
@@ -35,6 +39,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -105,7 +110,7 @@ class Stream:
     """One engine's run of batches: seq tracking and what to do on gaps and restarts (module docstring)."""
 
     def __init__(self, source: EventSource, index: KVIndex, metrics: KVMetrics, context: zmq.asyncio.Context,
-                 *, replay_timeout_s: float) -> None:
+                 *, replay_timeout_s: float, is_down: Callable[[], bool] | None = None) -> None:
         self.source = source
         self.index = index
         self.metrics = metrics
@@ -120,6 +125,26 @@ class Stream:
         #: batches applied since the stream started (the first one may reset)
         self.applied = 0
         self.closed = False
+        #: the socket saw a peer disconnect and no batch came since
+        self.disconnected = False
+        #: whether the backend is unhealthy now (its health checker's view)
+        self._is_down = is_down
+
+    def peer_gone(self) -> None:
+        """A peer of this stream's socket disconnected. With the backend also down, its engine is gone
+        (a process that comes back has an empty cache): its entries are dropped now, not at its first
+        batch, so placement does not count on them meanwhile."""
+        self.restart()
+        self.disconnected = True
+        if self._is_down is not None and self._is_down():
+            self.engine_down()
+
+    def engine_down(self) -> None:
+        """The backend turned unhealthy: after a disconnect, its entries go (``peer_gone``)."""
+        if self.disconnected and self.index.backend_blocks(self.source.backend_url):
+            logger.info("KV events of %s: the engine disconnected and its backend is down: its index entries reset",
+                        self.source.label)
+            self._reset("engine_down")
 
     def restart(self) -> None:
         """A peer disconnected: the next batch starts a new stream (it may come from a new engine
@@ -132,6 +157,7 @@ class Stream:
         """One live message: check its seq, fill a gap or reset, then apply it."""
         if self.closed:
             return
+        self.disconnected = False
         last = self.last
         if last is not None and seq == last + 1:
             await self._apply(seq, payload, slicer)
@@ -353,8 +379,8 @@ class SubSocket:
             while True:
                 event = parse_monitor_message(await monitor.recv_multipart())
                 if event["event"] == zmq.EVENT_DISCONNECTED:
-                    for stream in self.streams.values():
-                        stream.restart()
+                    for stream in list(self.streams.values()):
+                        stream.peer_gone()
         finally:
             monitor.close(linger=0)
 

@@ -209,8 +209,8 @@ async def test_a_flood_does_not_hold_up_requests_through_the_router(
         assert router.state.kv is not None and router.state.kv.blocks == 40_000
         assert len(fake.seen) >= 5, "the flood was applied before requests could interleave"
         # a loop held for the whole flood would hold a request about as long: the bound is a fraction
-        # of it (and no tighter than 0.5 s, for a loaded machine)
-        bound = max(0.5, flood_s / 5)
+        # of it (and no tighter than 1 s, for a loaded machine)
+        bound = max(1.0, flood_s / 4)
         assert worst < bound, f"a request took {worst * 1000:.0f} ms while the {flood_s:.1f} s flood was applied"
     finally:
         await publisher.close()

@@ -300,3 +300,46 @@ async def test_a_flood_is_applied_in_slices_that_let_the_loop_run(zctx: zmq.asyn
         assert worst < bound, f"the loop stalled {worst * 1000:.0f} ms while the {flood_s:.1f} s flood was applied"
     finally:
         await publisher.close()
+
+
+@pytest.mark.parametrize("health_first", [True, False])
+async def test_an_engine_gone_and_its_backend_down_is_reset_at_once(zctx: zmq.asyncio.Context, make_service: Make,
+                                                                    tmp_path: Path, health_first: bool) -> None:
+    """The ZMQ peer disconnected and the health check says the backend is down: its entries go now,
+    not when the restarted engine's first batch arrives; the next engine's batches count again."""
+    endpoint = f"ipc://{tmp_path}/kv.sock"
+    publisher = TestPublisher(zctx, endpoint)
+    service, index, metrics, pool = await make_service({URL: BackendConfig(URL, kv_events=endpoint)})
+    backend = pool.members[0]
+    await publisher.subscribed()
+    await publisher.send(stored(T1, "s1"))
+    await eventually(lambda: tokens_of(index, "s1") == {URL: 16}, timeout=5, what="the first batch")
+    if health_first:
+        # the backend is only slow (health timeouts), its engine still connected: nothing is dropped
+        backend.healthy = False
+        service.health_changed(backend, False)
+        assert tokens_of(index, "s1") == {URL: 16}
+        await publisher.close()  # the engine process goes away
+    else:
+        await publisher.close()  # the engine process goes away: a reconnect may follow, nothing dropped yet
+        await eventually(lambda: _disconnected(service), timeout=5,
+                         what="the disconnect seen")
+        assert tokens_of(index, "s1") == {URL: 16}
+        backend.healthy = False  # then its health check fails
+        service.health_changed(backend, False)
+    await eventually(lambda: tokens_of(index, "s1") == {}, timeout=5, what="the entries dropped")
+    assert metrics.resets == {(URL, "engine_down"): 1}
+    restarted = TestPublisher(zctx, endpoint)
+    try:
+        backend.healthy = True
+        service.health_changed(backend, True)
+        await restarted.subscribed()
+        await restarted.send(stored(T2, "s2"))
+        await eventually(lambda: tokens_of(index, "s2") == {URL: 16}, timeout=5, what="the new engine's batch")
+        assert metrics.resets == {(URL, "engine_down"): 1}
+    finally:
+        await restarted.close()
+
+
+def _disconnected(service: KVEvents) -> bool:
+    return any(stream.disconnected for stream in service.streams_of(URL))
