@@ -178,7 +178,10 @@ class KVEvents:
                 logger.exception("KV events: following the pools failed")
 
     def _sync_members(self) -> None:
-        members = {b.url: b for pool in self._pools() for b in pool.members}
+        members: dict[str, Backend] = {}
+        for pool in self._pools():
+            for backend in pool.members:
+                members.setdefault(backend.url, backend)  # one engine, one stream, even if listed twice
         for url in [u for u, t in self._tracked.items() if members.get(u) is not t.backend]:
             self._forget_backend(url)
         for url, backend in members.items():
