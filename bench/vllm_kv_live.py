@@ -16,8 +16,8 @@ What it does, all on 127.0.0.1 with ephemeral ports and ipc sockets under a temp
 3. Each engine gets ``--warmup`` requests directly (a cold engine's first one is slow, and the router
    learns each engine's speed from its own histograms). An observer in this process subscribes to both engines directly and keeps the engine-side truth from
    the same events (per engine: block hash -> live copies, tokens, the sessions that stored it; a hash is
-   resident while its stores outnumber its removals; reset on ``AllBlocksCleared`` and on a seq that goes
-   back, i.e. a restarted engine). No request here asks for ``kv_cache_report_mode: "full"``, so every
+   resident while its stores outnumber its removals; reset on ``AllBlocksCleared``, on a seq that goes
+   back, i.e. a restarted engine, and when the bench stops an engine). No request here asks for ``kv_cache_report_mode: "full"``, so every
    ``BlockStored`` is a block the engine really stored (a hit report would not be a new copy).
 4. Starts the router (``python -m router --config <toml>``, policy ``kv_aware``, decision header on) and
    drives multi-turn chat sessions through it (the session in the body's ``session_id``, a distinct
@@ -245,6 +245,11 @@ class Observer(threading.Thread):
                             st.tags.pop(h, None)
                     st.removed += len(event.block_hashes)
             self.last_event_at = time.monotonic()
+
+    def engine_stopped(self, url: str) -> None:
+        """The bench stopped this engine: its KV is gone with the process (its next stream starts at seq 0)."""
+        with self.lock:
+            self.state[url] = _EngineState(restarts=self.state[url].restarts + 1)
 
     def session_tokens(self, session: str) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -571,6 +576,7 @@ def main(argv: list[str] | None = None) -> int:
         result["before_restart"] = h.snapshot(sessions)
         result["engine_metrics_b_before_restart"] = engine_cache_metrics(b.url)
         stop_engine(b)
+        observer.engine_stopped(b.url)
         time.sleep(2.0)
         result["b_down"] = h.snapshot(sessions)
         start_engine(b, args, shim_dir, log_dir)

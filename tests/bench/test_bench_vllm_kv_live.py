@@ -108,7 +108,10 @@ def test_observer_keeps_the_engine_side_truth_from_real_vllm_frames(tmp_path: Pa
         # after the reset one turn stored 7 blocks; the load sessions' blocks went with the reset
         assert observer.session_tokens("tcp-sess-1") == {url: 224}
         assert observer.session_tokens("tcp-load-0") == {}
-        # the restarted engine counts from 0 again: the observer starts over with its blocks only
+        # the bench stops the engine: its KV goes with it
+        observer.engine_stopped(url)
+        assert observer.session_tokens("tcp-sess-1") == {} and observer.summary()[url]["restarts_seen"] == 1
+        # the restarted engine counts from 0 again: the observer holds its blocks only
         for f in frames[restart_at:]:
             engine.send_multipart(f)
         wait_until(lambda: observer.summary()[url]["restarts_seen"] == 1
