@@ -145,7 +145,7 @@ def draw_load(result: BenchResult, variant: str, out_dir: str) -> str | None:
     plt = _pyplot()
     ncols = min(3, len(cells))
     nrows = math.ceil(len(cells) / ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(5.6 * ncols, 3.3 * nrows), squeeze=False, sharey=True)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5.6 * ncols, 3.3 * nrows), squeeze=False)
     for ax in axes.flat[len(cells):]:
         ax.set_visible(False)
     for ax, c in zip(axes.flat, cells):
@@ -196,8 +196,10 @@ def draw_stickiness(result: StickinessResult, out_dir: str = DEFAULT_DIR) -> lis
         ax.legend(fontsize=8)
     top.set_yscale("log")
     top.yaxis.set_major_formatter(plt.matplotlib.ticker.ScalarFormatter())
+    top.yaxis.set_minor_formatter(plt.matplotlib.ticker.ScalarFormatter())
     top.set_ylabel("TTFT p99 in the window (ms, log)")
-    top.set_title(f"One of 2 backends slowed at t = {cells[0].slowed_at_s:g} s (red line): {cells[0].slowdown}")
+    top.set_title(f"One of 2 backends slow from t = {cells[0].slowed_at_s:g} s (red line):\n{cells[0].slowdown}",
+                  fontsize=10)
     bottom.set_ylabel("requests served by the slowed backend (%)")
     bottom.set_xlabel("end of the window (s)")
     bottom.set_ylim(-2, 102)
