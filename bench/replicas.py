@@ -15,10 +15,13 @@ What a cell measures:
 - hit ratio: the backends' Δ``vllm:prefix_cache_hits_total / queries_total`` (``bench.multiturn.summarize``),
   and the oracle;
 - where each request went: the replica that served it answers ``GET /v1/sessions/{id}`` (``last_backend``)
-  right after the turn; the share of requests on the backend the 1-replica cell of the same mode (same
-  workload, same seed) used for the same (session, turn) is "same backend as a single router". Timing alone
-  moves a few requests between two runs of the same single router (the load the kv_aware policy weighs
-  differs by milliseconds); the full run measures that noise with a second 1-replica cell;
+  right after the turn. A follow-up turn is placed "as a single router would" when it went where the session
+  was (the previous turn's backend) or was moved by a spill or re-pin decision (``X-Session-Router-Decision``),
+  both what one router holding the session's pin does; it went "elsewhere" when a ``new`` or ``sticky``
+  decision put it on another backend (its replica had no entry for the session, or a stale pin). The
+  request-by-request match with the 1-replica cell is shown too, but it measures timing more than agreement:
+  the full run's second 1-replica cell shows how little two runs of the same single router match (kv_aware
+  places new sessions on the engines' load, which differs by milliseconds);
 - follow-ups that reach the storing backend: after each answer every backend is asked ``GET
   /v1/responses/{id}`` (exactly one holds it); a follow-up reached the storing backend when its own answer was
   stored on the backend that held the previous one (a follow-up sent elsewhere gets the backend's 404);
