@@ -228,10 +228,8 @@ class KVAwarePolicy:
         if not self._clearly_faster(pin_ttft, floor) and pinned.in_flight + 1 <= self._safety_bound(stats.total,
                                                                                                      stats.count):
             return Placement(pinned, Outcome.STICKY, "cached", pin_cached, pin_wait, pin_ttft)
-        # predict every candidate
-        stats = self._refresh(pool, exclude)
-        bound = self._safety_bound(stats.total, stats.count)
-        target, ttft, wait, cached = self._fastest(pool, exclude, prompt, cached_map, pinned, bound, None)
+        # predict every candidate (and refresh the stats) in one pass
+        bound, target, ttft, wait, cached = self._scan(pool, exclude, prompt, cached_map, pinned)
         if target is not pinned and self._clearly_faster(pin_ttft, ttft):
             pins[pool.name] = target.url
             pressure = self._pressure_s(pinned, prompt)
@@ -402,6 +400,88 @@ class KVAwarePolicy:
             raise no_available_backend(pool)
         return least
 
+    def _scan(self, pool: BackendSet, exclude: frozenset[str], prompt: int, cached_map: Mapping[str, int] | None,
+              keep: Backend) -> tuple[int, Backend, float, float, int]:
+        """``_refresh`` then ``_fastest(pool, exclude, prompt, cached_map, keep, bound, None)`` with the
+        refreshed safety bound, in one pass: (bound, and ``_fastest``'s answer). The pass finds the
+        fastest candidate ignoring the bound (with ``_fastest``'s tie rule: ``keep`` wins ties, else
+        the first in member order); when that one is within the bound (or is ``keep``) it is also the
+        fastest within it, else ``_fastest`` runs again with the bound (rare: the fastest backend is
+        also overloaded). The prediction is ``predict``'s, inlined, operation for operation (the same
+        floats, so the same choices and the same header values)."""
+        stats = self._stats.get(pool.key)
+        if stats is None:
+            stats = self._stats[pool.key] = _PoolStats()
+        weight = self._weight
+        default_step = self._step
+        default_per_token = self._per_token
+        default_queued = self._queued
+        kv_from = self._kv_from
+        total = 0.0
+        count = 0
+        min_step = math.inf
+        min_per_token = math.inf
+        best: Backend | None = None
+        best_ttft = math.inf
+        best_wait = 0.0
+        best_cached = 0
+        best_load = 0.0
+        get = cached_map.get if cached_map else None
+        none_cached = 0 if prompt >= 0 else prompt  # what ``_fastest`` makes of a backend holding nothing
+        none_uncached = prompt - none_cached
+        for backend in pool.members:
+            if not backend.healthy or backend.draining or (exclude and backend.url in exclude):
+                continue  # not ``available`` (its definition, inlined), or excluded
+            in_flight = backend.in_flight
+            load = in_flight + weight * backend.reported_load if weight else in_flight
+            total += load
+            count += 1
+            step = backend.step_s
+            if step < 0:
+                step = default_step
+            per_token = backend.prefill_s_per_token
+            if per_token < 0:
+                per_token = default_per_token
+            if step < min_step:
+                min_step = step
+            if per_token < min_per_token:
+                min_per_token = per_token
+            # predict(backend, prompt, cached)
+            wait = 0.0
+            waiting = backend.engine_waiting
+            if waiting > 0:
+                queue = waiting + in_flight - backend.in_flight_at_scrape
+                if queue > 0:
+                    queued = backend.queued_request_s
+                    wait = queue * (queued if queued >= 0 else default_queued)
+            busy = backend.busy_s_per_request
+            if busy > 0:
+                wait += in_flight * busy
+            if backend.kv_usage > kv_from:
+                wait += self._pressure_s(backend, prompt)
+            if get is not None:
+                cached = get(backend.url, 0)
+                if cached > prompt:
+                    cached = prompt
+                uncached = prompt - cached
+            else:
+                cached = none_cached
+                uncached = none_uncached
+            ttft = step + (uncached if uncached > 0 else 0) * per_token + wait
+            if ttft < best_ttft or (ttft == best_ttft and backend is keep):
+                best, best_ttft, best_wait, best_cached, best_load = backend, ttft, wait, cached, load
+        # the stats, as ``_refresh`` leaves them
+        stats.total = total
+        stats.count = count
+        stats.min_step = min_step if count else 0.0
+        stats.min_per_token = min_per_token if count else 0.0
+        stats.version = -1 if exclude else pool.version
+        stats.age = 0
+        bound = self._safety_bound(total, count)
+        if best is None or (best is not keep and bound and best_load + 1 > bound):
+            return (bound, *self._fastest(pool, exclude, prompt, cached_map, keep, bound, None))
+        return bound, best, best_ttft, best_wait, best_cached
+
     def _fastest(self, pool: BackendSet, exclude: frozenset[str], prompt: int, cached_map: Mapping[str, int] | None,
                  keep: Backend | None, bound: int, known: tuple[Backend, int] | None
                  ) -> tuple[Backend, float, float, int]:
@@ -433,6 +513,8 @@ class KVAwarePolicy:
             if keep is not None:
                 ttft, wait = self.predict(keep, prompt, 0)
                 return keep, ttft, wait, 0
+            if not bound:  # no candidate at all (a retry whose pin was the only one left)
+                raise no_available_backend(pool)
             # everything is over the bound: the bound yields (it is a safety net, not a refusal)
             return self._fastest(pool, exclude, prompt, cached_map, None, 0, known)
         return best, best_ttft, best_wait, best_cached
