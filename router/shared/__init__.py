@@ -7,16 +7,17 @@ id. ``shared_state = "redis://…"`` puts both in one Redis:
 
 **What is stored** (every key starts with ``[shared_state] key_prefix``, default ``session-router:``)
 
-- ``<prefix>pins:<session id>``: a hash, pool name -> ``"<reason> <backend URL>"`` (reason: why the pin
-  is off the session's first-choice backend, empty when it is on it). Written when a pin moves (any
-  pin change of a session that had one) and when a new pin is off the first choice; a new session on
-  its first choice is not written (every process derives it). ``EXPIRE`` = ``[sessions] ttl_s`` on
-  every write; an off-first pin still in use is written again once per ``ttl_s / 2`` (from the request
-  path's clock read, no Redis work there), so it outlives no idle session and expires with none in use.
+- ``<prefix>pins:<session id>``: a hash, pool name -> ``"<reason> <backend URL>"`` (reason: why the
+  placement put it there). Every pin is written: a session's first pin with ``HSETNX`` (the first
+  process to place it wins; a process that meets the session later reads it rather than placing it by
+  its own view of the load), a move (any pin change of a session that had one) with ``HSET``.
+  ``EXPIRE`` = ``[sessions] ttl_s`` on every write; a pin still in use is written again once per
+  ``ttl_s / 2`` (from the request path's clock read, no Redis work there), so it outlives no idle
+  session and expires with none in use.
 - ``<prefix>resp:<response id>``: ``"<backend URL>\\t<session id>"``; the newest ``[sessions]
   max_response_ids`` ids are kept (a Lua script pushes the id on ``<prefix>resp-ids`` and deletes the
   oldest past the bound, atomically; standalone Redis, not Redis Cluster).
-- ``<prefix>pins`` (a pub/sub channel): each pin write is published as
+- ``<prefix>pins`` (a pub/sub channel): each move is published as
   ``[origin, session, pool, url, reason]``; every process subscribes and applies moves made by others
   (``origin`` = a random id per process) to sessions it already knows. Sticky requests therefore
   never read Redis: moves are pushed.

@@ -30,7 +30,8 @@ from router.sessions.table import SessionEntry
 class PinWriter(Protocol):
     """Where pin changes go (``router.shared.store.SharedState``)."""
 
-    def pin_moved(self, session_id: str, pool: str, url: str, reason: str, *, publish: bool = True) -> None: ...
+    def pin_moved(self, session_id: str, pool: str, url: str, reason: str, *, publish: bool = True,
+                  new: bool = False) -> None: ...
 
 #: the reason label's closed set (a peer's unknown reason is counted as "other")
 OFF_FIRST_REASONS = frozenset(
@@ -74,7 +75,7 @@ class Agreement:
         #: reason -> requests placed off their session's first choice (exported by ``SharedMetrics``)
         self.counts: dict[str, int] = {}
         self.shared = shared
-        #: an off-first pin in use is written to the shared state again after this long (its TTL / 2)
+        #: a pin in use is written to the shared state again after this long (its TTL / 2)
         self.refresh_s = refresh_s
 
     def placed(self, pool: BackendSet, session_id: str, entry: SessionEntry, before: str | None,
@@ -88,19 +89,24 @@ class Agreement:
             why = off_first_reason(placement)
             off = "" if first is not None and first.url == pin else why
             entry.off_first = off
-            if shared is not None and (off or before is not None):
-                # the others judge "off first choice" on their own backends: they get the reason either way
-                shared.pin_moved(session_id, pool.name, pin, why)
+            if shared is not None:
+                # every pin is written, a new one too: a replica that meets the session later reads it
+                # rather than placing it by its own view of the load; the others judge "off first choice"
+                # on their own backends, so they get the reason either way
+                if before is None:  # a session's first pin: why only when off the first choice here
+                    shared.pin_moved(session_id, pool.name, pin, off, new=True)
+                else:
+                    shared.pin_moved(session_id, pool.name, pin, why)
                 entry.shared_until = now + self.refresh_s
         if pin is None:  # a session-blind policy (round_robin, least_loaded) pins nothing
             return
         if placement.backend.url == pin:
+            if shared is not None and now > entry.shared_until:  # a pin in use stays alive in Redis
+                shared.pin_moved(session_id, pool.name, pin, entry.off_first, publish=False)
+                entry.shared_until = now + self.refresh_s
             off = entry.off_first
             if not off:
                 return
-            if shared is not None and now > entry.shared_until:  # keep an off-first pin alive in Redis
-                shared.pin_moved(session_id, pool.name, pin, off, publish=False)
-                entry.shared_until = now + self.refresh_s
         else:  # not at its pin: a retry elsewhere, or a Responses follow-up where its response is
             first = first_choice(pool, session_id)
             if first is not None and first is placement.backend:

@@ -77,6 +77,8 @@ class SharedState:
         self.pool = pool if isinstance(pool, BackendSet) else None
         self.pool_name = pool if isinstance(pool, str) else pool.name
         self.ttl = max(1, math.ceil(ttl_s))
+        #: a pin learnt here is not written back before this long (as ``Agreement.refresh_s``)
+        self.refresh_s = ttl_s / 2
         self.max_response_ids = max_response_ids
         #: this process's id on the pub/sub channel (its own messages come back and are skipped)
         self.origin = uuid.uuid4().hex[:16]
@@ -160,10 +162,13 @@ class SharedState:
         self._set_down()
 
     # ------------------------------------------------------------------ writes (never awaited)
-    def pin_moved(self, session_id: str, pool: str, url: str, reason: str, *, publish: bool = True) -> None:
-        """Record ``session_id``'s pin in ``pool`` (``reason``: why off its first choice, "" on it);
-        ``publish``: tell the other processes (False: only keep the key alive)."""
-        self._enqueue(("pin", session_id, pool, url, reason, publish))
+    def pin_moved(self, session_id: str, pool: str, url: str, reason: str, *, publish: bool = True,
+                  new: bool = False) -> None:
+        """Record ``session_id``'s pin in ``pool`` (``reason``: why it was placed there); ``publish``: tell
+        the other processes (False: only keep the key alive); ``new``: a session's first pin, kept only
+        if no other process wrote one first (``HSETNX``) and not published (the others that know the
+        session placed it themselves; the ones that do not read it on first sight)."""
+        self._enqueue(("pin", session_id, pool, url, reason, publish and not new, new))
 
     def response_stored(self, response_id: str, backend_url: str, session_id: str | None) -> None:
         self._enqueue(("resp", response_id, backend_url, session_id or ""))
@@ -215,9 +220,12 @@ class SharedState:
         for op in batch:
             kind = op[0]
             if kind == "pin":
-                _, session_id, pool, url, reason, publish = op
+                _, session_id, pool, url, reason, publish, new = op
                 key = self._pins_prefix + session_id
-                pipe.hset(key, pool, f"{reason} {url}")
+                if new:
+                    pipe.hsetnx(key, pool, f"{reason} {url}")
+                else:
+                    pipe.hset(key, pool, f"{reason} {url}")
                 pipe.expire(key, self.ttl)
                 if publish:
                     pipe.publish(self.channel, _move_encoder.encode((self.origin, session_id, pool, url, reason)))
@@ -237,6 +245,7 @@ class SharedState:
         found = await self._read("pins", "hgetall", self._pins_prefix + entry.session_id)
         if not found:
             return
+        entry.shared_until = asyncio.get_running_loop().time() + self.refresh_s
         for pool, value in found.items():
             reason, _, url = value.partition(" ")
             if url:
@@ -375,6 +384,7 @@ class SharedState:
         entry.pins[pool] = url
         if pool == self.pool_name:
             entry.off_first = self._off_first(session_id, url, reason)
+        entry.shared_until = asyncio.get_running_loop().time() + self.refresh_s
         self.metrics.pushes += 1
 
     def _off_first(self, session_id: str, url: str, reason: str) -> str:

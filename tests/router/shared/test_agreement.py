@@ -19,8 +19,9 @@ class Writer:
     def __init__(self) -> None:
         self.moves: list[tuple[Any, ...]] = []
 
-    def pin_moved(self, session_id: str, pool: str, url: str, reason: str, *, publish: bool = True) -> None:
-        self.moves.append((session_id, pool, url, reason, publish))
+    def pin_moved(self, session_id: str, pool: str, url: str, reason: str, *, publish: bool = True,
+                  new: bool = False) -> None:
+        self.moves.append((session_id, pool, url, reason, publish, new))
 
 
 @pytest.fixture
@@ -61,10 +62,15 @@ def test_sticky_requests_on_the_first_choice_count_nothing_and_hash_nothing(hash
         before = entry.pins.get("default")
         placement = policy.place(pool, "s", entry)
         agreement.placed(pool, "s", entry, before, placement, float(request))
+    # in use past refresh_s: written again (alive in Redis), not pushed, still not counted
+    agreement.placed(pool, "s", entry, entry.pins["default"], policy.place(pool, "s", entry), 101.0)
+    assert writer.moves[-1] == ("s", "default", entry.pins["default"], "", False, False)
+    writer.moves.pop()
     assert entry.pins["default"] == first_choice(pool, "s").url
     assert hashes == ["s"]  # once, when the pin was set
     assert agreement.counts == {} and entry.off_first == ""
-    assert writer.moves == []  # a new pin on the first choice: every replica derives it
+    # the new pin written once (a replica meeting the session later reads it), as new: not pushed
+    assert writer.moves == [("s", "default", entry.pins["default"], "", True, True)]
 
 
 def test_a_spill_moves_the_pin_off_first_choice_counts_each_request_and_is_written_once(hashes: list[str]) -> None:
@@ -76,19 +82,20 @@ def test_a_spill_moves_the_pin_off_first_choice_counts_each_request_and_is_writt
     other = next(b for b in pool.members if b is not first)
     placement = policy.place(pool, "s", entry)
     agreement.placed(pool, "s", entry, None, placement, 0.0)
+    writer.moves.clear()
     first.in_flight = 10  # over the bound: the session spills and its pin moves
     placement = policy.place(pool, "s", entry)
     agreement.placed(pool, "s", entry, first.url, placement, 1.0)
     assert placement.outcome is Outcome.SPILL and entry.pins["default"] == other.url
     assert entry.off_first == "load" and agreement.counts == {"load": 1}
-    assert writer.moves == [("s", "default", other.url, "load", True)]
+    assert writer.moves == [("s", "default", other.url, "load", True, False)]
     for t in (2.0, 3.0):  # sticky on the moved pin: counted, no hashing, no write
         before = entry.pins["default"]
         agreement.placed(pool, "s", entry, before, policy.place(pool, "s", entry), t)
     assert agreement.counts == {"load": 3} and len(hashes) == 2 and len(writer.moves) == 1
     # still in use after refresh_s: written again without a push (keeps its TTL alive)
     agreement.placed(pool, "s", entry, other.url, policy.place(pool, "s", entry), 102.0)
-    assert writer.moves[-1] == ("s", "default", other.url, "load", False)
+    assert writer.moves[-1] == ("s", "default", other.url, "load", False, False)
     # back on the first choice (its pin's backend gone): written (a move, with why it moved: the others
     # judge against their own first choice), no longer counted here
     first.in_flight = 0
@@ -97,7 +104,7 @@ def test_a_spill_moves_the_pin_off_first_choice_counts_each_request_and_is_writt
     placement = policy.place(pool, "s", entry)
     agreement.placed(pool, "s", entry, before, placement, 103.0)
     assert entry.pins["default"] == first.url and entry.off_first == ""
-    assert writer.moves[-1] == ("s", "default", first.url, "repin", True)
+    assert writer.moves[-1] == ("s", "default", first.url, "repin", True, False)
     assert agreement.counts == {"load": 4}
 
 

@@ -236,3 +236,24 @@ async def test_stop_flushes_what_is_queued(redis_server: RedisServer) -> None:
     client = await raw(redis_server)
     assert len(await client.keys("session-router:pins:*")) == 50
     await client.aclose()
+
+
+async def test_a_sessions_first_pin_is_kept_from_the_first_writer_and_not_pushed(
+        replicas: Callable[..., Any], redis_server: RedisServer) -> None:
+    a, b = await replicas(), await replicas()
+    b.sessions.touch("s").pins["default"] = "http://b2"
+    a.shared.pin_moved("s", "default", "http://b1", "", new=True)
+    await eventually(lambda: a.metrics.writes.get("pin") == 1, timeout=5, what="a's write")
+    b.shared.pin_moved("s", "default", "http://b2", "load", new=True)  # placed concurrently, wrote second
+    await eventually(lambda: b.metrics.writes.get("pin") == 1, timeout=5, what="b's write")
+    client = await raw(redis_server)
+    assert await client.hgetall("session-router:pins:s") == {"default": " http://b1"}
+    await client.aclose()
+    # a new session's pin is not pushed: b keeps its own until a move
+    a.shared.pin_moved("s", "default", "http://b3", "load")  # a move is
+    await eventually(lambda: b.sessions.get("s").pins["default"] == "http://b3", timeout=5, what="the move")
+    assert b.metrics.pushes == 1
+    c = await replicas()
+    entry = c.sessions.touch("s")
+    await c.shared.recall_pins(entry)
+    assert entry.pins == {"default": "http://b3"}
