@@ -134,6 +134,8 @@ class KVAwarePolicy:
         self._kv_from = settings.kv_pressure_from
         self._kv_span = max(1e-9, 1.0 - settings.kv_pressure_from)
         self._weight = settings.reported_load_weight
+        #: the all-candidates floor (``_pinned``) is a floor: prefill costs and the move factor are not negative
+        self._floor_ok = self._per_token >= 0 and self._factor >= 0
         #: ``pool.key`` -> its members with their URL absorbed by blake2b (rendezvous ranking of new sessions)
         self._rings: dict[str, Ring] = {}
         self._stats: dict[str, _PoolStats] = {}
@@ -228,7 +230,15 @@ class KVAwarePolicy:
         if not self._clearly_faster(pin_ttft, floor) and pinned.in_flight + 1 <= self._safety_bound(stats.total,
                                                                                                      stats.count):
             return Placement(pinned, Outcome.STICKY, "cached", pin_cached, pin_wait, pin_ttft)
-        # predict every candidate (and refresh the stats) in one pass
+        # the fresh stats, with every candidate's wait before KV pressure: when even that floor is not
+        # clearly faster than the pin (every engine queueing alike), no candidate is, and the pin stays
+        # as predicting each of them would have decided (``test_kv_aware_equivalence``)
+        stats, min_wait = self._refresh_stats(pool, exclude, True)
+        if (prompt >= 0 and self._floor_ok and pinned.in_flight + 1 <= self._safety_bound(stats.total, stats.count)
+                and not self._clearly_faster(
+                    pin_ttft, stats.min_step + (prompt - other_cached) * stats.min_per_token + min_wait)):
+            return Placement(pinned, Outcome.STICKY, "cached", pin_cached, pin_wait, pin_ttft)
+        # predict every candidate (and refresh the stats again: the same figures) in one pass
         bound, target, ttft, wait, cached = self._scan(pool, exclude, prompt, cached_map, pinned)
         if target is not pinned and self._clearly_faster(pin_ttft, ttft):
             pins[pool.name] = target.url
@@ -534,29 +544,53 @@ class KVAwarePolicy:
         return stats
 
     def _refresh(self, pool: BackendSet, exclude: frozenset[str]) -> _PoolStats:
+        return self._refresh_stats(pool, exclude, False)[0]
+
+    def _refresh_stats(self, pool: BackendSet, exclude: frozenset[str], waits: bool) -> tuple[_PoolStats, float]:
+        """Refresh the set's stats; with ``waits`` also the least wait of a candidate before its KV
+        pressure term (``predict``'s queue and in-flight terms, the same operations: a floor of every
+        candidate's predicted wait, since the pressure term is never negative for a prompt >= 0)."""
         stats = self._stats.get(pool.key)
         if stats is None:
             stats = self._stats[pool.key] = _PoolStats()
         weight = self._weight
+        default_step = self._step
+        default_per_token = self._per_token
+        default_queued = self._queued
         total = 0.0
         count = 0
         min_step = math.inf
         min_per_token = math.inf
+        min_wait = math.inf
         for backend in pool.members:
-            if not backend.available or (exclude and backend.url in exclude):
-                continue
-            total += backend.in_flight + weight * backend.reported_load if weight else backend.in_flight
+            if not backend.healthy or backend.draining or (exclude and backend.url in exclude):
+                continue  # not ``available`` (its definition, inlined), or excluded
+            in_flight = backend.in_flight
+            total += in_flight + weight * backend.reported_load if weight else in_flight
             count += 1
             step = backend.step_s
             if step < 0:
-                step = self._step
+                step = default_step
             per_token = backend.prefill_s_per_token
             if per_token < 0:
-                per_token = self._per_token
+                per_token = default_per_token
             if step < min_step:
                 min_step = step
             if per_token < min_per_token:
                 min_per_token = per_token
+            if waits:
+                wait = 0.0
+                waiting = backend.engine_waiting
+                if waiting > 0:
+                    queue = waiting + in_flight - backend.in_flight_at_scrape
+                    if queue > 0:
+                        queued = backend.queued_request_s
+                        wait = queue * (queued if queued >= 0 else default_queued)
+                busy = backend.busy_s_per_request
+                if busy > 0:
+                    wait += in_flight * busy
+                if wait < min_wait:
+                    min_wait = wait
         stats.total = total
         stats.count = count
         stats.min_step = min_step if count else 0.0
@@ -564,4 +598,4 @@ class KVAwarePolicy:
         # stats taken with some backends excluded describe this request only: the next one refreshes
         stats.version = -1 if exclude else pool.version
         stats.age = 0
-        return stats
+        return stats, min_wait if count else 0.0
