@@ -230,16 +230,17 @@ class KVAwarePolicy:
         if not self._clearly_faster(pin_ttft, floor) and pinned.in_flight + 1 <= self._safety_bound(stats.total,
                                                                                                      stats.count):
             return Placement(pinned, Outcome.STICKY, "cached", pin_cached, pin_wait, pin_ttft)
-        # the fresh stats, with every candidate's wait before KV pressure: when even that floor is not
-        # clearly faster than the pin (every engine queueing alike), no candidate is, and the pin stays
-        # as predicting each of them would have decided (``test_kv_aware_equivalence``)
-        stats, min_wait = self._refresh_stats(pool, exclude, True)
-        if (prompt >= 0 and self._floor_ok and pinned.in_flight + 1 <= self._safety_bound(stats.total, stats.count)
-                and not self._clearly_faster(
-                    pin_ttft, stats.min_step + (prompt - other_cached) * stats.min_per_token + min_wait)):
-            return Placement(pinned, Outcome.STICKY, "cached", pin_cached, pin_wait, pin_ttft)
-        # predict every candidate (and refresh the stats again: the same figures) in one pass
-        bound, target, ttft, wait, cached = self._scan(pool, exclude, prompt, cached_map, pinned)
+        if prompt >= 0 and self._floor_ok:
+            # predict only the candidates whose floor is clearly faster than the pin (``_rivals``): the
+            # fastest within the bound is among them whenever it matters, i.e. when it is clearly faster
+            stats, rivals = self._rivals(pool, exclude, prompt - other_cached, pin_ttft, pinned)
+            bound = self._safety_bound(stats.total, stats.count)
+            target, ttft, wait, cached = pinned, 0.0, 0.0, 0
+            if rivals:
+                target, ttft, wait, cached = self._fastest_rival(rivals, prompt, cached_map, pinned, bound)
+        else:
+            # predict every candidate (and refresh the stats) in one pass
+            bound, target, ttft, wait, cached = self._scan(pool, exclude, prompt, cached_map, pinned)
         if target is not pinned and self._clearly_faster(pin_ttft, ttft):
             pins[pool.name] = target.url
             pressure = self._pressure_s(pinned, prompt)
@@ -410,6 +411,95 @@ class KVAwarePolicy:
             raise no_available_backend(pool)
         return least
 
+    def _rivals(self, pool: BackendSet, exclude: frozenset[str], uncached: int, pin_ttft: float,
+                pinned: Backend) -> tuple[_PoolStats, list[Backend]]:
+        """``_refresh``, and the candidates other than ``pinned`` whose *floor* is clearly faster than
+        ``pin_ttft``, in member order. A candidate's floor is its prediction with ``uncached`` prompt
+        tokens (the fewest any backend but the pin may have to prefill) and without its KV-pressure
+        term, with ``predict``'s operations in ``predict``'s order: rounding is monotonic, the pressure
+        term is not negative (prompt >= 0, ``_floor_ok``), so no floor exceeds its prediction, and a
+        candidate not in the list is not clearly faster than the pin."""
+        stats = self._stats.get(pool.key)
+        if stats is None:
+            stats = self._stats[pool.key] = _PoolStats()
+        weight = self._weight
+        default_step = self._step
+        default_per_token = self._per_token
+        default_queued = self._queued
+        factor = self._factor
+        margin = self._margin
+        total = 0.0
+        count = 0
+        min_step = math.inf
+        min_per_token = math.inf
+        rivals: list[Backend] = []
+        for backend in pool.members:
+            if not backend.healthy or backend.draining or (exclude and backend.url in exclude):
+                continue  # not ``available`` (its definition, inlined), or excluded
+            in_flight = backend.in_flight
+            total += in_flight + weight * backend.reported_load if weight else in_flight
+            count += 1
+            step = backend.step_s
+            if step < 0:
+                step = default_step
+            per_token = backend.prefill_s_per_token
+            if per_token < 0:
+                per_token = default_per_token
+            if step < min_step:
+                min_step = step
+            if per_token < min_per_token:
+                min_per_token = per_token
+            if backend is pinned:
+                continue
+            wait = 0.0
+            waiting = backend.engine_waiting
+            if waiting > 0:
+                queue = waiting + in_flight - backend.in_flight_at_scrape
+                if queue > 0:
+                    queued = backend.queued_request_s
+                    wait = queue * (queued if queued >= 0 else default_queued)
+            busy = backend.busy_s_per_request
+            if busy > 0:
+                wait += in_flight * busy
+            if pin_ttft > factor * (step + uncached * per_token + wait) + margin:
+                rivals.append(backend)
+        # the stats, as ``_refresh`` leaves them
+        stats.total = total
+        stats.count = count
+        stats.min_step = min_step if count else 0.0
+        stats.min_per_token = min_per_token if count else 0.0
+        stats.version = -1 if exclude else pool.version
+        stats.age = 0
+        return stats, rivals
+
+    def _fastest_rival(self, rivals: list[Backend], prompt: int, cached_map: Mapping[str, int] | None,
+                       keep: Backend, bound: int) -> tuple[Backend, float, float, int]:
+        """``_fastest(pool, exclude, prompt, cached_map, keep, bound, None)`` when its answer matters:
+        the fastest of ``rivals`` within ``bound``, unless ``keep`` is as fast (``_pinned``)."""
+        best: Backend | None = None
+        best_ttft = math.inf
+        best_wait = 0.0
+        best_cached = 0
+        weight = self._weight
+        for backend in rivals:
+            if bound:
+                load = backend.in_flight + weight * backend.reported_load if weight else backend.in_flight
+                if load + 1 > bound:
+                    continue
+            cached = cached_map.get(backend.url, 0) if cached_map else 0
+            if cached > prompt:
+                cached = prompt
+            ttft, wait = self.predict(backend, prompt, cached)
+            if ttft < best_ttft:
+                best, best_ttft, best_wait, best_cached = backend, ttft, wait, cached
+        cached = cached_map.get(keep.url, 0) if cached_map else 0
+        if cached > prompt:
+            cached = prompt
+        ttft, wait = self.predict(keep, prompt, cached)
+        if best is None or ttft <= best_ttft:
+            return keep, ttft, wait, cached
+        return best, best_ttft, best_wait, best_cached
+
     def _scan(self, pool: BackendSet, exclude: frozenset[str], prompt: int, cached_map: Mapping[str, int] | None,
               keep: Backend) -> tuple[int, Backend, float, float, int]:
         """``_refresh`` then ``_fastest(pool, exclude, prompt, cached_map, keep, bound, None)`` with the
@@ -544,24 +634,16 @@ class KVAwarePolicy:
         return stats
 
     def _refresh(self, pool: BackendSet, exclude: frozenset[str]) -> _PoolStats:
-        return self._refresh_stats(pool, exclude, False)[0]
-
-    def _refresh_stats(self, pool: BackendSet, exclude: frozenset[str], waits: bool) -> tuple[_PoolStats, float]:
-        """Refresh the set's stats; with ``waits`` also the least wait of a candidate before its KV
-        pressure term (``predict``'s queue and in-flight terms, the same operations: a floor of every
-        candidate's predicted wait, since the pressure term is never negative for a prompt >= 0)."""
         stats = self._stats.get(pool.key)
         if stats is None:
             stats = self._stats[pool.key] = _PoolStats()
         weight = self._weight
         default_step = self._step
         default_per_token = self._per_token
-        default_queued = self._queued
         total = 0.0
         count = 0
         min_step = math.inf
         min_per_token = math.inf
-        min_wait = math.inf
         for backend in pool.members:
             if not backend.healthy or backend.draining or (exclude and backend.url in exclude):
                 continue  # not ``available`` (its definition, inlined), or excluded
@@ -578,19 +660,6 @@ class KVAwarePolicy:
                 min_step = step
             if per_token < min_per_token:
                 min_per_token = per_token
-            if waits:
-                wait = 0.0
-                waiting = backend.engine_waiting
-                if waiting > 0:
-                    queue = waiting + in_flight - backend.in_flight_at_scrape
-                    if queue > 0:
-                        queued = backend.queued_request_s
-                        wait = queue * (queued if queued >= 0 else default_queued)
-                busy = backend.busy_s_per_request
-                if busy > 0:
-                    wait += in_flight * busy
-                if wait < min_wait:
-                    min_wait = wait
         stats.total = total
         stats.count = count
         stats.min_step = min_step if count else 0.0
@@ -598,4 +667,4 @@ class KVAwarePolicy:
         # stats taken with some backends excluded describe this request only: the next one refreshes
         stats.version = -1 if exclude else pool.version
         stats.age = 0
-        return stats, min_wait if count else 0.0
+        return stats
