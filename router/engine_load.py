@@ -39,11 +39,18 @@ prometheus_client's text parser, summed over the label sets an engine exports (d
     first step on average: the share of a request's life spent before its first token (Δ TTFT sum
     / Δ e2e sum) times the mean computed prefill per request, in seconds.
 
-  Each learned value is an exponentially weighted mean (``SMOOTHING``) of the per-interval
-  samples; an interval without the requests to measure leaves the value as it was, and after
+  **Robust to outliers.** Each constant is the median of its last ``WINDOW`` per-interval samples,
+  and it replaces the configured value on the ``Backend`` only once ``MIN_SAMPLES`` intervals
+  measured it. So one cold request (an engine's first, 1.2 s while a warm one takes 20 ms) or any
+  single odd interval moves nothing: it takes a majority of the window (3 of 5 intervals) to make
+  a backend look slower or faster, and an engine that really slowed down shows it within 3
+  intervals that measured it. (Measured: with the mean of every sample, one cold first request made
+  the router send 79 of 80 turns to the other engine.) Until then the policy uses the configured
+  value; the prefill cost's stand-in is the configured cost scaled by the engine's (published)
+  decode step. An interval without the requests to measure leaves the window as it was, and after
   ``FORGET_AFTER_IDLE`` idle scrapes in a row (no request began or ended there) the learned values
-  are dropped. ``-1.0`` on a ``Backend`` means "not learned": the policy uses the configured value
-  (always, with ``learn = false``).
+  and their windows are dropped. ``-1.0`` on a ``Backend`` means "not learned": the policy uses the
+  configured value (always, with ``learn = false``).
 
 A scrape that fails (no answer, not a 200, no vLLM series) clears the engine signals (waiting,
 running, KV usage: unknown reads as idle) and keeps the learned constants; a counter that went
@@ -54,8 +61,10 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from statistics import median
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -82,8 +91,10 @@ _SUMMED = frozenset((
 #: histogram buckets and per-session series, ten times the lines, which the parser would read for nothing)
 _WANTED = tuple(name + end for name in (*_SUMMED, KV_USAGE) for end in ("{", " "))
 
-#: weight of a new interval's sample in the learned means
-SMOOTHING = 0.3
+#: per-interval samples a learned constant is the median of (the most recent ones)
+WINDOW = 5
+#: intervals that must have measured a constant before it replaces the configured one on the Backend
+MIN_SAMPLES = 3
 #: an interval teaches the prefill rate only when it computed this many prompt tokens per request
 MIN_COMPUTED_PER_REQUEST = 32
 #: learned values are kept within these (a noisy interval must not make a backend look free or dead)
@@ -148,20 +159,67 @@ def parse_metrics(text: str) -> EngineSample | None:
     )
 
 
-def _blend(old: float, sample: float) -> float:
-    return sample if old < 0 else old + SMOOTHING * (sample - old)
+class Estimate:
+    """One learned constant: the median of its last ``WINDOW`` interval samples (``value``, -1.0 before
+    any), trusted (``ready``) once ``MIN_SAMPLES`` intervals measured it."""
+
+    __slots__ = ("recent", "count", "value")
+
+    def __init__(self) -> None:
+        self.recent: deque[float] = deque(maxlen=WINDOW)
+        #: intervals that measured it (since it was last dropped)
+        self.count = 0
+        self.value = -1.0
+
+    @property
+    def ready(self) -> bool:
+        return self.count >= MIN_SAMPLES
+
+    def add(self, sample: float) -> None:
+        self.recent.append(sample)
+        self.count += 1
+        self.value = median(self.recent)
 
 
-def learn(backend: Backend, before: EngineSample, now: EngineSample, *, ratio: float = 0.0) -> None:
-    """Update ``backend``'s learned constants from the interval between two scrapes (module docstring).
+class Learned:
+    """What ``learn`` has measured of one backend, published onto its ``Backend`` by ``publish``."""
+
+    __slots__ = ("decode_step", "prefill_per_token", "first_step", "queued", "busy")
+
+    def __init__(self) -> None:
+        self.decode_step = Estimate()
+        self.prefill_per_token = Estimate()
+        self.first_step = Estimate()
+        self.queued = Estimate()
+        self.busy = Estimate()
+
+    def publish(self, backend: Backend, *, ratio: float = 0.0) -> None:
+        """Set ``backend``'s learned fields: each trusted estimate, else -1.0 (the configured value);
+        an untrusted prefill cost stands in as ``ratio`` times a trusted decode step (``learn``)."""
+        decode = self.decode_step.value if self.decode_step.ready else -1.0
+        backend.decode_step_s = decode
+        if self.prefill_per_token.ready:
+            backend.prefill_s_per_token = self.prefill_per_token.value
+        elif ratio > 0 and decode >= 0:
+            backend.prefill_s_per_token = min(MAX_S_PER_TOKEN, ratio * decode)
+        else:
+            backend.prefill_s_per_token = -1.0
+        backend.step_s = self.first_step.value if self.first_step.ready else -1.0
+        backend.queued_request_s = self.queued.value if self.queued.ready else -1.0
+        backend.busy_s_per_request = self.busy.value if self.busy.ready else -1.0
+
+
+def learn(learned: Learned, before: EngineSample, now: EngineSample, *, ratio: float = 0.0) -> None:
+    """Add the samples the interval between two scrapes measured to ``learned`` (module docstring).
+    The derived samples (first step, interference) use the estimates so far, trusted or not.
 
     ``ratio``: configured seconds per prompt token / configured step seconds (0: no such cap)."""
     elapsed = now.at - before.at
     d_itl_count = now.itl_count - before.itl_count
     if d_itl_count > 0:
         decode = (now.itl_sum - before.itl_sum) / d_itl_count
-        backend.decode_step_s = _blend(backend.decode_step_s, min(MAX_STEP_S, max(0.0, decode)))
-    decode = backend.decode_step_s
+        learned.decode_step.add(min(MAX_STEP_S, max(0.0, decode)))
+    decode = learned.decode_step.value
     step = decode if decode > 0 else 0.0
     computed = (now.prompt_tokens - before.prompt_tokens) - (now.prefix_hits - before.prefix_hits)
     from_ttft = not (now.has_prefill_time and before.has_prefill_time)
@@ -178,29 +236,28 @@ def learn(backend: Backend, before: EngineSample, now: EngineSample, *, ratio: f
         per_token = max(0.0, spent) / computed
         if from_ttft and ratio > 0 and decode >= 0:
             per_token = min(per_token, ratio * decode)
-        backend.prefill_s_per_token = _blend(backend.prefill_s_per_token, min(MAX_S_PER_TOKEN, per_token))
-    elif backend.prefill_s_per_token < 0 and ratio > 0 and decode >= 0:
-        # nothing to measure the prefill by yet: the configured cost at this engine's learned speed
-        backend.prefill_s_per_token = min(MAX_S_PER_TOKEN, ratio * decode)
-    per_token = backend.prefill_s_per_token
+        learned.prefill_per_token.add(min(MAX_S_PER_TOKEN, per_token))
+    per_token = learned.prefill_per_token.value
+    if per_token < 0 and ratio > 0 and decode >= 0:
+        # nothing to measure the prefill by yet: the configured cost at this engine's speed
+        per_token = min(MAX_S_PER_TOKEN, ratio * decode)
     d_ttft_count = now.ttft_count - before.ttft_count
     d_ttft_sum = now.ttft_sum - before.ttft_sum
     if d_ttft_count > 0:
         # what came before the first token besides the request's own prefill: at least a step
         own = (computed / d_ttft_count) * per_token if computed > 0 and per_token > 0 else 0.0
         first = max(step, d_ttft_sum / d_ttft_count - own)
-        backend.step_s = _blend(backend.step_s, min(MAX_STEP_S, first))
+        learned.first_step.add(min(MAX_STEP_S, first))
     elif d_itl_count > 0:
-        backend.step_s = _blend(backend.step_s, step)
+        learned.first_step.add(step)
     d_e2e_count = now.e2e_count - before.e2e_count
     d_e2e_sum = now.e2e_sum - before.e2e_sum
     if d_e2e_count > 0:
         if elapsed > 0:
-            backend.queued_request_s = _blend(backend.queued_request_s, min(MAX_STEP_S, elapsed / d_e2e_count))
+            learned.queued.add(min(MAX_STEP_S, elapsed / d_e2e_count))
         if d_e2e_sum > 0 and d_ttft_count > 0 and computed >= 0 and per_token >= 0:
             before_first = min(1.0, max(0.0, d_ttft_sum / d_e2e_sum))
-            busy = before_first * (computed / d_ttft_count) * per_token
-            backend.busy_s_per_request = _blend(backend.busy_s_per_request, min(MAX_STEP_S, busy))
+            learned.busy.add(min(MAX_STEP_S, before_first * (computed / d_ttft_count) * per_token))
 
 
 def _went_backwards(before: EngineSample, now: EngineSample) -> bool:
@@ -223,6 +280,8 @@ class EngineLoad:
         self._ratio = 1.0 / prefill_tokens_per_s / per_request_step_s if per_request_step_s > 0 else 0.0
         self._clock = clock
         self._previous: dict[str, EngineSample] = {}
+        #: backend URL -> what was learned of it (published onto its Backend after each scrape)
+        self._learned: dict[str, Learned] = {}
         #: backend URL -> idle scrapes in a row (see FORGET_AFTER_IDLE)
         self._idle: dict[str, int] = {}
         #: completed scrapes (tests and the admin view read it)
@@ -254,14 +313,18 @@ class EngineLoad:
         before = self._previous.get(backend.url)
         self._previous[backend.url] = sample
         if self.learn and before is not None and not _went_backwards(before, sample):
-            learn(backend, before, sample, ratio=self._ratio)
+            learned = self._learned.get(backend.url)
+            if learned is None:
+                learned = self._learned[backend.url] = Learned()
+            learn(learned, before, sample, ratio=self._ratio)
             if sample.ttft_count == before.ttft_count and sample.e2e_count == before.e2e_count:
                 idle = self._idle[backend.url] = self._idle.get(backend.url, 0) + 1
                 if idle >= FORGET_AFTER_IDLE:
-                    forget_learned(backend)
+                    learned = self._learned[backend.url] = Learned()
                     self._idle[backend.url] = 0
             else:
                 self._idle[backend.url] = 0
+            learned.publish(backend, ratio=self._ratio)
         self.scrapes += 1
 
     def clear(self, backend: Backend) -> None:
@@ -275,9 +338,4 @@ class EngineLoad:
     def forget(self, url: str) -> None:
         self._previous.pop(url, None)
         self._idle.pop(url, None)
-
-
-def forget_learned(backend: Backend) -> None:
-    """Drop ``backend``'s learned constants: the configured ones apply until it is learned again."""
-    backend.prefill_s_per_token = backend.step_s = backend.decode_step_s = -1.0
-    backend.queued_request_s = backend.busy_s_per_request = -1.0
+        self._learned.pop(url, None)

@@ -9,7 +9,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from router.engine_load import EngineLoad, EngineSample, learn, parse_metrics
+from router.engine_load import MIN_SAMPLES, WINDOW, EngineLoad, EngineSample, Learned, learn, parse_metrics
 from router.membership import Backend
 from tests.support import kill_alive, start_backend
 
@@ -49,43 +49,42 @@ def test_parse_sums_ranks_and_takes_the_fullest_kv_cache() -> None:
 
 
 def test_learning_from_the_deltas_between_scrapes() -> None:
-    backend = Backend("http://127.0.0.1:8100")
+    learned = Learned()
     before = EngineSample(running=4, itl_sum=1.0, itl_count=100, prompt_tokens=0, prefix_hits=0,
                           ttft_sum=1.0, ttft_count=10, e2e_sum=10.0, e2e_count=10)
     # 10 requests computed 4,000 - 400 = 3,600 tokens in 2.0 s of TTFT, less 10 steps of 20 ms
     now = EngineSample(running=4, itl_sum=3.0, itl_count=200, prompt_tokens=4000, prefix_hits=400,
                        ttft_sum=3.0, ttft_count=20, e2e_sum=30.0, e2e_count=20)
     now.at = 10.0  # seconds after ``before``
-    learn(backend, before, now)
-    assert backend.step_s == pytest.approx(0.02)
-    assert backend.prefill_s_per_token == pytest.approx((2.0 - 10 * 0.02) / 3600)
-    assert backend.queued_request_s == pytest.approx(10.0 / 10)  # 10 requests finished in 10 s
+    learn(learned, before, now)
+    assert learned.first_step.value == pytest.approx(0.02)
+    assert learned.prefill_per_token.value == pytest.approx((2.0 - 10 * 0.02) / 3600)
+    assert learned.queued.value == pytest.approx(10.0 / 10)  # 10 requests finished in 10 s
     # interference: 10% of a request's life before its first token, x 360 computed tokens each
-    assert backend.busy_s_per_request == pytest.approx(0.1 * 360 * backend.prefill_s_per_token)
-    # a mostly cached interval teaches nothing about the prefill rate; a later one blends in
-    learned = backend.prefill_s_per_token
+    assert learned.busy.value == pytest.approx(0.1 * 360 * learned.prefill_per_token.value)
+    # a mostly cached interval teaches nothing about the prefill rate
     cached = EngineSample(running=4, itl_sum=3.0, itl_count=200, prompt_tokens=5000, prefix_hits=1390,
                           ttft_sum=3.5, ttft_count=30, e2e_sum=30.0, e2e_count=20, at=20.0)
-    learn(backend, now, cached)
-    assert backend.prefill_s_per_token == learned
+    learn(learned, now, cached)
+    assert learned.prefill_per_token.count == 1 and learned.first_step.count == 2
 
 
 def test_concurrent_prefills_count_their_shared_time_once() -> None:
     """Six prompts prefilled in one 1 s step: each TTFT is 1 s, but the engine spent 1 s, not 6."""
-    backend = Backend("http://127.0.0.1:8100")
+    learned = Learned()
     before = EngineSample(at=0.0)
     now = EngineSample(prompt_tokens=6000, ttft_sum=6.0, ttft_count=6, at=1.0)
-    learn(backend, before, now)
-    assert backend.prefill_s_per_token == pytest.approx(1.0 / 6000)
+    learn(learned, before, now)
+    assert learned.prefill_per_token.value == pytest.approx(1.0 / 6000)
 
 
 def test_the_prefill_histogram_is_preferred_over_ttft() -> None:
-    backend = Backend("http://127.0.0.1:8100")
+    learned = Learned()
     before = EngineSample(has_prefill_time=True)
     now = EngineSample(has_prefill_time=True, prompt_tokens=1000, prefill_time_sum=0.5, prefill_time_count=2,
                        ttft_sum=9.0, ttft_count=2)
-    learn(backend, before, now)
-    assert backend.prefill_s_per_token == pytest.approx(0.5 / 1000)  # step not learned: counted as 0
+    learn(learned, before, now)
+    assert learned.prefill_per_token.value == pytest.approx(0.5 / 1000)  # step not learned: counted as 0
 
 
 def test_apply_records_the_gauges_and_a_restart_restarts_the_deltas() -> None:
@@ -97,15 +96,17 @@ def test_apply_records_the_gauges_and_a_restart_restarts_the_deltas() -> None:
     assert (backend.load_scraped_at, backend.in_flight_at_scrape) == (42.0, 7)
     load.apply(backend, EngineSample(itl_sum=0.5, itl_count=10))  # counters went back: an engine restart
     assert backend.step_s == -1.0
-    load.apply(backend, EngineSample(itl_sum=0.7, itl_count=20))
+    for i in range(1, MIN_SAMPLES + 1):
+        assert backend.step_s == -1.0  # not trusted before MIN_SAMPLES intervals measured it
+        load.apply(backend, EngineSample(itl_sum=0.5 + 0.2 * i, itl_count=10 + 10 * i))
     assert backend.step_s == pytest.approx(0.02)
     load.clear(backend)
     assert (backend.engine_waiting, backend.engine_running, backend.kv_usage) == (0, 0, 0)
     assert backend.step_s == pytest.approx(0.02)  # learned constants stay
     frozen = EngineLoad(learn=False)
     other = Backend("http://127.0.0.1:8101")
-    frozen.apply(other, EngineSample(itl_sum=0.0, itl_count=0))
-    frozen.apply(other, EngineSample(itl_sum=1.0, itl_count=10))
+    for i in range(MIN_SAMPLES + 2):
+        frozen.apply(other, EngineSample(itl_sum=1.0 * i, itl_count=10 * i))
     assert other.step_s == -1.0  # learn = false: the configured values only
 
 
@@ -130,7 +131,7 @@ async def test_constants_learned_from_a_real_backend(tmp_path: Path) -> None:
                     await resp.read()
 
             for backend in backends:  # each engine on its own: the scrapes bracket its own work
-                for round_ in range(2):
+                for round_ in range(MIN_SAMPLES):  # a constant is trusted after MIN_SAMPLES intervals
                     await asyncio.gather(*(one(backend.url, round_ * 10 + i) for i in range(6)))
                     assert await load.scrape(backend, http, timeout)
         quick, sluggish = backends
@@ -147,25 +148,29 @@ def test_a_ttft_sample_is_capped_at_the_configured_cost_at_the_learned_speed() -
     """From TTFT only (no prefill histogram): queueing must not make a fast engine's prefill look dear;
     before any sample, the configured cost scaled by the engine's step stands in."""
     ratio = 0.00025 / 0.010  # the defaults: 4,000 tokens/s and a 10 ms step
+    learned = Learned()
+    for i in range(MIN_SAMPLES):
+        learn(learned, EngineSample(itl_sum=0.5 * i, itl_count=100 * i, at=i),
+              EngineSample(itl_sum=0.5 * (i + 1), itl_count=100 * (i + 1), at=i + 1.0), ratio=ratio)
     backend = Backend("http://127.0.0.1:8100")
-    learn(backend, EngineSample(at=0.0), EngineSample(itl_sum=0.5, itl_count=100, at=1.0), ratio=ratio)
+    learned.publish(backend, ratio=ratio)
     assert backend.step_s == pytest.approx(0.005)  # an engine twice as fast as configured
     assert backend.prefill_s_per_token == pytest.approx(0.000125)  # so its prefill too, until measured
-    queued = EngineSample(itl_sum=1.0, itl_count=200, prompt_tokens=1000, ttft_sum=0.9, ttft_count=1, at=2.0)
-    learn(backend, EngineSample(itl_sum=0.5, itl_count=100, at=1.0), queued, ratio=ratio)
-    assert backend.prefill_s_per_token == pytest.approx(0.000125)  # 0.9 s of TTFT was mostly a queue
+    queued = EngineSample(itl_sum=2.0, itl_count=400, prompt_tokens=1000, ttft_sum=0.9, ttft_count=1, at=5.0)
+    learn(learned, EngineSample(itl_sum=1.5, itl_count=300, at=4.0), queued, ratio=ratio)
+    assert learned.prefill_per_token.value == pytest.approx(0.000125)  # 0.9 s of TTFT was mostly a queue
 
 
 def test_the_first_step_is_what_a_newcomer_meets_there() -> None:
     """Short decode steps, long first tokens (an engine stalled part of the time, or queueing): the
     first step is learned from the TTFT less the requests' own prefill, the decode step from the ITL."""
-    backend = Backend("http://127.0.0.1:8100")
-    backend.prefill_s_per_token = 0.0001
+    learned = Learned()
+    learned.prefill_per_token.add(0.0001)
     before = EngineSample(at=0.0)
     now = EngineSample(itl_sum=0.2, itl_count=100, ttft_sum=0.5, ttft_count=10, prompt_tokens=100, at=1.0)
-    learn(backend, before, now)
-    assert backend.decode_step_s == pytest.approx(0.002)
-    assert backend.step_s == pytest.approx(0.05 - 10 * 0.0001)  # mean TTFT 50 ms, 1 ms of it prefill
+    learn(learned, before, now)
+    assert learned.decode_step.value == pytest.approx(0.002)
+    assert learned.first_step.value == pytest.approx(0.05 - 10 * 0.0001)  # mean TTFT 50 ms, 1 ms of it prefill
 
 
 def test_learned_constants_are_dropped_after_a_long_idle_spell() -> None:
@@ -176,11 +181,59 @@ def test_learned_constants_are_dropped_after_a_long_idle_spell() -> None:
     load = EngineLoad()
     backend = Backend("http://127.0.0.1:8100")
     load.apply(backend, EngineSample())
-    busy = EngineSample(itl_sum=5.0, itl_count=10, ttft_sum=5.0, ttft_count=10, e2e_sum=9.0, e2e_count=10)
-    load.apply(backend, busy)
+    for i in range(1, MIN_SAMPLES + 1):
+        busy = EngineSample(itl_sum=5.0 * i, itl_count=10 * i, ttft_sum=5.0 * i, ttft_count=10 * i, e2e_sum=9.0 * i,
+                            e2e_count=10 * i)
+        load.apply(backend, busy)
     assert backend.step_s > 0.4 and backend.decode_step_s == pytest.approx(0.5)
     for _ in range(FORGET_AFTER_IDLE - 1):
         load.apply(backend, busy)  # nothing began or ended
     assert backend.step_s > 0.4
     load.apply(backend, busy)
     assert backend.step_s == backend.decode_step_s == backend.prefill_s_per_token == -1.0
+
+
+def busy_interval(at: float, before: EngineSample, ttft_s: float, requests: int = 4) -> EngineSample:
+    """``before`` plus an interval of ``requests`` requests with a ``ttft_s`` first token each and 10 ms steps."""
+    return EngineSample(itl_sum=before.itl_sum + 0.01 * 10 * requests, itl_count=before.itl_count + 10 * requests,
+                        ttft_sum=before.ttft_sum + ttft_s * requests, ttft_count=before.ttft_count + requests,
+                        e2e_sum=before.e2e_sum + (ttft_s + 0.1) * requests, e2e_count=before.e2e_count + requests,
+                        at=at)
+
+
+def test_one_cold_request_does_not_make_an_engine_look_slow() -> None:
+    """An engine's first request took 1.2 s (cold), the next intervals 20 ms: the learned first step
+    is the warm one, and nothing replaces the configured step before MIN_SAMPLES intervals."""
+    times = iter(float(i) for i in range(100))
+    load = EngineLoad(clock=lambda: next(times))
+    backend = Backend("http://127.0.0.1:8100")
+    sample = EngineSample()
+    load.apply(backend, sample)
+    sample = busy_interval(0, sample, 1.2, requests=1)  # the cold one
+    load.apply(backend, sample)
+    assert backend.step_s == -1.0  # one interval: the configured step still applies
+    for _ in range(MIN_SAMPLES - 1):
+        sample = busy_interval(0, sample, 0.02)
+        load.apply(backend, sample)
+    assert backend.step_s == pytest.approx(0.02)  # the median: the cold interval is outvoted
+    assert backend.queued_request_s > 0 and backend.decode_step_s == pytest.approx(0.01)
+
+
+def test_a_real_slowdown_shows_within_a_majority_of_the_window() -> None:
+    """A single slow interval moves nothing; once most of the window is slow, the engine is slow."""
+    times = iter(float(i) for i in range(100))
+    load = EngineLoad(clock=lambda: next(times))
+    backend = Backend("http://127.0.0.1:8100")
+    sample = EngineSample()
+    load.apply(backend, sample)
+    for _ in range(WINDOW):
+        sample = busy_interval(0, sample, 0.02)
+        load.apply(backend, sample)
+    assert backend.step_s == pytest.approx(0.02)
+    sample = busy_interval(0, sample, 2.0)  # one odd interval
+    load.apply(backend, sample)
+    assert backend.step_s == pytest.approx(0.02)
+    for _ in range(WINDOW // 2):
+        sample = busy_interval(0, sample, 2.0)
+        load.apply(backend, sample)
+    assert backend.step_s == pytest.approx(2.0)
