@@ -177,7 +177,14 @@ def placement_costs(scene: Scene, calls: int, repeats: int) -> dict[str, float]:
         [per_call(cycle(place), calls) for _ in range(repeats)])
     for backend in pool.members:  # every engine queueing: the pin's prediction no longer settles it
         backend.engine_waiting = 5
-    out[f"kv_aware place(), pinned, every engine queueing (all {len(pool.members)} predicted)"] = median_us(
+    out["kv_aware place(), pinned, every engine queueing alike (no candidate's floor beats the pin)"] = median_us(
+        [per_call(cycle(place), calls) for _ in range(repeats)])
+    # every engine idle with a full KV cache: each candidate's floor (its prediction without the KV-pressure
+    # term) is clearly faster than the pin, so every candidate is predicted (none is: no session moves)
+    for backend in pool.members:
+        backend.engine_waiting = 0
+        backend.kv_usage = 1.0
+    out[f"kv_aware place(), pinned, every KV cache full (all {len(pool.members) - 1} others predicted)"] = median_us(
         [per_call(cycle(place), calls) for _ in range(repeats)])
     out["KVIndex.session_tokens()"] = median_us(
         [per_call(cycle(lambda i: index.session_tokens(f"sess-{i}")), calls) for _ in range(repeats)])

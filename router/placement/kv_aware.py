@@ -39,8 +39,12 @@ with a session staying where its KV is until moving is clearly cheaper (DESIGN.m
   safety bound (SPILL, "load"). A move takes the pin along: the new backend now holds the freshest
   prefix. The fast path is O(1): the pin's prediction against a lower bound of any other
   backend's (the pool's smallest step and prefill cost, no wait, the most any other backend has
-  cached), with the pool's load total refreshed every ``STATS_EVERY`` placements; only when that
-  does not settle it are all candidates predicted.
+  cached), with the pool's load total refreshed every ``STATS_EVERY`` placements. When that does
+  not settle it, the pass that refreshes the pool's stats also takes each candidate's *floor* (its
+  prediction with that fewest uncached count and without the KV-pressure term, same operations,
+  so never above its prediction) and only the candidates whose floor is clearly faster than the pin
+  are predicted: the same choices as predicting all of them (the fastest matters only when it is
+  clearly faster, and then its floor is too), e.g. none when every engine queues alike.
 - new session (no pin, or the pin is gone: REPIN_*): its *home* is the rendezvous-hash choice within
   the load bound (as the ``session`` policy places new sessions, so sessions spread the same way),
   or for a child agent session (``hint.parent_session``) the backend holding most of its parent's
