@@ -306,6 +306,7 @@ class EngineLoad:
     def apply(self, backend: Backend, sample: EngineSample) -> None:
         """Record one scrape's ``sample`` of ``backend`` (the gauges, and what the deltas teach)."""
         backend.engine_waiting = sample.waiting
+        backend.queued_scrapes = backend.queued_scrapes + 1 if sample.waiting > 0 else 0
         backend.engine_running = sample.running
         backend.kv_usage = sample.kv_usage
         backend.load_scraped_at = sample.at = self._clock()
@@ -330,6 +331,7 @@ class EngineLoad:
     def clear(self, backend: Backend) -> None:
         """No engine signals from ``backend`` now: unknown load reads as none (the learned constants stay)."""
         backend.engine_waiting = 0.0
+        backend.queued_scrapes = 0
         backend.engine_running = 0.0
         backend.kv_usage = 0.0
         backend.in_flight_at_scrape = backend.in_flight

@@ -54,6 +54,8 @@ class Backend:
     load_scraped_at: float = 0.0
     #: ``in_flight`` when it was scraped: ``in_flight - in_flight_at_scrape`` arrived since
     in_flight_at_scrape: int = 0
+    #: scrapes in a row, up to the last, that found the engine queueing (``engine_waiting > 0``)
+    queued_scrapes: int = 0
     # -- the model's constants learned from that engine's counters (-1.0: not learned, use the configured)
     #: seconds to prefill one prompt token
     prefill_s_per_token: float = -1.0
