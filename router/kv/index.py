@@ -186,6 +186,12 @@ class KVIndex:
         backend = self._backends.get(backend_url)
         return 0 if backend is None else len(backend.blocks)
 
+    def has_events(self, backend_url: str) -> bool:
+        """Whether ``backend_url``'s events reach the index (some applied since it was last removed;
+        a reset keeps it): for such a backend, none of a session's tokens there means none (placement
+        trusts it instead of guessing). O(1)."""
+        return backend_url in self._backends
+
     def session_tokens(self, session_id: str) -> Mapping[str, int]:
         """Backend URL -> the session's resident tokens there (only backends holding some); O(those
         backends)."""

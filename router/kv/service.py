@@ -267,7 +267,10 @@ class KVEvents:
         had = bool(tracked.streams) or self.index.backend_blocks(tracked.backend.url) > 0
         self._unsubscribe(tracked)
         if had:
-            self.index.reset_backend(tracked.backend.url)
+            if sources:
+                self.index.reset_backend(tracked.backend.url)
+            else:  # it publishes no more: its (empty) index entry must not vouch for it (``has_events``)
+                self.index.remove_backend(tracked.backend.url)
             self.metrics.reset(tracked.backend.name, "sources_changed")
         tracked.sources = sources
         assert self._context is not None

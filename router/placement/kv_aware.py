@@ -26,9 +26,10 @@ with a session staying where its KV is until moving is clearly cheaper (DESIGN.m
 - ``C(b)``: with the KV index (KV events), the session's resident tokens there
   (``KVIndex.session_tokens``, one lookup) or, in tokens mode when the index holds nothing of the
   session yet, the prompt's resident prefix (``KVIndex.prefix_tokens``: a hash per prompt block, so
-  not paid on every turn), each at most ``P``. Without events (or when the index knows nothing of
-  this session), the pin counts as holding the session's last prompt + answer (``hint.last_tokens``)
-  and other backends nothing.
+  not paid on every turn), each at most ``P``. A backend whose events reach the index
+  (``KVIndex.has_events``) and that holds none of the session has none (evicted, engine restarted).
+  Only for a pin without events does the pin count as holding the session's last prompt + answer
+  (``hint.last_tokens``); other backends nothing.
 
 **Decisions** (``move_factor`` f, ``move_margin_s`` m: B is *clearly faster* than A when
 ``ttft(A) > f * ttft(B) + m``):
@@ -45,7 +46,10 @@ with a session staying where its KV is until moving is clearly cheaper (DESIGN.m
   so never above its prediction) and only the candidates whose floor is clearly faster than the pin
   are predicted: the same choices as predicting all of them (the fastest matters only when it is
   clearly faster, and then its floor is too), e.g. none when every engine queues alike.
-- new session (no pin, or the pin is gone: REPIN_*): its *home* is the rendezvous-hash choice within
+- new session (no pin, or the pin is gone: REPIN_*): its *home* is, when the KV index holds its own
+  tokens (another router replica placed it, or this router restarted: replicas subscribe to the same
+  engines, so they agree without shared state), the backend holding most of them within the safety
+  bound ("cached"); else the rendezvous-hash choice within
   the load bound (as the ``session`` policy places new sessions, so sessions spread the same way),
   or for a child agent session (``hint.parent_session``) the backend holding most of its parent's
   KV (else the parent's pin), with the parent's tokens there counted as cached ("parent"). It goes
@@ -89,6 +93,8 @@ class KVView(Protocol):
     def session_tokens(self, session_id: str) -> Mapping[str, int]: ...
 
     def prefix_tokens(self, prompt_ids: Sequence[int]) -> Mapping[str, int]: ...
+
+    def has_events(self, backend_url: str) -> bool: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,15 +218,18 @@ class KVAwarePolicy:
     def _pinned(self, pool: BackendSet, session_id: str, pins: dict[str, str], pinned: Backend,
                 exclude: frozenset[str], hint: PlacementHint | None, prompt: int) -> Placement:
         cached_map = self._cached_map(session_id, hint)
+        pin_cached = -1
+        other_cached = 0
         if cached_map:
-            pin_cached = cached_map.get(pinned.url, 0)
-            other_cached = 0
+            pin_cached = cached_map.get(pinned.url, -1)
             for url, tokens in cached_map.items():
                 if url != pinned.url and tokens > other_cached:
                     other_cached = tokens
-        else:
-            pin_cached = hint.last_tokens if hint is not None else 0
-            other_cached = 0
+        if pin_cached < 0:
+            # the index holds none of the session on its pin: none is there when the pin's KV events
+            # reach the index (evicted, or the engine restarted); the last prompt + answer otherwise
+            kv = self.kv
+            pin_cached = 0 if (kv is not None and kv.has_events(pinned.url)) or hint is None else hint.last_tokens
         if pin_cached > prompt:
             pin_cached = prompt
         if other_cached > prompt:
@@ -272,7 +281,13 @@ class KVAwarePolicy:
         reason = "hash"
         parent = hint.parent_session if hint is not None else None
         bound = self._safety_bound(stats.total, stats.count)
-        if parent is not None:
+        if cached_map:
+            # the index holds this session's own KV (another replica placed it, or this router
+            # restarted): its home is where most of it is, as every replica sees alike
+            home, home_cached = self._kv_home(pool, exclude, session_id, bound)
+            if home is not None:
+                reason = "cached"
+        if home is None and parent is not None:
             home, home_cached = self._parent_home(pool, exclude, parent, hint)
             if home is not None and home.in_flight + 1 <= bound:
                 reason = "parent"
@@ -357,6 +372,25 @@ class KVAwarePolicy:
         if kv is None or hint is None or hint.prompt_ids is None:
             return None
         return kv.prefix_tokens(hint.prompt_ids) or None
+
+    def _kv_home(self, pool: BackendSet, exclude: frozenset[str], session_id: str,
+                 bound: int) -> tuple[Backend | None, int]:
+        """The available backend within ``bound`` that the KV index says holds most of the session's
+        own tokens (ties: the lowest URL, so every replica picks the same), and those tokens."""
+        kv = self.kv
+        best: Backend | None = None
+        best_tokens = 0
+        if kv is None:
+            return best, best_tokens
+        for url, tokens in kv.session_tokens(session_id).items():
+            if tokens <= 0 or tokens < best_tokens or (best is not None and tokens == best_tokens and url > best.url):
+                continue
+            backend = pool.get(url)
+            if (backend is None or not backend.available or (exclude and url in exclude)
+                    or backend.in_flight + 1 > bound):
+                continue
+            best, best_tokens = backend, tokens
+        return best, best_tokens
 
     def _parent_home(self, pool: BackendSet, exclude: frozenset[str], parent: str,
                      hint: PlacementHint | None) -> tuple[Backend | None, int]:

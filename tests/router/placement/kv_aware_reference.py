@@ -33,6 +33,8 @@ class KVView(Protocol):
 
     def prefix_tokens(self, prompt_ids: Sequence[int]) -> Mapping[str, int]: ...
 
+    def has_events(self, backend_url: str) -> bool: ...
+
 
 @dataclass(frozen=True, slots=True)
 class KVAwareSettings:
@@ -153,15 +155,18 @@ class ReferenceKVAwarePolicy:
     def _pinned(self, pool: BackendSet, session_id: str, pins: dict[str, str], pinned: Backend,
                 exclude: frozenset[str], hint: PlacementHint | None, prompt: int) -> Placement:
         cached_map = self._cached_map(session_id, hint)
+        pin_cached = -1
+        other_cached = 0
         if cached_map:
-            pin_cached = cached_map.get(pinned.url, 0)
-            other_cached = 0
+            pin_cached = cached_map.get(pinned.url, -1)
             for url, tokens in cached_map.items():
                 if url != pinned.url and tokens > other_cached:
                     other_cached = tokens
-        else:
-            pin_cached = hint.last_tokens if hint is not None else 0
-            other_cached = 0
+        if pin_cached < 0:
+            # the index holds none of the session on its pin: none is there when the pin's KV events
+            # reach the index (evicted, or the engine restarted); the last prompt + answer otherwise
+            kv = self.kv
+            pin_cached = 0 if (kv is not None and kv.has_events(pinned.url)) or hint is None else hint.last_tokens
         if pin_cached > prompt:
             pin_cached = prompt
         if other_cached > prompt:
@@ -206,7 +211,13 @@ class ReferenceKVAwarePolicy:
         reason = "hash"
         parent = hint.parent_session if hint is not None else None
         bound = self._safety_bound(stats.total, stats.count)
-        if parent is not None:
+        if cached_map:
+            # the index holds this session's own KV (another replica placed it, or this router
+            # restarted): its home is where most of it is, as every replica sees alike
+            home, home_cached = self._kv_home(pool, exclude, session_id, bound)
+            if home is not None:
+                reason = "cached"
+        if home is None and parent is not None:
             home, home_cached = self._parent_home(pool, exclude, parent, hint)
             if home is not None and home.in_flight + 1 <= bound:
                 reason = "parent"
@@ -291,6 +302,25 @@ class ReferenceKVAwarePolicy:
         if kv is None or hint is None or hint.prompt_ids is None:
             return None
         return kv.prefix_tokens(hint.prompt_ids) or None
+
+    def _kv_home(self, pool: BackendSet, exclude: frozenset[str], session_id: str,
+                 bound: int) -> tuple[Backend | None, int]:
+        """The available backend within ``bound`` that the KV index says holds most of the session's
+        own tokens (ties: the lowest URL, so every replica picks the same), and those tokens."""
+        kv = self.kv
+        best: Backend | None = None
+        best_tokens = 0
+        if kv is None:
+            return best, best_tokens
+        for url, tokens in kv.session_tokens(session_id).items():
+            if tokens <= 0 or tokens < best_tokens or (best is not None and tokens == best_tokens and url > best.url):
+                continue
+            backend = pool.get(url)
+            if (backend is None or not backend.available or (exclude and url in exclude)
+                    or backend.in_flight + 1 > bound):
+                continue
+            best, best_tokens = backend, tokens
+        return best, best_tokens
 
     def _parent_home(self, pool: BackendSet, exclude: frozenset[str], parent: str,
                      hint: PlacementHint | None) -> tuple[Backend | None, int]:

@@ -34,10 +34,15 @@ class FakeKV:
                  prefixes: dict[tuple[int, ...], dict[str, int]] | None = None) -> None:
         self.sessions = sessions or {}
         self.prefixes = prefixes or {}
+        #: backends whose KV events reach the index (``has_events``)
+        self.live: set[str] = set()
         self.prefix_calls = 0
 
     def session_tokens(self, session_id: str) -> Mapping[str, int]:
         return self.sessions.get(session_id, {})
+
+    def has_events(self, backend_url: str) -> bool:
+        return backend_url in self.live
 
     def prefix_tokens(self, prompt_ids: Sequence[int]) -> Mapping[str, int]:
         self.prefix_calls += 1
@@ -295,3 +300,53 @@ def test_new_sessions_land_where_the_session_policy_would_put_them() -> None:
         mine = ours.place(pool, sid, sessions.touch(sid), hint=hint(last=0))
         other = theirs.place(pool, sid, SessionTable(10, 60).touch(sid))
         assert mine.backend is other.backend and mine.outcome is other.outcome is Outcome.NEW
+
+
+def test_an_index_with_events_from_the_pin_that_says_zero_is_trusted() -> None:
+    """The pin's KV events reach the index and it holds none of the session there (evicted, engine
+    restarted): nothing is cached there, not the last prompt + answer. A pin without events keeps
+    the estimate."""
+    policy, pool, sessions = KVAwarePolicy(), make_pool(2), table()
+    entry, pin = pinned(policy, pool, sessions, "s")
+    kv = policy.kv = FakeKV()
+    placement = policy.place(pool, "s", entry, hint=hint(last=1075))
+    assert (placement.backend, placement.reason, placement.cached_tokens) == (pin, "cached", 1075)  # no events
+    kv.live = {b.url for b in pool.members}
+    placement = policy.place(pool, "s", entry, hint=hint(last=1075))
+    assert placement.backend is pin and placement.cached_tokens == 0  # the index says 0: it is 0
+    assert placement.predicted_ttft_s == pytest.approx(policy.predict(pin, PROMPT, 0)[0])
+    # another backend holds some of it and the pin publishes no events: the pin keeps its estimate
+    other = next(b for b in pool.members if b is not pin)
+    kv.sessions = {"s": {other.url: 64}}
+    kv.live = {other.url}
+    placement = policy.place(pool, "s", entry, hint=hint(last=1075))
+    assert (placement.backend, placement.cached_tokens) == (pin, 1075)
+
+
+def test_a_session_met_for_the_first_time_goes_where_the_index_holds_its_kv() -> None:
+    """Another replica placed the session (or this router restarted): no pin here, but the index
+    (every replica subscribes to the same engines) says where its tokens are. It goes there, not to
+    its rendezvous-hash choice, so replicas agree without shared state."""
+    pool = make_pool(4)
+    for sid in (f"s{i}" for i in range(20)):
+        policy, sessions = KVAwarePolicy(), table()
+        home = policy.place(pool, sid, sessions.touch(sid), hint=hint(last=0)).backend  # the hash choice
+        holder = next(b for b in pool.members if b is not home)
+        policy.kv = FakeKV(sessions={sid: {holder.url: 1024, home.url: 0}})
+        fresh = table().touch(sid)
+        placement = policy.place(pool, sid, fresh, hint=hint(last=0))
+        assert (placement.backend, placement.outcome, placement.reason) == (holder, Outcome.NEW, "cached")
+        assert placement.cached_tokens == 1024 and fresh.pins["default"] == holder.url
+    # most tokens win; ties go to the lowest URL (what every replica picks); over the bound: not there
+    policy = KVAwarePolicy()
+    a, b, c, _ = pool.members
+    policy.kv = FakeKV(sessions={"t": {c.url: 512, b.url: 512, a.url: 128}})
+    assert policy.place(pool, "t", table().touch("t"), hint=hint(last=0)).backend is b
+    b.in_flight = 50
+    placement = policy.place(pool, "t", table().touch("t"), hint=hint(last=0))
+    assert placement.backend is c and placement.reason == "cached"
+    # it is still a prediction: a KV holder that is clearly slower loses the session
+    b.in_flight = 0
+    c.step_s = b.step_s = a.step_s = 5.0
+    placement = policy.place(pool, "t", table().touch("t"), hint=hint(last=0))
+    assert placement.backend is pool.members[3] and placement.reason == "wait"

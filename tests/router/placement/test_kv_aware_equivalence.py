@@ -25,9 +25,13 @@ class FakeKV:
     def __init__(self) -> None:
         self.sessions: dict[str, dict[str, int]] = {}
         self.prefixes: dict[tuple[int, ...], dict[str, int]] = {}
+        self.live: set[str] = set()
 
     def session_tokens(self, session_id: str) -> Mapping[str, int]:
         return self.sessions.get(session_id, {})
+
+    def has_events(self, backend_url: str) -> bool:
+        return backend_url in self.live
 
     def prefix_tokens(self, prompt_ids: Sequence[int]) -> Mapping[str, int]:
         return self.prefixes.get(tuple(prompt_ids), {})
@@ -97,6 +101,7 @@ def test_same_decisions_as_the_reference_on_random_pool_states(seed: int) -> Non
                 for other in entries:
                     holders = rng.sample(urls, min(len(urls), rng.choice((0, 1, 1, 2, 3))))
                     kv.sessions[other] = {u: rng.choice((0, 128, 640, 768, 4000)) for u in holders}
+                kv.live = set(rng.sample(urls, rng.randint(0, len(urls))))
             ids = (1, 2, 3) if rng.random() < 0.2 else None
             if kv is not None and ids is not None:
                 kv.prefixes[ids] = {u: rng.choice((16, 640)) for u in rng.sample(urls, min(len(urls), 2))}
