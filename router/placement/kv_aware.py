@@ -83,6 +83,8 @@ STATS_EVERY = 16
 SMALL_POOL = 8
 #: at 100% KV usage the prompt is charged this many times more (eviction of its prefix, a preemption)
 KV_PRESSURE_WEIGHT = 2.0
+#: a pinned session leaves for its pin's queue only when the engine queued at this many scrapes in a row
+QUEUED_SCRAPES_TO_MOVE = 2
 
 _EMPTY: Mapping[str, int] = {}
 
@@ -190,6 +192,29 @@ class KVAwarePolicy:
     def _clearly_faster(self, slow: float, fast: float) -> bool:
         return slow > self._factor * fast + self._margin
 
+    def _settled_ttft(self, backend: Backend, prompt: int, cached: int, queued_scrapes: int) -> float:
+        """``backend``'s prediction counting only what justifies leaving it (module docstring,
+        *hysteresis*): its queue only while the engine queued at its last ``queued_scrapes`` scrapes in
+        a row, its KV pressure and its learned constants (medians over several scrape intervals); never
+        the in-flight ``busy`` term (in-flight counts wander by chance between placements)."""
+        per_token = backend.prefill_s_per_token
+        if per_token < 0:
+            per_token = self._per_token
+        step = backend.step_s
+        if step < 0:
+            step = self._step
+        wait = 0.0
+        waiting = backend.engine_waiting
+        if waiting > 0 and backend.queued_scrapes >= queued_scrapes:
+            queue = waiting + backend.in_flight - backend.in_flight_at_scrape
+            if queue > 0:
+                queued = backend.queued_request_s
+                wait = queue * (queued if queued >= 0 else self._queued)
+        if backend.kv_usage > self._kv_from:
+            wait += self._pressure_s(backend, prompt)
+        uncached = prompt - cached
+        return step + (uncached if uncached > 0 else 0) * per_token + wait
+
     # ------------------------------------------------------------------ the hot path
     def place(
         self,
@@ -254,7 +279,9 @@ class KVAwarePolicy:
         else:
             # predict every candidate (and refresh the stats) in one pass
             bound, target, ttft, wait, cached = self._scan(pool, exclude, prompt, cached_map, pinned)
-        if target is not pinned and self._clearly_faster(pin_ttft, ttft):
+        if target is not pinned and self._clearly_faster(pin_ttft, ttft) and (
+                cached > pin_cached or self._clearly_faster(
+                    self._settled_ttft(pinned, prompt, pin_cached, QUEUED_SCRAPES_TO_MOVE), ttft)):
             pins[pool.name] = target.url
             pressure = self._pressure_s(pinned, prompt)
             if cached > pin_cached:  # the session's KV is there rather than on its pin (the index says)
@@ -302,7 +329,8 @@ class KVAwarePolicy:
         home_ttft, home_wait = self.predict(home, prompt, home_cached)
         target, ttft, wait, cached = self._fastest(pool, exclude, prompt, cached_map, home, bound,
                                                    (home, home_cached))
-        if target is not home and self._clearly_faster(home_ttft, ttft):
+        if target is not home and self._clearly_faster(home_ttft, ttft) and (
+                cached > home_cached or self._clearly_faster(self._settled_ttft(home, prompt, home_cached, 0), ttft)):
             pins[pool.name] = target.url
             return Placement(target, outcome, "cached" if cached > home_cached else "wait", cached, wait, ttft)
         pins[pool.name] = home.url
