@@ -305,6 +305,7 @@ class EngineLoad:
 
     def apply(self, backend: Backend, sample: EngineSample) -> None:
         """Record one scrape's ``sample`` of ``backend`` (the gauges, and what the deltas teach)."""
+        backend.queued_floor = min(sample.waiting, backend.engine_waiting)
         backend.engine_waiting = sample.waiting
         backend.queued_scrapes = backend.queued_scrapes + 1 if sample.waiting > 0 else 0
         backend.engine_running = sample.running
@@ -331,6 +332,7 @@ class EngineLoad:
     def clear(self, backend: Backend) -> None:
         """No engine signals from ``backend`` now: unknown load reads as none (the learned constants stay)."""
         backend.engine_waiting = 0.0
+        backend.queued_floor = 0.0
         backend.queued_scrapes = 0
         backend.engine_running = 0.0
         backend.kv_usage = 0.0

@@ -56,6 +56,8 @@ class Backend:
     in_flight_at_scrape: int = 0
     #: scrapes in a row, up to the last, that found the engine queueing (``engine_waiting > 0``)
     queued_scrapes: int = 0
+    #: the smaller of ``engine_waiting`` at the last two scrapes: the queue that persisted (0 unless both queued)
+    queued_floor: float = 0.0
     # -- the model's constants learned from that engine's counters (-1.0: not learned, use the configured)
     #: seconds to prefill one prompt token
     prefill_s_per_token: float = -1.0

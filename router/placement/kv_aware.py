@@ -83,8 +83,6 @@ STATS_EVERY = 16
 SMALL_POOL = 8
 #: at 100% KV usage the prompt is charged this many times more (eviction of its prefix, a preemption)
 KV_PRESSURE_WEIGHT = 2.0
-#: a pinned session leaves for its pin's queue only when the engine queued at this many scrapes in a row
-QUEUED_SCRAPES_TO_MOVE = 2
 
 _EMPTY: Mapping[str, int] = {}
 
@@ -192,11 +190,12 @@ class KVAwarePolicy:
     def _clearly_faster(self, slow: float, fast: float) -> bool:
         return slow > self._factor * fast + self._margin
 
-    def _settled_ttft(self, backend: Backend, prompt: int, cached: int, queued_scrapes: int) -> float:
+    def _settled_ttft(self, backend: Backend, prompt: int, cached: int, waiting: float) -> float:
         """``backend``'s prediction counting only what justifies leaving it (module docstring,
-        *hysteresis*): its queue only while the engine queued at its last ``queued_scrapes`` scrapes in
-        a row, its KV pressure and its learned constants (medians over several scrape intervals); never
-        the in-flight ``busy`` term (in-flight counts wander by chance between placements)."""
+        *hysteresis*): its learned constants (medians over several scrape intervals), its KV pressure,
+        and a queue of ``waiting`` requests (``engine_waiting``, or for a pin ``queued_floor``: what
+        persisted over two scrapes), lowered by what finished since the scrape but never raised by
+        what was sent since; never the in-flight ``busy`` term (in-flight counts wander by chance)."""
         per_token = backend.prefill_s_per_token
         if per_token < 0:
             per_token = self._per_token
@@ -204,9 +203,9 @@ class KVAwarePolicy:
         if step < 0:
             step = self._step
         wait = 0.0
-        waiting = backend.engine_waiting
-        if waiting > 0 and backend.queued_scrapes >= queued_scrapes:
-            queue = waiting + backend.in_flight - backend.in_flight_at_scrape
+        if waiting > 0:
+            since = backend.in_flight - backend.in_flight_at_scrape
+            queue = waiting + since if since < 0 else waiting
             if queue > 0:
                 queued = backend.queued_request_s
                 wait = queue * (queued if queued >= 0 else self._queued)
@@ -281,7 +280,7 @@ class KVAwarePolicy:
             bound, target, ttft, wait, cached = self._scan(pool, exclude, prompt, cached_map, pinned)
         if target is not pinned and self._clearly_faster(pin_ttft, ttft) and (
                 cached > pin_cached or self._clearly_faster(
-                    self._settled_ttft(pinned, prompt, pin_cached, QUEUED_SCRAPES_TO_MOVE), ttft)):
+                    self._settled_ttft(pinned, prompt, pin_cached, pinned.queued_floor), ttft)):
             pins[pool.name] = target.url
             pressure = self._pressure_s(pinned, prompt)
             if cached > pin_cached:  # the session's KV is there rather than on its pin (the index says)
@@ -330,7 +329,8 @@ class KVAwarePolicy:
         target, ttft, wait, cached = self._fastest(pool, exclude, prompt, cached_map, home, bound,
                                                    (home, home_cached))
         if target is not home and self._clearly_faster(home_ttft, ttft) and (
-                cached > home_cached or self._clearly_faster(self._settled_ttft(home, prompt, home_cached, 0), ttft)):
+                cached > home_cached or self._clearly_faster(
+                    self._settled_ttft(home, prompt, home_cached, home.engine_waiting), ttft)):
             pins[pool.name] = target.url
             return Placement(target, outcome, "cached" if cached > home_cached else "wait", cached, wait, ttft)
         pins[pool.name] = home.url

@@ -115,10 +115,10 @@ def test_a_saturated_pin_sheds_its_session_to_a_backend_with_headroom() -> None:
     entry, pin = pinned(policy, pool, sessions, "s")
     other = next(b for b in pool.members if b is not pin)
     pin.engine_waiting = 30  # 30 queued x 0.1 s: 3 s of wait against a 0.5 s recompute elsewhere
-    pin.queued_scrapes = 1  # one scrape saw it queue: not yet a reason to move (hysteresis)
+    # one scrape saw it queue (the one before did not): not yet a reason to move (hysteresis)
     placement = policy.place(pool, "s", entry, hint=hint())
     assert (placement.backend, placement.outcome, placement.reason) == (pin, Outcome.STICKY, "cached")
-    pin.queued_scrapes = 2  # the next scrape saw it queue too
+    pin.queued_floor = 30  # the next scrape saw it queue too
     placement = policy.place(pool, "s", entry, hint=hint())
     assert (placement.backend, placement.outcome, placement.reason) == (other, Outcome.SPILL, "wait")
     assert entry.pins["default"] == other.url  # the pin moved with the freshest prefix
@@ -286,7 +286,7 @@ def test_the_fast_path_on_a_large_pool_matches_a_full_prediction() -> None:
     # one backend starts queueing hard: its sessions leave it, the others stay
     victim = pool.get(homes["s0"])
     assert victim is not None
-    victim.engine_waiting, victim.queued_scrapes = 100, 2
+    victim.engine_waiting = victim.queued_floor = 100
     placement = policy.place(pool, "s0", entries["s0"], hint=hint())
     assert placement.backend is not victim and placement.outcome is Outcome.SPILL
 

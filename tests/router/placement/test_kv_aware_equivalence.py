@@ -44,7 +44,7 @@ def randomize(rng: random.Random, backend: Backend) -> None:
     backend.in_flight = rng.choice((0, 0, 1, 2, 3, 5, 8))
     backend.in_flight_at_scrape = rng.choice((0, 0, 1, 2, 4))
     backend.engine_waiting = rng.choice((0.0, 0.0, 1.0, 2.0, 5.0))
-    backend.queued_scrapes = rng.choice((0, 1, 2, 3)) if backend.engine_waiting else 0
+    backend.queued_floor = rng.choice((0.0, 1.0, backend.engine_waiting))
     backend.kv_usage = rng.choice((0.0, 0.3, 0.85, 0.92, 0.97, 1.0))
     backend.reported_load = rng.choice((0.0, 1.0, 4.0))
     backend.step_s = rng.choice((-1.0, -1.0, 0.01, 0.02, 0.005))
