@@ -82,6 +82,8 @@ PREFILL_TIME = "vllm:request_prefill_time_seconds"
 TTFT = "vllm:time_to_first_token_seconds"
 ITL = "vllm:inter_token_latency_seconds"
 E2E = "vllm:e2e_request_latency_seconds"
+#: an info gauge whose labels carry the cache settings (``num_gpu_blocks``, ``block_size``)
+CACHE_INFO = "vllm:cache_config_info"
 
 _SUMMED = frozenset((
     WAITING, RUNNING, PROMPT_TOKENS, PREFIX_HITS,
@@ -89,7 +91,7 @@ _SUMMED = frozenset((
 ))
 #: the lines of an exposition worth parsing: the samples read here (an engine's /metrics also holds
 #: histogram buckets and per-session series, ten times the lines, which the parser would read for nothing)
-_WANTED = tuple(name + end for name in (*_SUMMED, KV_USAGE) for end in ("{", " "))
+_WANTED = tuple(name + end for name in (*_SUMMED, KV_USAGE, CACHE_INFO) for end in ("{", " "))
 
 #: per-interval samples a learned constant is the median of (the most recent ones)
 WINDOW = 5
@@ -113,6 +115,8 @@ class EngineSample:
     waiting: float = 0.0
     running: float = 0.0
     kv_usage: float = 0.0
+    #: the KV cache's size in tokens (``num_gpu_blocks * block_size`` of ``vllm:cache_config_info``; 0: not told)
+    kv_capacity_tokens: int = 0
     prompt_tokens: float = 0.0
     prefix_hits: float = 0.0
     prefill_time_sum: float = 0.0
@@ -133,6 +137,7 @@ def parse_metrics(text: str) -> EngineSample | None:
     sample lines read here go through prometheus_client's parser (as untyped samples)."""
     totals: dict[str, float] = {}
     kv_usage = 0.0
+    capacity = 0
     seen_gauge = False
     wanted = "\n".join(line for line in text.splitlines() if line.startswith(_WANTED))
     for family in text_string_to_metric_families(wanted):
@@ -145,11 +150,16 @@ def parse_metrics(text: str) -> EngineSample | None:
             elif name == KV_USAGE:
                 kv_usage = max(kv_usage, sample.value)
                 seen_gauge = True
+            elif name == CACHE_INFO:
+                blocks, size = sample.labels.get("num_gpu_blocks", ""), sample.labels.get("block_size", "")
+                if blocks.isdigit() and size.isdigit():
+                    capacity += int(blocks) * int(size)  # per engine (data-parallel ranks add up)
     if not seen_gauge:
         return None
     get = totals.get
     return EngineSample(
         waiting=get(WAITING, 0.0), running=get(RUNNING, 0.0), kv_usage=min(1.0, max(0.0, kv_usage)),
+        kv_capacity_tokens=capacity,
         prompt_tokens=get(PROMPT_TOKENS, 0.0), prefix_hits=get(PREFIX_HITS, 0.0),
         prefill_time_sum=get(PREFILL_TIME + "_sum", 0.0), prefill_time_count=get(PREFILL_TIME + "_count", 0.0),
         has_prefill_time=(PREFILL_TIME + "_count") in totals,
@@ -310,6 +320,7 @@ class EngineLoad:
         backend.queued_scrapes = backend.queued_scrapes + 1 if sample.waiting > 0 else 0
         backend.engine_running = sample.running
         backend.kv_usage = sample.kv_usage
+        backend.kv_capacity_tokens = sample.kv_capacity_tokens
         backend.load_scraped_at = sample.at = self._clock()
         backend.in_flight_at_scrape = backend.in_flight
         before = self._previous.get(backend.url)

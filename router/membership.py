@@ -50,6 +50,8 @@ class Backend:
     engine_running: float = 0.0
     #: ``vllm:kv_cache_usage_perc`` (0..1)
     kv_usage: float = 0.0
+    #: the KV cache's size in tokens (``vllm:cache_config_info``: num_gpu_blocks x block_size; 0: unknown)
+    kv_capacity_tokens: int = 0
     #: monotonic time of the last scrape (0.0: never)
     load_scraped_at: float = 0.0
     #: ``in_flight`` when it was scraped: ``in_flight - in_flight_at_scrape`` arrived since

@@ -190,6 +190,44 @@ class KVAwarePolicy:
     def _clearly_faster(self, slow: float, fast: float) -> bool:
         return slow > self._factor * fast + self._margin
 
+    @staticmethod
+    def _fits(backend: Backend, tokens: int) -> bool:
+        """Whether ``tokens`` more fit ``backend``'s free KV cache: its capacity (``kv_capacity_tokens``,
+        known: > 0) times the free share at the scrape, the share taken lower as requests finished since
+        (never higher: requests sent since may be short)."""
+        if tokens <= 0:
+            return True
+        usage = backend.kv_usage
+        if backend.in_flight < backend.in_flight_at_scrape:
+            usage = usage * (backend.in_flight + 1) / (backend.in_flight_at_scrape + 1)
+        return tokens <= backend.kv_capacity_tokens * (1.0 - usage)
+
+    def _roomy(self, pool: BackendSet, exclude: frozenset[str], prompt: int, cached_map: Mapping[str, int] | None,
+               pinned: Backend, bound: int) -> tuple[Backend, float, float, int] | None:
+        """The fastest available backend but ``pinned``, within ``bound``, whose KV capacity is known
+        and whose free KV holds the prompt's uncached tokens there (None: none)."""
+        best: Backend | None = None
+        best_ttft = math.inf
+        best_wait = 0.0
+        best_cached = 0
+        weight = self._weight
+        for backend in pool.members:
+            if (backend is pinned or backend.kv_capacity_tokens <= 0 or not backend.available
+                    or (exclude and backend.url in exclude)):
+                continue
+            load = backend.in_flight + weight * backend.reported_load if weight else backend.in_flight
+            if bound and load + 1 > bound:
+                continue
+            cached = cached_map.get(backend.url, 0) if cached_map else 0
+            if cached > prompt:
+                cached = prompt
+            if not self._fits(backend, prompt - cached):
+                continue
+            ttft, wait = self.predict(backend, prompt, cached)
+            if ttft < best_ttft:
+                best, best_ttft, best_wait, best_cached = backend, ttft, wait, cached
+        return None if best is None else (best, best_ttft, best_wait, best_cached)
+
     def _settled_ttft(self, backend: Backend, prompt: int, cached: int, waiting: float) -> float:
         """``backend``'s prediction counting only what justifies leaving it (module docstring,
         *hysteresis*): its learned constants (medians over several scrape intervals), its KV pressure,
@@ -264,9 +302,17 @@ class KVAwarePolicy:
             raise no_available_backend(pool)
         # the sticky fast path: no other backend can be clearly faster, and the pin is within the bound
         floor = stats.min_step + (prompt - other_cached) * stats.min_per_token
-        if not self._clearly_faster(pin_ttft, floor) and pinned.in_flight + 1 <= self._safety_bound(stats.total,
-                                                                                                     stats.count):
+        fits = pinned.kv_capacity_tokens <= 0 or self._fits(pinned, prompt - pin_cached)
+        if fits and not self._clearly_faster(pin_ttft, floor) and pinned.in_flight + 1 <= self._safety_bound(
+                stats.total, stats.count):
             return Placement(pinned, Outcome.STICKY, "cached", pin_cached, pin_wait, pin_ttft)
+        if not fits:
+            # the turn does not fit the pin's free KV (it would be preempted): the fastest backend it fits
+            roomy = self._roomy(pool, exclude, prompt, cached_map, pinned, self._safety_bound(stats.total, stats.count))
+            if roomy is not None:
+                target, ttft, wait, cached = roomy
+                pins[pool.name] = target.url
+                return Placement(target, Outcome.SPILL, "kv_pressure", cached, wait, ttft)
         if prompt >= 0 and self._floor_ok:
             # predict only the candidates whose floor is clearly faster than the pin (``_rivals``): the
             # fastest within the bound is among them whenever it matters, i.e. when it is clearly faster

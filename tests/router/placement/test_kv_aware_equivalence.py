@@ -46,6 +46,7 @@ def randomize(rng: random.Random, backend: Backend) -> None:
     backend.engine_waiting = rng.choice((0.0, 0.0, 1.0, 2.0, 5.0))
     backend.queued_floor = rng.choice((0.0, 1.0, backend.engine_waiting))
     backend.kv_usage = rng.choice((0.0, 0.3, 0.85, 0.92, 0.97, 1.0))
+    backend.kv_capacity_tokens = rng.choice((0, 0, 4096, 65536))
     backend.reported_load = rng.choice((0.0, 1.0, 4.0))
     backend.step_s = rng.choice((-1.0, -1.0, 0.01, 0.02, 0.005))
     backend.prefill_s_per_token = rng.choice((-1.0, -1.0, 0.00025, 0.0005, 0.0001))
