@@ -46,6 +46,15 @@ with a session staying where its KV is until moving is clearly cheaper (DESIGN.m
   so never above its prediction) and only the candidates whose floor is clearly faster than the pin
   are predicted: the same choices as predicting all of them (the fastest matters only when it is
   clearly faster, and then its floor is too), e.g. none when every engine queues alike.
+- *hysteresis*: a move off the pin for "wait" or "kv_pressure" also needs the pin's *settled*
+  prediction (``_settled_ttft``: its learned constants, its KV pressure, and of its queue only what
+  persisted over its last two scrapes, ``Backend.queued_floor``, lowered by requests finished since
+  but never raised by requests sent since; not the ``busy`` term) to be clearly slower than the
+  target: one scrape that caught an engine queueing, or in-flight counts that wander, move nothing.
+- a pinned turn whose uncached prompt tokens do not fit the pin's free KV (``_fits``: the scraped
+  ``kv_capacity_tokens`` x (1 - usage), the usage lowered by requests finished since the scrape)
+  would be preempted there: it goes to the fastest backend within the bound whose known free KV
+  holds it (SPILL, "kv_pressure"); when none does, it is decided as usual.
 - new session (no pin, or the pin is gone: REPIN_*): its *home* is, when the KV index holds its own
   tokens (another router replica placed it, or this router restarted: replicas subscribe to the same
   engines, so they agree without shared state), the backend holding most of them within the safety
@@ -54,7 +63,7 @@ with a session staying where its KV is until moving is clearly cheaper (DESIGN.m
   or for a child agent session (``hint.parent_session``) the backend holding most of its parent's
   KV (else the parent's pin), with the parent's tokens there counted as cached ("parent"). It goes
   home unless another backend is clearly faster ("wait", or "cached" when that one holds more of
-  its prompt).
+  its prompt), for "wait" than home's settled prediction too (its queue as the last scrape saw it).
 - the pin already failed for this request (a retry): the fastest other backend, pin kept (SPILL, "retry").
 - no session: the least loaded (in flight) of the backends within the margin of the fastest ("least").
 
