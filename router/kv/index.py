@@ -19,9 +19,35 @@ Sessions. A ``BlockStored`` carries the session of the request that stored the b
 reported reusing them (vLLM 0.32, ``kv_cache_report_mode = "full"``): a block already resident is
 re-tagged to that session too, so a block may count for several sessions (a shared system prompt).
 A block keeps at most ``MAX_TAGS`` sessions, the most recent (the oldest tag drops when another
-comes). Per session the index keeps backend URL -> resident tokens, updated as blocks come, go and
-are re-tagged, so ``session_tokens`` is one dict lookup. ``forget_session`` (the session table's
-evict hook) drops a session at once; the blocks it tagged keep a dead tag until they go.
+comes). A session lives on a backend while some block there is tagged with it.
+``forget_session`` (the session table's evict hook) drops a session at once; the blocks it tagged
+keep a dead tag until they go.
+
+Chains. An engine serves a prefix hit only along the chain from block 0: a block behind an evicted
+one is resident but useless to the next turn. So ``session_tokens`` answers, per backend, the
+tokens of the session's chain that is resident **from block 0** up to its first hole, not the sum
+of its blocks. Each block hangs under its parent (the block whose engine hash its event named, or
+the previous block of the event) and knows its ``reach``: the tokens from block 0 through it when
+its whole chain is resident, else the tokens before the chain's first hole. When a block goes, its
+children hang under its parent behind a hole and their subtrees' reach drops to the prefix before
+it (O(that subtree): vLLM frees a request's blocks tail first, so usually nothing); a block stored
+after a hole, or whose parent was never seen, reaches only to the hole (0 for an unknown parent)
+until a later event names its real parent (vLLM's full report mode re-reports a chain from block
+0). Per (session, backend) the index keeps a tip: the stored or reported block of the session
+with the longest reach (a later chain replaces it when it reaches as far); when the tip goes, its
+parent is the tip (the same reach), and ``session_tokens`` reads the tip's reach: O(1) per
+backend. The chain includes blocks other sessions stored (a shared system prompt): a session's
+first turn counts the system prompt it hit. A tip that moved up into blocks its session did not
+tag is not told when they go (the tags are bounded); it then counts nothing there (stale ids are
+recognised by a per-id generation). A hole filled again by a re-store of the same hash (a new
+block) does not revive the blocks after it until an event names them again: the index then
+under-counts, never over-counts.
+
+Answers. ``observe_hit`` takes the engine's own word from an answer's ``usage``
+(``prompt_tokens_details.cached_tokens``): when the index claims more of the session on that
+backend than the engine found, and has not yet seen that prompt's blocks stored (its events are
+late or were lost), the session counts what the engine found until its next stored blocks arrive
+from that backend.
 
 Bound. ``max_blocks`` over all backends: past it the least recently stored or reused block goes
 (one LRU across backends, a doubly linked list through the block ids, O(1) per store, reuse and
@@ -39,7 +65,8 @@ add (almost) no work to its full collections (over a million small block objects
 seconds here, and it stops the event loop, the proxy's with it).
 
 Costs. ``apply``: O(blocks in the events), one blake2b per newly stored block (a reuse or a removal
-hashes nothing). ``session_tokens``: O(1), the session's own live map (no copy). ``prefix_tokens``:
+hashes nothing), plus a removed block's subtree (see Chains). ``session_tokens``: O(backends holding
+the session), one tip lookup each. ``prefix_tokens``:
 one blake2b per prompt block, and it stops at the first block no backend holds; the answer is
 built as backends drop out, O(prompt blocks + backends in the answer). ``reset_backend`` and
 ``remove_backend``: O(that backend's blocks).
@@ -148,6 +175,23 @@ class KVIndex:
         self._next = array("i", [0])
         #: 0: no session; > 0: one session's serial; _MANY: the serials are in ``_more``
         self._tag = array("q", [0])
+        # the chain: parent block id (0: none), first child, next and previous sibling; ``_gap``: 1 when
+        # the block's real parent is not its ``_up`` (evicted, or never seen); ``_rooted``: 1 when the whole
+        # chain from block 0 through the block is resident; ``_reach``: the tokens of that chain's resident
+        # prefix from block 0 (through the block when rooted, else up to the first hole); ``_gen``: bumps
+        # when the id is freed (a session tip holding a stale id is recognised)
+        self._up = array("i", [0])
+        self._kid = array("i", [0])
+        self._sib = array("i", [0])
+        self._psib = array("i", [0])
+        self._gap = array("b", [0])
+        self._rooted = array("b", [0])
+        self._reach = array("q", [0])
+        self._gen = array("q", [0])
+        #: (serial << _SLOT_BITS | slot) -> the session's tip there (gen << 32 | block): its deepest block
+        self._tip: dict[int, int] = {}
+        #: (serial << _SLOT_BITS | slot) -> the tokens the engine last reported cached (``observe_hit``)
+        self._cap: dict[int, int] = {}
         self._more: dict[int, list[int]] = {}
         self._ehash: dict[int, ExternalBlockHash] = {}
         self._free: list[int] = []
@@ -193,7 +237,8 @@ class KVIndex:
         return backend_url in self._backends
 
     def session_tokens(self, session_id: str) -> Mapping[str, int]:
-        """Backend URL -> the session's resident tokens there (only backends holding some); O(those
+        """Backend URL -> the tokens of the session's resident chain from block 0 there (what its next
+        turn would hit: the prefix up to the first evicted block); only backends holding some; O(those
         backends)."""
         serial = self._serial_of.get(session_id)
         if serial is None:
@@ -201,15 +246,28 @@ class KVIndex:
         bits = self._held.get(serial, 0)
         if not bits:
             return _EMPTY
-        resident = self._resident
+        tips = self._tip
+        gen = self._gen
+        reach = self._reach
+        caps = self._cap
         slots = self._slots
         base = serial << _SLOT_BITS
         answer: dict[str, int] = {}
         while bits:
             low = bits & -bits
             bits ^= low
-            slot = low.bit_length() - 1
-            answer[slots[slot].url] = resident[base | slot]  # type: ignore[union-attr]
+            where = base | (low.bit_length() - 1)
+            tip = tips.get(where)
+            if tip is None:
+                continue
+            block = tip & 0xFFFFFFFF
+            if gen[block] != tip >> 32:
+                continue  # the tip went and its session was not told (a dropped tag): not known
+            tokens = reach[block]
+            if caps:
+                tokens = min(tokens, caps.get(where, tokens))
+            if tokens > 0:
+                answer[slots[low.bit_length() - 1].url] = tokens  # type: ignore[union-attr]
         return answer
 
     def prefix_tokens(self, prompt_ids: Sequence[int]) -> dict[str, int]:
@@ -251,6 +309,33 @@ class KVIndex:
             alive ^= low
             answer[slots[low.bit_length() - 1].url] = blocks * size  # type: ignore[union-attr]
         return answer
+
+    # ------------------------------------------------------------------ writes (answers)
+
+    def observe_hit(self, session_id: str, backend_url: str, cached_tokens: int, prompt_tokens: int) -> None:
+        """The engine at ``backend_url`` answered a request of ``session_id`` having found
+        ``cached_tokens`` of its ``prompt_tokens`` cached (``usage.prompt_tokens_details``). When the
+        index still claims more of the session there than that, and has not yet seen this prompt's
+        blocks stored (its answer is below the prompt's full blocks: the events are late or were lost),
+        the engine's word wins: the session counts ``cached_tokens`` there until its next stored
+        blocks arrive from that backend. When the index already holds the prompt's chain, the report
+        is history (the engine has filled what it lacked) and changes nothing. O(1)."""
+        serial = self._serial_of.get(session_id)
+        backend = self._backends.get(backend_url)
+        if serial is None or backend is None or cached_tokens < 0:
+            return
+        where = serial << _SLOT_BITS | backend.slot
+        tip = self._tip.get(where)
+        if tip is None:
+            return
+        block = tip & 0xFFFFFFFF
+        if self._gen[block] != tip >> 32:
+            return
+        claimed = min(self._reach[block], self._cap.get(where, self._reach[block]))
+        full = prompt_tokens // self.block_size * self.block_size
+        if cached_tokens < claimed < full:
+            self._cap[where] = cached_tokens
+            self._version += 1
 
     # ------------------------------------------------------------------ writes (events)
 
@@ -303,7 +388,10 @@ class KVIndex:
             while bits:
                 low = bits & -bits
                 bits ^= low
-                self._resident.pop(base | (low.bit_length() - 1), None)
+                where = base | (low.bit_length() - 1)
+                self._resident.pop(where, None)
+                self._tip.pop(where, None)
+                self._cap.pop(where, None)
             self._version += 1
 
     # ------------------------------------------------------------------ internals
@@ -344,6 +432,9 @@ class KVIndex:
             self._prev.append(0)
             self._next.append(0)
             self._tag.append(0)
+            for column in (self._up, self._kid, self._sib, self._psib, self._gap, self._rooted, self._reach,
+                           self._gen):
+                column.append(0)
         self._ehash[block] = ehash
         self._count += 1
         return block
@@ -376,6 +467,9 @@ class KVIndex:
         prev = self._prev
         nxt = self._next
         parent_hash = event.parent_block_hash
+        # the chain's previous block id (0: none); ``linked``: that parent is known (or it is block 0)
+        up = 0 if parent_hash is None else blocks.get(parent_hash, 0)
+        linked = parent_hash is None or up != 0
         #: the chain so far: the previous block's key as bytes (ROOT at a prompt's start), or as the int
         #: stored (turned into bytes only if a block after it needs hashing), or None (unknown)
         parent: bytes | int | None
@@ -407,6 +501,7 @@ class KVIndex:
                     else:
                         parent = None
                 block = blocks[ehash] = self._new_block(slot, ehash, key, per)
+                self._attach(block, up, linked)
                 if key != _NO_KEY:
                     bits = holders.get(key, 0)
                     if bits & bit:
@@ -436,6 +531,10 @@ class KVIndex:
                             parent = None
                 else:
                     parent = key
+                if self._gap[block] and linked and up != block:
+                    self._unlink(block)  # its chain is known now: it hangs under its real parent
+                    self._attach(block, up, True)
+                    self._settle(self._kid[block])
                 if serial:
                     self._tag_block(block, serial)
             last = prev[0]
@@ -443,10 +542,102 @@ class KVIndex:
             nxt[block] = 0
             nxt[last] = block
             prev[0] = block
+            up = block
+            linked = True
         if credit:
             where = serial << _SLOT_BITS | slot
             self._resident[where] = self._resident.get(where, 0) + credit
             self._held[serial] |= bit
+        if serial:
+            where = serial << _SLOT_BITS | slot
+            if where in self._resident:
+                self._cap.pop(where, None)  # newer events: the engine's last word is history
+                tips = self._tip
+                tip = tips.get(where)
+                reach = self._reach
+                if (tip is None or self._gen[tip & 0xFFFFFFFF] != tip >> 32
+                        or reach[up] >= reach[tip & 0xFFFFFFFF]):
+                    tips[where] = self._gen[up] << 32 | up
+
+    # ------------------------------------------------------------------ the chains
+
+    def _attach(self, block: int, up: int, linked: bool) -> None:
+        """Hang ``block`` under ``up`` (0: none) and compute its reach; ``linked``: ``up`` is its real
+        parent (or it is block 0), else a hole lies between them."""
+        self._gap[block] = 0 if linked else 1
+        if up:
+            kid = self._kid
+            first = kid[up]
+            self._up[block] = up
+            self._sib[block] = first
+            self._psib[block] = 0
+            if first:
+                self._psib[first] = block
+            kid[up] = block
+        self._place(block)
+
+    def _place(self, block: int) -> None:
+        """The block's rooted flag and reach, from its parent's."""
+        up = self._up[block]
+        if self._gap[block]:
+            self._rooted[block] = 0
+            self._reach[block] = self._reach[up] if up else 0
+        elif up:
+            rooted = self._rooted[up]
+            self._rooted[block] = rooted
+            self._reach[block] = self._reach[up] + (self._tokens[block] if rooted else 0)
+        else:
+            self._rooted[block] = 1
+            self._reach[block] = self._tokens[block]
+
+    def _unlink(self, block: int) -> None:
+        """Take ``block`` out of its parent's children (its own children stay with it)."""
+        up = self._up[block]
+        before, after = self._psib[block], self._sib[block]
+        if before:
+            self._sib[before] = after
+        elif up:
+            self._kid[up] = after
+        if after:
+            self._psib[after] = before
+        self._up[block] = self._sib[block] = self._psib[block] = 0
+
+    def _settle(self, first: int) -> None:
+        """Recompute the reach of the siblings from ``first`` on and of all their descendants."""
+        sib, kid = self._sib, self._kid
+        stack = [first] if first else []
+        while stack:
+            block = stack.pop()
+            self._place(block)
+            if sib[block]:
+                stack.append(sib[block])
+            if kid[block]:
+                stack.append(kid[block])
+
+    def _cut(self, block: int) -> None:
+        """``block`` goes: its children hang under its parent behind a hole (or alone when it had
+        none), and their subtrees' reach drops to the prefix before it. O(its subtree)."""
+        up = self._up[block]
+        self._unlink(block)
+        kid, sib, psib = self._kid, self._sib, self._psib
+        child = kid[block]
+        kid[block] = 0
+        while child:
+            after = sib[child]
+            self._gap[child] = 1
+            if up:
+                self._up[child] = up
+                head = kid[up]
+                sib[child] = head
+                psib[child] = 0
+                if head:
+                    psib[head] = child
+                kid[up] = child
+            else:
+                self._up[child] = sib[child] = psib[child] = 0
+            self._place(child)
+            self._settle(kid[child])
+            child = after
 
     def _hold(self, backend: _Backend, key: int) -> None:
         holders = self._holders
@@ -513,6 +704,8 @@ class KVIndex:
             self._held[serial] = bits | (1 << slot)
             return
         resident.pop(where, None)
+        self._tip.pop(where, None)
+        self._cap.pop(where, None)
         bits &= ~(1 << slot)
         if bits:
             self._held[serial] = bits
@@ -522,9 +715,10 @@ class KVIndex:
         if self._serial_of.get(name) == serial:
             del self._serial_of[name]
 
-    def _drop(self, block: int) -> None:
-        """Unlink ``block`` from the LRU list, its content key and its sessions, and free its id
-        (not from its backend's dict: the caller does that)."""
+    def _drop(self, block: int, cut: bool = True) -> None:
+        """Unlink ``block`` from the LRU list, its content key, its chain (``cut``: not when its whole
+        backend goes) and its sessions, and free its id (not from its backend's dict: the caller does
+        that)."""
         prev, nxt = self._prev, self._next
         before, after = prev[block], nxt[block]
         nxt[before] = after
@@ -536,6 +730,25 @@ class KVIndex:
         if key != _NO_KEY:
             self._release(owner, key)
         tag = self._tag[block]
+        if tag:
+            # its sessions whose tip it is: their tip is its parent now (the same reach)
+            up = self._up[block]
+            tips = self._tip
+            gone = self._gen[block] << 32 | block
+            for serial in ((tag,) if tag > 0 else self._more[block]):
+                where = serial << _SLOT_BITS | self._owner[block]
+                if tips.get(where) == gone:
+                    if up:
+                        tips[where] = self._gen[up] << 32 | up
+                    else:
+                        del tips[where]
+        if cut:
+            self._cut(block)
+        else:
+            self._up[block] = self._kid[block] = self._sib[block] = self._psib[block] = 0
+        self._gap[block] = self._rooted[block] = 0
+        self._reach[block] = 0
+        self._gen[block] += 1
         if tag > 0:
             self._credit(tag, block, -1)
         elif tag == _MANY:
@@ -558,7 +771,7 @@ class KVIndex:
         blocks = backend.blocks
         backend.blocks = {}
         for block in blocks.values():
-            self._drop(block)
+            self._drop(block, cut=False)
         backend.dups.clear()
 
     def _evict_over(self) -> None:

@@ -133,10 +133,13 @@ def test_forgotten_sessions_count_nowhere_and_a_returning_id_starts_afresh() -> 
     # the blocks are still there (other sessions, prompts)
     assert index.prefix_tokens(PROMPT) == {A: 8}
     index.apply(A, batch(stored(PROMPT[:12], "s1", skip_blocks=2)))
-    assert dict(index.session_tokens("s1")) == {A: 4}
-    # removing the forgotten record's blocks does not touch the new record
+    # its chain from block 0: the two blocks the forgotten record tagged, and its own
+    assert dict(index.session_tokens("s1")) == {A: 12}
+    # removing the forgotten record's blocks leaves the new record's own block tagged, but its chain
+    # now starts with a hole: nothing a next turn could hit
     index.apply(A, batch(removed(PROMPT, 0, 1)))
-    assert dict(index.session_tokens("s1")) == {A: 4}
+    assert index.sessions == 1
+    assert dict(index.session_tokens("s1")) == {}
 
 
 def test_prefix_tokens_is_the_longest_resident_prefix_per_backend() -> None:
@@ -166,10 +169,11 @@ def test_content_keys_do_not_depend_on_the_engine_hash() -> None:
     assert prompt_block_keys(PROMPT, 8)[0] != keys[0]
 
 
-def test_a_block_whose_parent_is_unknown_counts_but_matches_no_prompt_until_its_chain_is_known() -> None:
+def test_a_block_whose_parent_is_unknown_counts_for_nothing_until_its_chain_is_known() -> None:
     index = KVIndex(max_blocks=100)
     index.apply(A, batch(stored(PROMPT[:12], "s1", skip_blocks=1)))  # its parent was never seen
-    assert dict(index.session_tokens("s1")) == {A: 8}
+    assert dict(index.session_tokens("s1")) == {}  # no chain from block 0: a next turn hits nothing
+    assert index.blocks == 2
     assert index.prefix_tokens(PROMPT) == {}
     index.apply(A, batch(stored(PROMPT[:12], "s1")))  # the whole chain reported from the root
     assert index.prefix_tokens(PROMPT) == {A: 12}

@@ -125,7 +125,7 @@ async def test_a_gap_is_filled_from_the_replay_socket(zctx: zmq.asyncio.Context,
         await publisher.send(stored(T1, "s1"))
         await eventually(lambda: tokens_of(index, "s1") == {URL: 16}, timeout=5, what="the first batch")
         await publisher.send(stored(T2, "s2"), live=False)  # lost on the way
-        await publisher.send(removed(T1, 0), live=False)
+        await publisher.send(removed(T1, 3), live=False)  # its last block: 12 tokens of its chain stay
         await publisher.send(stored(T3, "s3"))
         await eventually(lambda: tokens_of(index, "s3") == {URL: 16}, timeout=5, what="the batch after the gap")
         assert tokens_of(index, "s2") == {URL: 16}  # filled by the replay
@@ -169,7 +169,7 @@ async def test_a_gap_without_a_replay_socket_resets_the_backend(zctx: zmq.asynci
         await publisher.subscribed()
         await publisher.send(stored(T1, "s1"))
         await eventually(lambda: tokens_of(index, "s1") == {URL: 16}, timeout=5, what="the first batch")
-        await publisher.send(removed(T1, 0), live=False)
+        await publisher.send(removed(T1, 3), live=False)  # its last block: 12 tokens of its chain stay
         await publisher.send(stored(T2, "s2"))
         await eventually(lambda: tokens_of(index, "s2") == {URL: 16}, timeout=5, what="the batch after the gap")
         assert tokens_of(index, "s1") == {}
