@@ -92,6 +92,10 @@ STATS_EVERY = 16
 SMALL_POOL = 8
 #: at 100% KV usage the prompt is charged this many times more (eviction of its prefix, a preemption)
 KV_PRESSURE_WEIGHT = 2.0
+#: a backend that neither queues nor is KV-pressured is left only when its learned constants alone predict
+#: this many times the other's TTFT (a slow engine: 5x and more); less is load-dependent noise (an
+#: engine's step includes what it meets, so the busier one looks slower and sessions would wander)
+SLOW_FACTOR = 3.0
 
 _EMPTY: Mapping[str, int] = {}
 
@@ -237,12 +241,13 @@ class KVAwarePolicy:
                 best, best_ttft, best_wait, best_cached = backend, ttft, wait, cached
         return None if best is None else (best, best_ttft, best_wait, best_cached)
 
-    def _settled_ttft(self, backend: Backend, prompt: int, cached: int, waiting: float) -> float:
-        """``backend``'s prediction counting only what justifies leaving it (module docstring,
-        *hysteresis*): its learned constants (medians over several scrape intervals), its KV pressure,
-        and a queue of ``waiting`` requests (``engine_waiting``, or for a pin ``queued_floor``: what
-        persisted over two scrapes), lowered by what finished since the scrape but never raised by
-        what was sent since; never the in-flight ``busy`` term (in-flight counts wander by chance)."""
+    def _settled_slower(self, backend: Backend, prompt: int, cached: int, waiting: float, fast: float) -> bool:
+        """Whether ``backend``'s prediction counting only what justifies leaving it (module docstring,
+        *hysteresis*) is clearly slower than ``fast``: its learned constants (medians over several
+        scrape intervals), its KV pressure, and a queue of ``waiting`` requests (``engine_waiting``, or
+        for a pin ``queued_floor``: what persisted over two scrapes), lowered by what finished since
+        the scrape but never raised by what was sent since; never the in-flight ``busy`` term
+        (in-flight counts wander by chance). Without a queue or pressure, by ``SLOW_FACTOR``."""
         per_token = backend.prefill_s_per_token
         if per_token < 0:
             per_token = self._per_token
@@ -259,7 +264,9 @@ class KVAwarePolicy:
         if backend.kv_usage > self._kv_from:
             wait += self._pressure_s(backend, prompt)
         uncached = prompt - cached
-        return step + (uncached if uncached > 0 else 0) * per_token + wait
+        ttft = step + (uncached if uncached > 0 else 0) * per_token + wait
+        factor = self._factor if wait > 0 else max(self._factor, SLOW_FACTOR)
+        return ttft > factor * fast + self._margin
 
     # ------------------------------------------------------------------ the hot path
     def place(
@@ -334,8 +341,7 @@ class KVAwarePolicy:
             # predict every candidate (and refresh the stats) in one pass
             bound, target, ttft, wait, cached = self._scan(pool, exclude, prompt, cached_map, pinned)
         if target is not pinned and self._clearly_faster(pin_ttft, ttft) and (
-                cached > pin_cached or self._clearly_faster(
-                    self._settled_ttft(pinned, prompt, pin_cached, pinned.queued_floor), ttft)):
+                cached > pin_cached or self._settled_slower(pinned, prompt, pin_cached, pinned.queued_floor, ttft)):
             pins[pool.name] = target.url
             pressure = self._pressure_s(pinned, prompt)
             if cached > pin_cached:  # the session's KV is there rather than on its pin (the index says)
@@ -384,8 +390,7 @@ class KVAwarePolicy:
         target, ttft, wait, cached = self._fastest(pool, exclude, prompt, cached_map, home, bound,
                                                    (home, home_cached))
         if target is not home and self._clearly_faster(home_ttft, ttft) and (
-                cached > home_cached or self._clearly_faster(
-                    self._settled_ttft(home, prompt, home_cached, home.engine_waiting), ttft)):
+                cached > home_cached or self._settled_slower(home, prompt, home_cached, home.engine_waiting, ttft)):
             pins[pool.name] = target.url
             return Placement(target, outcome, "cached" if cached > home_cached else "wait", cached, wait, ttft)
         pins[pool.name] = home.url
