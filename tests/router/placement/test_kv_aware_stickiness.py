@@ -87,3 +87,19 @@ def test_a_backend_that_keeps_queueing_sheds_its_sessions() -> None:
     assert on_slow_before >= 2000 // 4
     after = sum(c[slow] for c in served.values()) - on_slow_before
     assert after <= 0.02 * (4000 - 2000 - 2 * SCRAPE_EVERY), after
+
+
+def test_learned_constants_alone_move_a_session_only_from_a_really_slow_backend() -> None:
+    """An engine's learned step includes what it meets there, so the busier of two equal engines looks
+    slower for a while: 2-3x on constants alone moves nothing, a slow engine's 5x does."""
+    pool = BackendPool("default", [Backend(f"http://127.0.0.1:{8100 + i}") for i in range(2)])
+    policy, sessions = KVAwarePolicy(), SessionTable(100, 3600)
+    entry = sessions.touch("s")
+    pin = policy.place(pool, "s", entry, hint=PlacementHint(PROMPT)).backend
+    other = next(b for b in pool.members if b is not pin)
+    other.step_s = 0.004
+    for step, moves in ((0.012, False), (0.03, False), (0.08, True)):  # 0.03: clearly slower by f = 1.5
+        pin.step_s = step
+        placement = policy.place(pool, "s", entry, hint=PlacementHint(PROMPT, last_tokens=LAST))
+        assert (placement.backend is other) is moves, (step, placement)
+        assert placement.reason == ("wait" if moves else "cached")
