@@ -146,9 +146,11 @@ def build_proxy(state: RouterState) -> Proxy:
     if config.pd_mode:
         pd = PDHandoff(state.pools[POOL_PREFILL], policy=state.policy, metrics=state.metrics,
                        upstream=state.upstream, health=state.health, fallback=config.pd.fallback)
-    return Proxy(config, pool=state.serving_pool, policy=state.policy, sessions=state.sessions,
-                 responses=state.responses, metrics=state.metrics, upstream=state.upstream, health=state.health,
-                 request_ids=state.request_ids, access_log=state.access_log, pd=pd)
+    proxy = Proxy(config, pool=state.serving_pool, policy=state.policy, sessions=state.sessions,
+                  responses=state.responses, metrics=state.metrics, upstream=state.upstream, health=state.health,
+                  request_ids=state.request_ids, access_log=state.access_log, pd=pd)
+    proxy.kv = state.kv
+    return proxy
 
 
 def build_shared(state: RouterState, proxy: Proxy) -> SharedState | None:

@@ -56,6 +56,7 @@ from contract.errors import (
 )
 from router.exchange import REQUEST_ID_HEADER, Headers, RequestView, ResponseWriter
 from router.health import HealthChecker
+from router.kv.index import KVIndex
 from contract.ids import IdGenerator
 from router.membership import Backend, BackendPool, BackendSet
 from router.metrics import RouterMetrics
@@ -141,6 +142,8 @@ class Proxy:
         self.agreement: Agreement | None = None
         #: the shared state (Redis) of replicas and workers: None without ``shared_state``
         self.shared: SharedState | None = None
+        #: the KV index (``router.kv``; set by the app factory): answers' cached tokens correct it; None when off
+        self.kv: KVIndex | None = None
 
     def forwards(self, target: str) -> bool:
         """Whether a request for ``target`` that no route of the router matched goes to a backend
@@ -523,6 +526,9 @@ class Proxy:
             attempt.usage = usage
             prompt, completion, cached = usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens
             self.metrics.usage(prompt, completion, cached)
+            kv = self.kv
+            if kv is not None and attempt.session_id is not None and attempt.backend is not None:
+                kv.observe_hit(attempt.session_id, attempt.backend.url, cached, prompt)
         if entry is not None:
             entry.record_usage(prompt, completion, cached)
 

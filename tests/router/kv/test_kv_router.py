@@ -282,3 +282,24 @@ async def test_enabled_true_warns_once_about_a_backend_that_publishes_nothing(
     await router.app[KV_EVENTS].refresh(url)  # read again: still nothing, no second warning
     assert not router.app[KV_EVENTS].subscribed(url)
     assert sum("publishes none" in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.mark.parametrize("front", ["aiohttp", "raw"])
+async def test_an_answers_cached_tokens_correct_a_stale_claim(make_router: MakeRouter, front: str) -> None:
+    """The proxy's accounting hands each answer's ``usage.prompt_tokens_details.cached_tokens`` to the
+    index (``KVIndex.observe_hit``): the fake engine found 4 of its 10 prompt tokens cached where the
+    index claimed 8 and had not seen the prompt stored, so the session counts 4 there."""
+    router = await make_router(front, kv_events={"enabled": "auto"})
+    index = router.state.kv
+    assert index is not None
+    url = router.config.backends[0].url
+    from tests.router.kv.events import batch
+
+    index.apply(url, batch(stored(list(range(8)), "stale", bs=2)))
+    assert dict(index.session_tokens("stale")) == {url: 8}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{router.url}/v1/chat/completions", headers={"X-Session-ID": "stale"},
+                             json={"model": "m", "messages": [{"role": "user", "content": "hi"}]}) as answer:
+            assert answer.status == 200
+            assert (await answer.json())["usage"]["prompt_tokens_details"] == {"cached_tokens": 4}
+    assert dict(index.session_tokens("stale")) == {url: 4}
