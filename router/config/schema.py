@@ -291,7 +291,7 @@ class KVEventsSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     #: publisher; true: the same, and a warning for each backend that publishes none; false: no index
     enabled: KVEventsMode = "auto"
     #: bound on indexed blocks over all backends (least recently stored or reused go first); budget
-    #: 420 bytes each (router.kv.index.BYTES_PER_BLOCK; 362 measured)
+    #: 420 bytes each (router.kv.index.BYTES_PER_BLOCK; 410 measured)
     max_blocks: AtLeastOne = 1_000_000
     #: tokens per KV block prompts are cut into until the engines' first event says (tokens mode)
     block_size: AtLeastOne = 16

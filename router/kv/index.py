@@ -52,8 +52,9 @@ from that backend.
 Bound. ``max_blocks`` over all backends: past it the least recently stored or reused block goes
 (one LRU across backends, a doubly linked list through the block ids, O(1) per store, reuse and
 eviction), as a ``BlockRemoved`` would. Measured (``bench/kv_index.py``, CPython 3.11, 64-bit):
-362 bytes per indexed block with one session tag and 16-byte engine hashes, all structures
-included (block arrays, per-backend hash table, content-key table, session tables); each further
+410 bytes per indexed block with one session tag and 16-byte engine hashes, all structures
+included (block and chain arrays, per-backend hash table, content-key table, session tables and
+tips; 362 before the chains); each further
 tag on a block adds a few dozen bytes (at most ``MAX_TAGS`` per block). ``BYTES_PER_BLOCK`` is the
 figure to budget memory with.
 
@@ -84,7 +85,7 @@ from contract.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, Exte
 
 #: sessions one block counts for at most (the most recent ones)
 MAX_TAGS: Final = 8
-#: bytes per indexed block to budget with (362 measured with one tag; bench/kv_index.py prints the figure)
+#: bytes per indexed block to budget with (410 measured with one tag; bench/kv_index.py prints the figure)
 BYTES_PER_BLOCK: Final = 420
 #: the content key's "parent" of a prompt's first block
 ROOT: Final = b""
@@ -487,6 +488,8 @@ class KVIndex:
         bit = backend.bit
         slot = backend.slot
         credit = 0  # tokens of new blocks tagged to ``serial``, credited once at the end
+        up_of, kid, sib, psib = self._up, self._kid, self._sib, self._psib
+        gap, is_rooted, reach = self._gap, self._rooted, self._reach
         for i, ehash in enumerate(hashes):
             block = blocks.get(ehash)
             if block is None:
@@ -501,7 +504,22 @@ class KVIndex:
                     else:
                         parent = None
                 block = blocks[ehash] = self._new_block(slot, ehash, key, per)
-                self._attach(block, up, linked)
+                # hang it under ``up`` (inlined ``_attach``: the hot path; its columns are 0 when new)
+                if up:
+                    up_of[block] = up
+                    first = kid[up]
+                    if first:
+                        sib[block] = first
+                        psib[first] = block
+                    kid[up] = block
+                    rooted = is_rooted[up]
+                    is_rooted[block] = rooted
+                    reach[block] = reach[up] + per if rooted else reach[up]
+                elif linked:
+                    is_rooted[block] = 1
+                    reach[block] = per
+                else:
+                    gap[block] = 1
                 if key != _NO_KEY:
                     bits = holders.get(key, 0)
                     if bits & bit:
@@ -531,7 +549,7 @@ class KVIndex:
                             parent = None
                 else:
                     parent = key
-                if self._gap[block] and linked and up != block:
+                if gap[block] and linked and up != block:
                     self._unlink(block)  # its chain is known now: it hangs under its real parent
                     self._attach(block, up, True)
                     self._settle(self._kid[block])
@@ -554,7 +572,6 @@ class KVIndex:
                 self._cap.pop(where, None)  # newer events: the engine's last word is history
                 tips = self._tip
                 tip = tips.get(where)
-                reach = self._reach
                 if (tip is None or self._gen[tip & 0xFFFFFFFF] != tip >> 32
                         or reach[up] >= reach[tip & 0xFFFFFFFF]):
                     tips[where] = self._gen[up] << 32 | up
