@@ -393,12 +393,21 @@ async def test_backend_that_comes_back_gets_new_sessions_and_pinned_ones_stay(tm
         assert [await complete(http, router, s) for s in old] == [200] * len(old)
         after = await pins(http, router)
         assert {s: after[s] for s in old} == {s: pinned[s] for s in old}
-        # new sessions reach it again
-        fresh = [f"new-{i}" for i in range(30)]
-        assert [await complete(http, router, s) for s in fresh] == [200] * len(fresh)
-        after = await pins(http, router)
-        on_back = [s for s in fresh if after[s] == victim.url]
-        assert on_back
+        # new sessions reach it again. With kv_aware (issue 14) a new session goes to its hashed backend
+        # unless that one is predicted clearly slower, and a process that has just started can be, for
+        # its first scrapes on a loaded machine: new sessions reach it within a bounded wait.
+        fresh: list[str] = []
+        on_back: list[str] = []
+
+        async def new_sessions_reach_it() -> bool:
+            batch = [f"new-{len(fresh) + i}" for i in range(10)]
+            fresh.extend(batch)
+            assert [await complete(http, router, s) for s in batch] == [200] * len(batch)
+            after = await pins(http, router)
+            on_back[:] = [s for s in fresh if after[s] == victim.url]
+            return bool(on_back)
+
+        await wait_for(new_sessions_reach_it, what="new sessions to reach the backend that came back")
         listing = await get_json(http, victim.url + "/v1/sessions?limit=1000")
         seen = {e["session_id"] if isinstance(e, dict) else e for e in listing["data"]}
         assert set(on_back) <= seen
