@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -42,6 +42,16 @@ TTFB_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.
 
 def status_class(status: int) -> str:
     return f"{status // 100}xx"
+
+
+def labelled(family: Callable[..., Any], name: str, doc: str, labels: list[str],
+             samples: Iterable[tuple[Any, float]]) -> Any:
+    """A counter or gauge family ``name`` with one sample per ``(label values, value)`` of ``samples``:
+    the label values as a tuple, or one string when there is one label."""
+    metric = family(name, doc, labels=labels)
+    for key, value in samples:
+        metric.add_metric(list(key) if isinstance(key, tuple) else [key], value)
+    return metric
 
 
 class _Histogram:
@@ -80,22 +90,13 @@ class _HotCounters:
         self.ttfb: dict[str, _Histogram] = {}
 
     def collect(self):  # type: ignore[no-untyped-def]
-        requests = CounterMetricFamily(PREFIX + "requests", "Client requests by route, final backend and status class",
-                                       labels=["route", "backend", "status_class"])
-        for key, value in self.requests.items():
-            requests.add_metric(list(key), value)
-        yield requests
-        placements = CounterMetricFamily(PREFIX + "placements", "Placement decisions by policy and outcome",
-                                         labels=["policy", "outcome"])
-        for key, value in self.placements.items():
-            placements.add_metric(list(key), value)
-        yield placements
-        decisions = CounterMetricFamily(PREFIX + "placement_decisions",
-                                        "Placement decisions by policy, outcome and reason (why it went there)",
-                                        labels=["policy", "outcome", "reason"])
-        for key, value in self.decisions.items():
-            decisions.add_metric(list(key), value)
-        yield decisions
+        yield labelled(CounterMetricFamily, PREFIX + "requests", "Client requests by route, final backend and status class",
+                       ["route", "backend", "status_class"], self.requests.items())
+        yield labelled(CounterMetricFamily, PREFIX + "placements", "Placement decisions by policy and outcome",
+                       ["policy", "outcome"], self.placements.items())
+        yield labelled(CounterMetricFamily, PREFIX + "placement_decisions",
+                       "Placement decisions by policy, outcome and reason (why it went there)",
+                       ["policy", "outcome", "reason"], self.decisions.items())
         tokens = CounterMetricFamily(PREFIX + "tokens", "Tokens reported in responses' usage", labels=["kind"])
         for kind, value in zip(("prompt", "completion", "cached"), self.tokens):
             tokens.add_metric([kind], value)
@@ -152,17 +153,12 @@ class RenderMetrics:
         self.local.observe(seconds)
 
     def collect(self):  # type: ignore[no-untyped-def]
-        requests = CounterMetricFamily(PREFIX + "render_requests", "Calls to render servers by server and status class",
-                                       labels=["render_server", "status_class"])
-        for key, value in self.requests.items():
-            requests.add_metric(list(key), value)
-        yield requests
-        errors = CounterMetricFamily(PREFIX + "render_errors",
-                                     "Calls to render servers that got no usable answer, by server and reason",
-                                     labels=["render_server", "reason"])
-        for key, value in self.errors.items():
-            errors.add_metric(list(key), value)
-        yield errors
+        yield labelled(CounterMetricFamily, PREFIX + "render_requests",
+                       "Calls to render servers by server and status class",
+                       ["render_server", "status_class"], self.requests.items())
+        yield labelled(CounterMetricFamily, PREFIX + "render_errors",
+                       "Calls to render servers that got no usable answer, by server and reason",
+                       ["render_server", "reason"], self.errors.items())
         remote = HistogramMetricFamily(PREFIX + "render_duration_seconds", "Render server answer time per call",
                                        labels=["render_server"])
         for server, hist in self.remote.items():

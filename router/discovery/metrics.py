@@ -20,6 +20,8 @@ from collections.abc import Callable, Iterator
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from router.metrics import labelled
+
 PREFIX = "session_router_discovery_"
 
 
@@ -50,24 +52,12 @@ class DiscoveryMetrics:
         self.changes[key] = self.changes.get(key, 0) + 1
 
     def collect(self) -> Iterator[Metric]:
-        backends = GaugeMetricFamily(PREFIX + "backends", "Backends the discovery source currently reports",
-                                     labels=["pool", "source"])
-        for key, value in self.backends.items():
-            backends.add_metric(list(key), value)
-        yield backends
-        errors = CounterMetricFamily(PREFIX + "errors", "Failed discovery calls (list, watch, resolve), by reason",
-                                     labels=["pool", "source", "reason"])
-        for key3, count in self.errors.items():
-            errors.add_metric(list(key3), count)
-        yield errors
-        last = GaugeMetricFamily(PREFIX + "last_sync_timestamp_seconds",
-                                 "Unix time of the last successful discovery list, watch event or resolution",
-                                 labels=["pool", "source"])
-        for key, stamp in self.last_sync.items():
-            last.add_metric(list(key), stamp)
-        yield last
-        changes = CounterMetricFamily(PREFIX + "changes", "Backends discovery added to or removed from a pool",
-                                      labels=["pool", "change"])
-        for key, count in self.changes.items():
-            changes.add_metric(list(key), count)
-        yield changes
+        yield labelled(GaugeMetricFamily, PREFIX + "backends", "Backends the discovery source currently reports",
+                       ["pool", "source"], self.backends.items())
+        yield labelled(CounterMetricFamily, PREFIX + "errors", "Failed discovery calls (list, watch, resolve), by reason",
+                       ["pool", "source", "reason"], self.errors.items())
+        yield labelled(GaugeMetricFamily, PREFIX + "last_sync_timestamp_seconds",
+                       "Unix time of the last successful discovery list, watch event or resolution",
+                       ["pool", "source"], self.last_sync.items())
+        yield labelled(CounterMetricFamily, PREFIX + "changes", "Backends discovery added to or removed from a pool",
+                       ["pool", "change"], self.changes.items())

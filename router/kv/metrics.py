@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from router.kv.index import KVIndex
+from router.metrics import labelled
 
 PREFIX = "session_router_"
 
@@ -54,32 +55,20 @@ class KVMetrics(Collector):
         self.errors[key] = self.errors.get(key, 0) + 1
 
     def collect(self) -> Iterator[Metric]:
-        events = CounterMetricFamily(PREFIX + "kv_events", "KV events applied to the router's index, by backend",
-                                     labels=["backend"])
-        for backend, value in self.event_counts.items():
-            events.add_metric([backend], value)
-        yield events
-        gaps = CounterMetricFamily(PREFIX + "kv_event_gaps", "Gaps in a backend's KV-event seq (missed batches)",
-                                   labels=["backend"])
-        for backend, value in self.gaps.items():
-            gaps.add_metric([backend], value)
-        yield gaps
-        for name, doc, labels, table in (
-            ("kv_event_replays", "Replays asked of a backend's replay socket, by result", ["backend", "result"],
-             self.replays),
-            ("kv_index_resets", "A backend's index entries dropped, by reason", ["backend", "reason"], self.resets),
-            ("kv_event_errors", "KV-event messages or batches that could not be used, by reason",
-             ["backend", "reason"], self.errors),
-        ):
-            family = CounterMetricFamily(PREFIX + name, doc, labels=labels)
-            for key, value in table.items():
-                family.add_metric(list(key), value)
-            yield family
-        sources = GaugeMetricFamily(PREFIX + "kv_event_sources", "KV-event streams subscribed, by backend",
-                                    labels=["backend"])
-        for backend, value in self.sources().items():
-            sources.add_metric([backend], value)
-        yield sources
+        yield labelled(CounterMetricFamily, PREFIX + "kv_events", "KV events applied to the router's index, by backend",
+                       ["backend"], self.event_counts.items())
+        yield labelled(CounterMetricFamily, PREFIX + "kv_event_gaps",
+                       "Gaps in a backend's KV-event seq (missed batches)", ["backend"], self.gaps.items())
+        yield labelled(CounterMetricFamily, PREFIX + "kv_event_replays",
+                       "Replays asked of a backend's replay socket, by result", ["backend", "result"],
+                       self.replays.items())
+        yield labelled(CounterMetricFamily, PREFIX + "kv_index_resets", "A backend's index entries dropped, by reason",
+                       ["backend", "reason"], self.resets.items())
+        yield labelled(CounterMetricFamily, PREFIX + "kv_event_errors",
+                       "KV-event messages or batches that could not be used, by reason", ["backend", "reason"],
+                       self.errors.items())
+        yield labelled(GaugeMetricFamily, PREFIX + "kv_event_sources", "KV-event streams subscribed, by backend",
+                       ["backend"], self.sources().items())
         index = self.index
         yield GaugeMetricFamily(PREFIX + "kv_index_blocks", "Blocks in the router's KV index, over all backends",
                                 value=index.blocks if index is not None else 0)

@@ -12,6 +12,8 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from router.metrics import labelled
+
 PREFIX = "session_router_"
 
 
@@ -36,39 +38,27 @@ class SharedMetrics(Collector):
         self.errors[op] = self.errors.get(op, 0) + 1
 
     def collect(self) -> Iterator[Metric]:
-        off = CounterMetricFamily(PREFIX + "off_first_choice",
-                                  "Requests of sessions placed off their first-choice (rendezvous) backend, by reason",
-                                  labels=["reason"])
-        for reason, count in sorted(self.agreement.items()):
-            off.add_metric([reason], count)
-        yield off
+        yield labelled(CounterMetricFamily, PREFIX + "off_first_choice",
+                       "Requests of sessions placed off their first-choice (rendezvous) backend, by reason",
+                       ["reason"], sorted(self.agreement.items()))
         if not self.shared:
             return
         yield GaugeMetricFamily(PREFIX + "shared_state_up",
                                 "1 while the shared state (Redis) is reachable; 0: deciding from local state",
                                 value=self.up)
-        errors = CounterMetricFamily(PREFIX + "shared_state_errors",
-                                     "Failures talking to the shared state, by operation", labels=["op"])
-        for op, count in sorted(self.errors.items()):
-            errors.add_metric([op], count)
-        yield errors
+        yield labelled(CounterMetricFamily, PREFIX + "shared_state_errors",
+                       "Failures talking to the shared state, by operation", ["op"], sorted(self.errors.items()))
         yield CounterMetricFamily(PREFIX + "shared_state_dropped_writes",
                                   "Writes to the shared state dropped (queue full, or lost with a failed batch)",
                                   value=self.dropped_writes)
         yield CounterMetricFamily(PREFIX + "shared_state_read_timeouts",
                                   "Reads of the shared state that took longer than read_timeout_s",
                                   value=self.read_timeouts)
-        reads = CounterMetricFamily(PREFIX + "shared_state_reads",
-                                    "Reads of the shared state on first sight, by kind and result",
-                                    labels=["kind", "result"])
-        for (kind, result), count in sorted(self.reads.items()):
-            reads.add_metric([kind, result], count)
-        yield reads
-        writes = CounterMetricFamily(PREFIX + "shared_state_writes", "Writes sent to the shared state, by kind",
-                                     labels=["kind"])
-        for kind, count in sorted(self.writes.items()):
-            writes.add_metric([kind], count)
-        yield writes
+        yield labelled(CounterMetricFamily, PREFIX + "shared_state_reads",
+                       "Reads of the shared state on first sight, by kind and result", ["kind", "result"],
+                       sorted(self.reads.items()))
+        yield labelled(CounterMetricFamily, PREFIX + "shared_state_writes", "Writes sent to the shared state, by kind",
+                       ["kind"], sorted(self.writes.items()))
         yield CounterMetricFamily(PREFIX + "shared_state_pushes",
                                   "Pin moves made by other processes applied to this one's sessions",
                                   value=self.pushes)
