@@ -10,6 +10,7 @@ import logging
 import math
 import uuid
 from collections import deque
+from collections.abc import Awaitable
 from typing import Any
 
 import msgspec
@@ -36,6 +37,8 @@ PING_EVERY_S = 1.0
 _RESPONSES_PREFIX = "/v1/responses/"
 #: what may go wrong talking to Redis: its errors, the socket's, and our own timeouts
 _FAILURES = (RedisError, OSError, asyncio.TimeoutError)
+#: what ``_bounded`` answers for a read that timed out or failed (``None`` is Redis's own "no such key")
+_FAILED = object()
 
 # KEYS[1] the id's key, KEYS[2] the list of ids (newest first); ARGV: value, bound, id key prefix, id
 _REMEMBER_LUA = """
@@ -282,6 +285,18 @@ class SharedState:
             url, _, session_id = found.partition("\t")
             self.responses.remember(response_id, url, session_id or None, share=False)
 
+    async def _bounded(self, call: Awaitable[Any], timeout_s: float) -> Any:
+        """One read of Redis within ``timeout_s``: its answer, or ``_FAILED`` (timed out or failed;
+        counted, and the connection judged by ``_failed``)."""
+        try:
+            return await asyncio.wait_for(call, timeout_s)
+        except asyncio.TimeoutError as exc:
+            self.metrics.read_timeouts += 1
+            self._failed("read", exc)
+        except _FAILURES as exc:
+            self._failed("read", exc)
+        return _FAILED
+
     async def _read_again(self, key: str) -> Any:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.read_timeout_s
@@ -292,14 +307,8 @@ class SharedState:
         while loop.time() + pause < deadline and self.up:
             await asyncio.sleep(pause)
             pause *= 2
-            try:
-                found = await asyncio.wait_for(client.get(key), max(0.001, deadline - loop.time()))
-            except asyncio.TimeoutError as exc:
-                self.metrics.read_timeouts += 1
-                self._failed("read", exc)
-                return None
-            except _FAILURES as exc:
-                self._failed("read", exc)
+            found = await self._bounded(client.get(key), max(0.001, deadline - loop.time()))
+            if found is _FAILED:
                 return None
             if found:
                 reads[("response", "late")] = reads.get(("response", "late"), 0) + 1
@@ -313,14 +322,8 @@ class SharedState:
             return None
         client = self._client
         assert client is not None
-        try:
-            found = await asyncio.wait_for(getattr(client, command)(key), self.config.read_timeout_s)
-        except asyncio.TimeoutError as exc:
-            self.metrics.read_timeouts += 1
-            self._failed("read", exc)
-            return None
-        except _FAILURES as exc:
-            self._failed("read", exc)
+        found = await self._bounded(getattr(client, command)(key), self.config.read_timeout_s)
+        if found is _FAILED:
             return None
         result = "hit" if found else "miss"
         reads[(kind, result)] = reads.get((kind, result), 0) + 1
