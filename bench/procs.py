@@ -133,12 +133,29 @@ def start_process(module: str, args: Sequence[str], port: int, log_dir: str, rea
                   timeout=timeout, env=extra, cwd=REPO)
 
 
+#: tries with a fresh free port when the one picked was taken before the child could bind it
+PORT_TRIES = 3
+
+
+def _start_on(module: str, args: Callable[[int], list[str]], port: int | None, log_dir: str) -> Proc:
+    """``start_process`` on ``port``; with none given, on a free port, picked again (up to
+    ``PORT_TRIES`` times) when another process took it between ``free_port`` and the child's bind."""
+    if port is not None:
+        return start_process(module, args(port), port, log_dir)
+    for attempt in range(PORT_TRIES):
+        port = free_port()
+        try:
+            return start_process(module, args(port), port, log_dir)
+        except AssertionError as exc:
+            if "address already in use" not in str(exc) or attempt == PORT_TRIES - 1:
+                raise
+    raise AssertionError("unreachable")  # the loop returns or raises
+
+
 def start_backend(log_dir: str, *extra: str, port: int | None = None, speed: str = "0", model: str = "session-sim") -> Proc:
-    port = port or free_port()
-    args = ["--host", LOOPBACK, "--port", str(port), "--speed", speed, "--model", model, *extra]
-    return start_process("backends", args, port, log_dir)
+    return _start_on("backends", lambda p: ["--host", LOOPBACK, "--port", str(p), "--speed", speed, "--model", model,
+                                            *extra], port, log_dir)
 
 
 def start_router(log_dir: str, *args: str, port: int | None = None) -> Proc:
-    port = port or free_port()
-    return start_process("router", ["--host", LOOPBACK, "--port", str(port), *args], port, log_dir)
+    return _start_on("router", lambda p: ["--host", LOOPBACK, "--port", str(p), *args], port, log_dir)
