@@ -9,6 +9,9 @@ prometheus_client's text parser, summed over the label sets an engine exports (d
   (``engine_waiting``, ``engine_running``, ``kv_usage``), with the scrape's time
   (``load_scraped_at``, monotonic) and the router's own in-flight count at that moment
   (``in_flight_at_scrape``): what the router sent since is ``in_flight - in_flight_at_scrape``;
+  and the engine's requests beyond that in-flight count (``others_at_scrape``: running + waiting
+  less ``in_flight``, at least 0), the share of other router replicas or workers, so that
+  ``in_flight + others_at_scrape`` is the engine's load as every replica sees it alike;
 - counters and histograms are compared with the previous scrape of the same backend, and the
   deltas teach the model's constants per backend (``learn = true``):
 
@@ -323,6 +326,8 @@ class EngineLoad:
         backend.kv_capacity_tokens = sample.kv_capacity_tokens
         backend.load_scraped_at = sample.at = self._clock()
         backend.in_flight_at_scrape = backend.in_flight
+        others = sample.running + sample.waiting - backend.in_flight
+        backend.others_at_scrape = others if others > 0 else 0.0
         before = self._previous.get(backend.url)
         self._previous[backend.url] = sample
         if self.learn and before is not None and not _went_backwards(before, sample):
@@ -348,6 +353,7 @@ class EngineLoad:
         backend.engine_running = 0.0
         backend.kv_usage = 0.0
         backend.in_flight_at_scrape = backend.in_flight
+        backend.others_at_scrape = 0.0
         self._previous.pop(backend.url, None)
 
     def forget(self, url: str) -> None:

@@ -56,6 +56,10 @@ class Backend:
     load_scraped_at: float = 0.0
     #: ``in_flight`` when it was scraped: ``in_flight - in_flight_at_scrape`` arrived since
     in_flight_at_scrape: int = 0
+    #: the engine's requests at the scrape (running + waiting) beyond this router's ``in_flight`` then:
+    #: other router replicas' or workers' (or direct clients'); ``in_flight + others_at_scrape`` is the
+    #: engine's load as every replica sees it alike (0 when not scraped, or for a lone router)
+    others_at_scrape: float = 0.0
     #: scrapes in a row, up to the last, that found the engine queueing (``engine_waiting > 0``)
     queued_scrapes: int = 0
     #: the smaller of ``engine_waiting`` at the last two scrapes: the queue that persisted (0 unless both queued)

@@ -5,13 +5,18 @@ with a session staying where its KV is until moving is clearly cheaper (DESIGN.m
 ``C(b)`` are cached there::
 
     ttft(b) = step(b) + (P - C(b)) * prefill(b) + wait(b)
-    wait(b) = queue(b) * queued(b) + in_flight(b) * busy(b) + pressure(b) * 2 * P * prefill(b)
+    wait(b) = queue(b) * queued(b) + load(b) * busy(b) + pressure(b) * 2 * P * prefill(b)
 
 - ``step``, ``prefill`` (seconds per prompt token), ``queued`` (what each request the engine has
   waiting costs a newcomer) and ``busy`` (what one request in flight adds to a newcomer's first
   step on average: its share of prefill work) are learned per backend from the engine's own
   counters (``router.engine_load``; ``busy`` is 0 until learned), else the configured
   ``per_request_step_s``, ``1 / prefill_tokens_per_s`` and ``queued_request_s``.
+- ``load`` is the engine's requests as every router replica sees them alike: this router's
+  ``in_flight`` plus the engine's requests at the last scrape that were not this router's
+  (``others_at_scrape``: other replicas' or workers'; 0 for a lone router). The busy term and the
+  safety net count it, so replicas that see the same engines decide their spills alike rather
+  than each on its own third of the traffic.
 - ``queue`` counts only real queueing: the engine's ``vllm:num_requests_waiting`` at the last scrape,
   only while the engine queues (waiting > 0), corrected by what the router's own in-flight count did
   since (``in_flight - in_flight_at_scrape``: requests sent there since queue too, requests finished
@@ -20,7 +25,9 @@ with a session staying where its KV is until moving is clearly cheaper (DESIGN.m
 - ``pressure`` = how far the KV cache usage is past ``kv_pressure_from``, 0..1: near a full KV cache
   the session's cached prefix may be evicted and the request preempted (recomputed); at 100% the
   prompt is charged twice more. The usage is ``vllm:kv_cache_usage_perc`` at the scrape scaled by
-  ``(in_flight + 1) / (in_flight_at_scrape + 1)``: running requests hold that cache, so as they
+  ``(in_flight + others + 1) / (in_flight_at_scrape + others + 1)`` (``others``:
+  ``others_at_scrape``, so a replica's own few requests move it as a share of the engine's, not
+  of its own): running requests hold that cache, so as they
   finish (or sessions leave) the pressure fades before the next scrape, and sessions do not leave a
   pressured backend in a herd.
 - ``C(b)``: with the KV index (KV events), the session's resident tokens there
@@ -65,9 +72,9 @@ with a session staying where its KV is until moving is clearly cheaper (DESIGN.m
   home unless another backend is clearly faster ("wait", or "cached" when that one holds more of
   its prompt), for "wait" than home's settled prediction too (its queue as the last scrape saw it).
 - the pin already failed for this request (a retry): the fastest other backend, pin kept (SPILL, "retry").
-- no session: the least loaded (in flight) of the backends within the margin of the fastest ("least").
+- no session: the least loaded (``load``) of the backends within the margin of the fastest ("least").
 
-**Safety net**: a backend may take a session's request only while ``in_flight + 1 <=
+**Safety net**: a backend may take a session's request only while ``load + 1 <=
 max(ceil(max_load_factor * (total + 1) / n), ceil((total + 1) / n) + sticky_headroom)``; a pin over
 it sheds the session ("load") to the fastest backend within it, and moves only go to backends
 within it. Loose by design (default 2x the mean): it bounds the spread when predictions are wrong
@@ -184,7 +191,7 @@ class KVAwarePolicy:
                 wait = queue * (queued if queued >= 0 else self._queued)
         busy = backend.busy_s_per_request
         if busy > 0:
-            wait += backend.in_flight * busy
+            wait += (backend.in_flight + backend.others_at_scrape) * busy
         if backend.kv_usage > self._kv_from:
             wait += self._pressure_s(backend, prompt)
         uncached = prompt - cached
@@ -192,7 +199,8 @@ class KVAwarePolicy:
 
     def _pressure_s(self, backend: Backend, prompt: int) -> float:
         """The KV-pressure part of ``backend``'s wait for a ``prompt``-token request (module docstring)."""
-        usage = backend.kv_usage * (backend.in_flight + 1) / (backend.in_flight_at_scrape + 1)
+        others = backend.others_at_scrape + 1
+        usage = backend.kv_usage * (backend.in_flight + others) / (backend.in_flight_at_scrape + others)
         if usage <= self._kv_from:
             return 0.0
         per_token = backend.prefill_s_per_token
@@ -212,7 +220,8 @@ class KVAwarePolicy:
             return True
         usage = backend.kv_usage
         if backend.in_flight < backend.in_flight_at_scrape:
-            usage = usage * (backend.in_flight + 1) / (backend.in_flight_at_scrape + 1)
+            others = backend.others_at_scrape + 1
+            usage = usage * (backend.in_flight + others) / (backend.in_flight_at_scrape + others)
         return tokens <= backend.kv_capacity_tokens * (1.0 - usage)
 
     def _roomy(self, pool: BackendSet, exclude: frozenset[str], prompt: int, cached_map: Mapping[str, int] | None,
@@ -228,7 +237,9 @@ class KVAwarePolicy:
             if (backend is pinned or backend.kv_capacity_tokens <= 0 or not backend.available
                     or (exclude and backend.url in exclude)):
                 continue
-            load = backend.in_flight + weight * backend.reported_load if weight else backend.in_flight
+            load = backend.in_flight + backend.others_at_scrape
+            if weight:
+                load += weight * backend.reported_load
             if bound and load + 1 > bound:
                 continue
             cached = cached_map.get(backend.url, 0) if cached_map else 0
@@ -319,8 +330,8 @@ class KVAwarePolicy:
         # the sticky fast path: no other backend can be clearly faster, and the pin is within the bound
         floor = stats.min_step + (prompt - other_cached) * stats.min_per_token
         fits = pinned.kv_capacity_tokens <= 0 or self._fits(pinned, prompt - pin_cached)
-        if fits and not self._clearly_faster(pin_ttft, floor) and pinned.in_flight + 1 <= self._safety_bound(
-                stats.total, stats.count):
+        if fits and not self._clearly_faster(pin_ttft, floor) and (
+                pinned.in_flight + pinned.others_at_scrape + 1 <= self._safety_bound(stats.total, stats.count)):
             return Placement(pinned, Outcome.STICKY, "cached", pin_cached, pin_wait, pin_ttft)
         if not fits:
             # the turn does not fit the pin's free KV (it would be preempted): the fastest backend it fits
@@ -349,7 +360,7 @@ class KVAwarePolicy:
             else:
                 reason = "kv_pressure" if pressure > 0 and pressure >= pin_wait - pressure else "wait"
             return Placement(target, Outcome.SPILL, reason, cached, wait, ttft)
-        if pinned.in_flight + 1 > bound:
+        if pinned.in_flight + pinned.others_at_scrape + 1 > bound:
             # the safety net: the fastest backend within the bound (the pin is not: it is over it)
             target, ttft, wait, cached = self._fastest(pool, exclude, prompt, cached_map, None, bound, None)
             if target is not pinned:
@@ -376,7 +387,7 @@ class KVAwarePolicy:
                 reason = "cached"
         if home is None and parent is not None:
             home, home_cached = self._parent_home(pool, exclude, parent, hint)
-            if home is not None and home.in_flight + 1 <= bound:
+            if home is not None and home.in_flight + home.others_at_scrape + 1 <= bound:
                 reason = "parent"
             else:  # no parent known here, or its backend is over the safety bound
                 home, home_cached = None, 0
@@ -433,7 +444,9 @@ class KVAwarePolicy:
             ttft, wait = self.predict(backend, prompt, cached)
             if ttft > limit:
                 continue
-            load = backend.in_flight + weight * backend.reported_load if weight else backend.in_flight
+            load = backend.in_flight + backend.others_at_scrape
+            if weight:
+                load += weight * backend.reported_load
             if chosen is None or load < chosen_load:
                 chosen, chosen_load, after = backend, load, index
                 chosen_ttft, chosen_wait, chosen_cached = ttft, wait, cached
@@ -475,7 +488,7 @@ class KVAwarePolicy:
                 continue
             backend = pool.get(url)
             if (backend is None or not backend.available or (exclude and url in exclude)
-                    or backend.in_flight + 1 > bound):
+                    or backend.in_flight + backend.others_at_scrape + 1 > bound):
                 continue
             best, best_tokens = backend, tokens
         return best, best_tokens
@@ -525,7 +538,9 @@ class KVAwarePolicy:
             h = state.copy()
             h.update(key)
             rank = (int.from_bytes(h.digest(), "little"), backend.url)
-            load = backend.in_flight + weight * backend.reported_load if weight else backend.in_flight
+            load = backend.in_flight + backend.others_at_scrape
+            if weight:
+                load += weight * backend.reported_load
             if load + 1 <= bound:
                 if rank > best_rank:
                     best, best_rank = backend, rank
@@ -563,7 +578,8 @@ class KVAwarePolicy:
             if not backend.healthy or backend.draining or (exclude and backend.url in exclude):
                 continue  # not ``available`` (its definition, inlined), or excluded
             in_flight = backend.in_flight
-            total += in_flight + weight * backend.reported_load if weight else in_flight
+            load = in_flight + backend.others_at_scrape
+            total += load + weight * backend.reported_load if weight else load
             count += 1
             step = backend.step_s
             if step < 0:
@@ -586,7 +602,7 @@ class KVAwarePolicy:
                     wait = queue * (queued if queued >= 0 else default_queued)
             busy = backend.busy_s_per_request
             if busy > 0:
-                wait += in_flight * busy
+                wait += load * busy
             if pin_ttft > factor * (step + uncached * per_token + wait) + margin:
                 rivals.append(backend)
         # the stats, as ``_refresh`` leaves them
@@ -609,7 +625,9 @@ class KVAwarePolicy:
         weight = self._weight
         for backend in rivals:
             if bound:
-                load = backend.in_flight + weight * backend.reported_load if weight else backend.in_flight
+                load = backend.in_flight + backend.others_at_scrape
+                if weight:
+                    load += weight * backend.reported_load
                 if load + 1 > bound:
                     continue
             cached = cached_map.get(backend.url, 0) if cached_map else 0
@@ -659,7 +677,8 @@ class KVAwarePolicy:
             if not backend.healthy or backend.draining or (exclude and backend.url in exclude):
                 continue  # not ``available`` (its definition, inlined), or excluded
             in_flight = backend.in_flight
-            load = in_flight + weight * backend.reported_load if weight else in_flight
+            held = in_flight + backend.others_at_scrape
+            load = held + weight * backend.reported_load if weight else held
             total += load
             count += 1
             step = backend.step_s
@@ -682,7 +701,7 @@ class KVAwarePolicy:
                     wait = queue * (queued if queued >= 0 else default_queued)
             busy = backend.busy_s_per_request
             if busy > 0:
-                wait += in_flight * busy
+                wait += held * busy
             if backend.kv_usage > kv_from:
                 wait += self._pressure_s(backend, prompt)
             if get is not None:
@@ -723,7 +742,9 @@ class KVAwarePolicy:
             if not backend.available or (exclude and backend.url in exclude):
                 continue
             if bound and backend is not keep:
-                load = backend.in_flight + weight * backend.reported_load if weight else backend.in_flight
+                load = backend.in_flight + backend.others_at_scrape
+                if weight:
+                    load += weight * backend.reported_load
                 if load + 1 > bound:
                     continue
             if known is not None and backend is known[0]:
@@ -774,7 +795,8 @@ class KVAwarePolicy:
             if not backend.healthy or backend.draining or (exclude and backend.url in exclude):
                 continue  # not ``available`` (its definition, inlined), or excluded
             in_flight = backend.in_flight
-            total += in_flight + weight * backend.reported_load if weight else in_flight
+            load = in_flight + backend.others_at_scrape
+            total += load + weight * backend.reported_load if weight else load
             count += 1
             step = backend.step_s
             if step < 0:

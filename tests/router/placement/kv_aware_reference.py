@@ -112,7 +112,7 @@ class ReferenceKVAwarePolicy:
                 wait = queue * (queued if queued >= 0 else self._queued)
         busy = backend.busy_s_per_request
         if busy > 0:
-            wait += backend.in_flight * busy
+            wait += (backend.in_flight + backend.others_at_scrape) * busy
         if backend.kv_usage > self._kv_from:
             wait += self._pressure_s(backend, prompt)
         uncached = prompt - cached
@@ -120,7 +120,8 @@ class ReferenceKVAwarePolicy:
 
     def _pressure_s(self, backend: Backend, prompt: int) -> float:
         """The KV-pressure part of ``backend``'s wait for a ``prompt``-token request (module docstring)."""
-        usage = backend.kv_usage * (backend.in_flight + 1) / (backend.in_flight_at_scrape + 1)
+        others = backend.others_at_scrape + 1
+        usage = backend.kv_usage * (backend.in_flight + others) / (backend.in_flight_at_scrape + others)
         if usage <= self._kv_from:
             return 0.0
         per_token = backend.prefill_s_per_token
@@ -140,7 +141,8 @@ class ReferenceKVAwarePolicy:
             return True
         usage = backend.kv_usage
         if backend.in_flight < backend.in_flight_at_scrape:
-            usage = usage * (backend.in_flight + 1) / (backend.in_flight_at_scrape + 1)
+            others = backend.others_at_scrape + 1
+            usage = usage * (backend.in_flight + others) / (backend.in_flight_at_scrape + others)
         return tokens <= backend.kv_capacity_tokens * (1.0 - usage)
 
     def _roomy(self, pool: BackendSet, exclude: frozenset[str], prompt: int, cached_map: Mapping[str, int] | None,
@@ -156,7 +158,7 @@ class ReferenceKVAwarePolicy:
             if (backend is pinned or backend.kv_capacity_tokens <= 0 or not backend.available
                     or (exclude and backend.url in exclude)):
                 continue
-            load = backend.in_flight + weight * backend.reported_load if weight else backend.in_flight
+            load = backend.in_flight + backend.others_at_scrape + (weight * backend.reported_load if weight else 0.0)
             if bound and load + 1 > bound:
                 continue
             cached = cached_map.get(backend.url, 0) if cached_map else 0
@@ -247,7 +249,7 @@ class ReferenceKVAwarePolicy:
         # the sticky fast path: no other backend can be clearly faster, and the pin is within the bound
         floor = stats.min_step + (prompt - other_cached) * stats.min_per_token
         fits = pinned.kv_capacity_tokens <= 0 or self._fits(pinned, prompt - pin_cached)
-        if fits and not self._clearly_faster(pin_ttft, floor) and pinned.in_flight + 1 <= self._safety_bound(
+        if fits and not self._clearly_faster(pin_ttft, floor) and pinned.in_flight + pinned.others_at_scrape + 1 <= self._safety_bound(
                 stats.total, stats.count):
             return Placement(pinned, Outcome.STICKY, "cached", pin_cached, pin_wait, pin_ttft)
         if not fits:
@@ -270,7 +272,7 @@ class ReferenceKVAwarePolicy:
             else:
                 reason = "kv_pressure" if pressure > 0 and pressure >= pin_wait - pressure else "wait"
             return Placement(target, Outcome.SPILL, reason, cached, wait, ttft)
-        if pinned.in_flight + 1 > bound:
+        if pinned.in_flight + pinned.others_at_scrape + 1 > bound:
             # the safety net: the fastest backend within the bound (the pin is not: it is over it)
             target, ttft, wait, cached = self._fastest(pool, exclude, prompt, cached_map, None, bound, None)
             if target is not pinned:
@@ -297,7 +299,7 @@ class ReferenceKVAwarePolicy:
                 reason = "cached"
         if home is None and parent is not None:
             home, home_cached = self._parent_home(pool, exclude, parent, hint)
-            if home is not None and home.in_flight + 1 <= bound:
+            if home is not None and home.in_flight + home.others_at_scrape + 1 <= bound:
                 reason = "parent"
             else:  # no parent known here, or its backend is over the safety bound
                 home, home_cached = None, 0
@@ -354,7 +356,7 @@ class ReferenceKVAwarePolicy:
             ttft, wait = self.predict(backend, prompt, cached)
             if ttft > limit:
                 continue
-            load = backend.in_flight + weight * backend.reported_load if weight else backend.in_flight
+            load = backend.in_flight + backend.others_at_scrape + (weight * backend.reported_load if weight else 0.0)
             if chosen is None or load < chosen_load:
                 chosen, chosen_load, after = backend, load, index
                 chosen_ttft, chosen_wait, chosen_cached = ttft, wait, cached
@@ -396,7 +398,7 @@ class ReferenceKVAwarePolicy:
                 continue
             backend = pool.get(url)
             if (backend is None or not backend.available or (exclude and url in exclude)
-                    or backend.in_flight + 1 > bound):
+                    or backend.in_flight + backend.others_at_scrape + 1 > bound):
                 continue
             best, best_tokens = backend, tokens
         return best, best_tokens
@@ -446,7 +448,7 @@ class ReferenceKVAwarePolicy:
             h = state.copy()
             h.update(key)
             rank = (int.from_bytes(h.digest(), "little"), backend.url)
-            load = backend.in_flight + weight * backend.reported_load if weight else backend.in_flight
+            load = backend.in_flight + backend.others_at_scrape + (weight * backend.reported_load if weight else 0.0)
             if load + 1 <= bound:
                 if rank > best_rank:
                     best, best_rank = backend, rank
@@ -473,7 +475,7 @@ class ReferenceKVAwarePolicy:
             if not backend.available or (exclude and backend.url in exclude):
                 continue
             if bound and backend is not keep:
-                load = backend.in_flight + weight * backend.reported_load if weight else backend.in_flight
+                load = backend.in_flight + backend.others_at_scrape + (weight * backend.reported_load if weight else 0.0)
                 if load + 1 > bound:
                     continue
             if known is not None and backend is known[0]:
@@ -519,7 +521,7 @@ class ReferenceKVAwarePolicy:
         for backend in pool.members:
             if not backend.available or (exclude and backend.url in exclude):
                 continue
-            total += backend.in_flight + weight * backend.reported_load if weight else backend.in_flight
+            total += backend.in_flight + backend.others_at_scrape + (weight * backend.reported_load if weight else 0.0)
             count += 1
             step = backend.step_s
             if step < 0:

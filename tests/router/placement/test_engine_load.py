@@ -94,14 +94,21 @@ def test_apply_records_the_gauges_and_a_restart_restarts_the_deltas() -> None:
     load.apply(backend, EngineSample(waiting=2, running=5, kv_usage=0.5, itl_sum=1.0, itl_count=100))
     assert (backend.engine_waiting, backend.engine_running, backend.kv_usage) == (2, 5, 0.5)
     assert (backend.load_scraped_at, backend.in_flight_at_scrape) == (42.0, 7)
+    assert backend.others_at_scrape == 0  # the engine holds fewer than this router has in flight: none are others'
+    load.apply(backend, EngineSample(waiting=4, running=9, itl_sum=1.0, itl_count=100))
+    assert backend.others_at_scrape == 6  # 13 there, 7 of them this router's: 6 other replicas' (or workers')
     load.apply(backend, EngineSample(itl_sum=0.5, itl_count=10))  # counters went back: an engine restart
     assert backend.step_s == -1.0
     for i in range(1, MIN_SAMPLES + 1):
         assert backend.step_s == -1.0  # not trusted before MIN_SAMPLES intervals measured it
         load.apply(backend, EngineSample(itl_sum=0.5 + 0.2 * i, itl_count=10 + 10 * i))
     assert backend.step_s == pytest.approx(0.02)
+    load.apply(backend, EngineSample(waiting=1, running=10, itl_sum=0.5 + 0.2 * MIN_SAMPLES,
+                                     itl_count=10 + 10 * MIN_SAMPLES))
+    assert backend.others_at_scrape == 4
     load.clear(backend)
     assert (backend.engine_waiting, backend.engine_running, backend.kv_usage) == (0, 0, 0)
+    assert backend.others_at_scrape == 0  # no scrape: nothing known of the others
     assert backend.step_s == pytest.approx(0.02)  # learned constants stay
     frozen = EngineLoad(learn=False)
     other = Backend("http://127.0.0.1:8101")

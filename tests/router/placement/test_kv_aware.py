@@ -226,6 +226,51 @@ def test_the_safety_net_bounds_the_spread() -> None:
     assert entry3.pins["default"] == others[0].url
 
 
+def test_replicas_judge_the_safety_net_and_the_kv_usage_on_the_engines_whole_load() -> None:
+    """Three router replicas share the engines' traffic, each with a third of it in flight. The safety
+    net and the KV-usage correction count the engine's requests of the other replicas too
+    (``others_at_scrape``), so each replica decides as one router carrying everything would."""
+    def views() -> list[tuple[KVAwarePolicy, BackendPool, SessionEntry, Backend]]:
+        out = []
+        for _ in range(3):
+            policy, pool, sessions = KVAwarePolicy(), make_pool(4), table()
+            entry, pin = pinned(policy, pool, sessions, "s")
+            out.append((policy, pool, entry, pin))
+        return out
+
+    # the pin's engine holds 14 (this replica 5, the others 9), the other three 1 each: a lone router
+    # with all 17 in flight has the bound max(ceil(2 x 18 / 4), 5 + 2) = 9 and sheds the session
+    for policy, pool, entry, pin in views():
+        for backend in pool.members:
+            backend.in_flight, backend.others_at_scrape = (5, 9.0) if backend is pin else (0, 1.0)
+        placement = policy.place(pool, "s", entry, hint=hint())
+        assert (placement.outcome, placement.reason) == (Outcome.SPILL, "load")
+    lone_policy, lone_pool, lone_entry, lone_pin = views()[0]
+    for backend in lone_pool.members:
+        backend.in_flight = 14 if backend is lone_pin else 1
+    assert lone_policy.place(lone_pool, "s", lone_entry, hint=hint()).reason == "load"
+    # at 2 of its own on the pin a replica blind to the others keeps the session (bound max(ceil(2 x 3
+    # / 4), 1 + 2) = 3), while the engine holds 12 against 1s: counted whole, the pin is over the
+    # bound (max(ceil(2 x 16 / 4), 4 + 2) = 8) and the session goes, as from a lone router
+    blind, aware = views()[:2]
+    for (policy, pool, entry, pin), others in ((blind, 0.0), (aware, 10.0)):
+        for backend in pool.members:
+            backend.in_flight, backend.others_at_scrape = (2, others) if backend is pin else (0, others and 1.0)
+    assert blind[0].place(blind[1], "s", blind[2], hint=hint()).outcome is Outcome.STICKY
+    assert aware[0].place(aware[1], "s", aware[2], hint=hint()).reason == "load"
+
+    # KV usage 0.9 at the scrape with 1 of this replica's requests and 9 others' there; its one request
+    # finished since: one of ten, not the whole of its own (which would halve the usage)
+    policy = KVAwarePolicy(KVAwareSettings(kv_pressure_from=0.8))
+    backend = Backend("http://127.0.0.1:8100")
+    backend.kv_usage, backend.in_flight_at_scrape, backend.in_flight, backend.others_at_scrape = 0.9, 1, 0, 9.0
+    _, wait = policy.predict(backend, PROMPT, 0)
+    usage = 0.9 * 10 / 11
+    assert wait == pytest.approx((usage - 0.8) / 0.2 * 2 * PROMPT / 4000.0)
+    backend.others_at_scrape = 0.0
+    assert policy.predict(backend, PROMPT, 0)[1] == 0.0  # blind: 0.9 x 1 / 2 = 0.45, no pressure
+
+
 def test_a_retry_goes_elsewhere_and_keeps_the_pin() -> None:
     policy, pool, sessions = KVAwarePolicy(), make_pool(2), table()
     entry, pin = pinned(policy, pool, sessions, "s")

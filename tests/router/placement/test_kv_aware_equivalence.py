@@ -43,6 +43,7 @@ def randomize(rng: random.Random, backend: Backend) -> None:
     backend.draining = rng.random() < 0.04
     backend.in_flight = rng.choice((0, 0, 1, 2, 3, 5, 8))
     backend.in_flight_at_scrape = rng.choice((0, 0, 1, 2, 4))
+    backend.others_at_scrape = rng.choice((0.0, 0.0, 0.0, 1.0, 3.0, 7.0))
     backend.engine_waiting = rng.choice((0.0, 0.0, 1.0, 2.0, 5.0))
     backend.queued_floor = rng.choice((0.0, 1.0, backend.engine_waiting))
     backend.kv_usage = rng.choice((0.0, 0.3, 0.85, 0.92, 0.97, 1.0))
