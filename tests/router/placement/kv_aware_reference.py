@@ -216,6 +216,7 @@ class ReferenceKVAwarePolicy:
         if pinned is not None and pinned.available:
             if exclude and pin_url in exclude:
                 cached_map = self._cached_map(session_id, hint)
+                prompt = self._sized(prompt, cached_map, hint)
                 target, ttft, wait, cached = self._fastest(pool, exclude, prompt, cached_map, None, 0, None)
                 return Placement(target, Outcome.SPILL, "retry", cached, wait, ttft)
             return self._pinned(pool, session_id, pins, pinned, exclude, hint, prompt)
@@ -226,6 +227,7 @@ class ReferenceKVAwarePolicy:
     def _pinned(self, pool: BackendSet, session_id: str, pins: dict[str, str], pinned: Backend,
                 exclude: frozenset[str], hint: PlacementHint | None, prompt: int) -> Placement:
         cached_map = self._cached_map(session_id, hint)
+        prompt = self._sized(prompt, cached_map, hint)
         pin_cached = -1
         other_cached = 0
         if cached_map:
@@ -286,6 +288,7 @@ class ReferenceKVAwarePolicy:
         if stats.count == 0:
             raise no_available_backend(pool)
         cached_map = self._cached_map(session_id, hint)
+        prompt = self._sized(prompt, cached_map, hint)
         home: Backend | None = None
         home_cached = 0
         reason = "hash"
@@ -377,6 +380,17 @@ class ReferenceKVAwarePolicy:
             # resident prefix (a shared system prompt, a parent's context), one hash per block
             found = kv.prefix_tokens(hint.prompt_ids)
         return found or None
+
+    @staticmethod
+    def _sized(prompt: int, cached_map: Mapping[str, int] | None, hint: PlacementHint | None) -> int:
+        """``prompt``, raised to the most of the session the KV index holds on any backend when the
+        size is estimated from the body (text mode): the session's resident chain is an earlier prompt
+        + answer of the conversation that this turn extends (module docstring, ``P``)."""
+        if cached_map and hint is not None and hint.prompt_ids is None:
+            top = max(cached_map.values())
+            if top > prompt:
+                return top
+        return prompt
 
     def _prefix_map(self, hint: PlacementHint | None) -> Mapping[str, int] | None:
         kv = self.kv

@@ -399,3 +399,32 @@ def test_a_session_met_for_the_first_time_goes_where_the_index_holds_its_kv() ->
     c.step_s = b.step_s = a.step_s = 5.0
     placement = policy.place(pool, "t", table().touch("t"), hint=hint(last=0))
     assert placement.backend is pool.members[3] and placement.reason == "wait"
+
+
+def test_a_replica_that_missed_the_last_turns_sizes_the_prompt_by_the_index() -> None:
+    """Text mode estimates the prompt from the body (low for this tokenizer) and the session's last
+    prompt + answer this router saw. A replica that did not serve the last turns knows an older, smaller
+    one; the index (the same on every replica) holds the session's resident chain, an earlier prompt +
+    answer of the conversation: the prompt is at least that, so both replicas decide alike."""
+    pool = make_pool(3)
+    placements = []
+    for last in (2400, 700):  # the replica that served the previous turn; one that served turn 1 only
+        policy, sessions = KVAwarePolicy(), table()
+        kv = policy.kv = FakeKV()
+        entry, pin = pinned(policy, pool, sessions, "s")
+        kv.sessions = {"s": {pin.url: 2384}}
+        kv.live = {b.url for b in pool.members}
+        pin.kv_capacity_tokens, pin.kv_usage = 4096, 0.5  # 2,048 free: a 2,500-token prompt's tail fits
+        placement = policy.place(pool, "s", entry, hint=PlacementHint(600, last_tokens=last))
+        placements.append((placement.backend.url, placement.outcome, placement.reason, placement.cached_tokens,
+                           placement.predicted_ttft_s))
+    assert placements[0] == placements[1]
+    assert placements[0][3] == 2384  # not capped at the body's 600-token estimate
+    # tokens mode: the prompt is exact and is not raised (a shorter conversation than the index's chain)
+    policy, sessions = KVAwarePolicy(), table()
+    kv = policy.kv = FakeKV()
+    entry, pin = pinned(policy, pool, sessions, "t")
+    kv.sessions = {"t": {pin.url: 2384}}
+    kv.live = {b.url for b in pool.members}
+    placement = policy.place(pool, "t", entry, hint=PlacementHint(1000, prompt_ids=list(range(1000))))
+    assert placement.cached_tokens == 1000
