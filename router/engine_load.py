@@ -105,6 +105,10 @@ MIN_COMPUTED_PER_REQUEST = 32
 #: learned values are kept within these (a noisy interval must not make a backend look free or dead)
 MAX_S_PER_TOKEN = 0.1
 MAX_STEP_S = 10.0
+#: scrapes a queue must be seen in, in a row, to count as persisting (``Backend.queued_floor``: the least
+#: of their ``vllm:num_requests_waiting``): at a high request rate an engine shows a few waiting requests
+#: at any instant (arrivals between two steps), two scrapes in a row often catch that, three rarely
+QUEUE_SCRAPES = 3
 #: scrapes in a row with no request started or finished after which a backend's learned constants are
 #: dropped (the configured ones apply again): one that was slow, lost its sessions and recovered is
 #: not judged by old numbers for ever; with traffic again it is learned afresh
@@ -295,6 +299,8 @@ class EngineLoad:
         self._previous: dict[str, EngineSample] = {}
         #: backend URL -> what was learned of it (published onto its Backend after each scrape)
         self._learned: dict[str, Learned] = {}
+        #: backend URL -> ``vllm:num_requests_waiting`` of its last QUEUE_SCRAPES - 1 scrapes (``queued_floor``)
+        self._waiting: dict[str, deque[float]] = {}
         #: backend URL -> idle scrapes in a row (see FORGET_AFTER_IDLE)
         self._idle: dict[str, int] = {}
         #: completed scrapes (tests and the admin view read it)
@@ -318,7 +324,11 @@ class EngineLoad:
 
     def apply(self, backend: Backend, sample: EngineSample) -> None:
         """Record one scrape's ``sample`` of ``backend`` (the gauges, and what the deltas teach)."""
-        backend.queued_floor = min(sample.waiting, backend.engine_waiting)
+        recent = self._waiting.get(backend.url)
+        if recent is None:
+            recent = self._waiting[backend.url] = deque(maxlen=QUEUE_SCRAPES - 1)
+        backend.queued_floor = min(sample.waiting, *recent) if len(recent) == QUEUE_SCRAPES - 1 else 0.0
+        recent.append(sample.waiting)
         backend.engine_waiting = sample.waiting
         backend.queued_scrapes = backend.queued_scrapes + 1 if sample.waiting > 0 else 0
         backend.engine_running = sample.running
@@ -350,6 +360,7 @@ class EngineLoad:
         backend.engine_waiting = 0.0
         backend.queued_floor = 0.0
         backend.queued_scrapes = 0
+        self._waiting.pop(backend.url, None)
         backend.engine_running = 0.0
         backend.kv_usage = 0.0
         backend.in_flight_at_scrape = backend.in_flight
@@ -358,5 +369,6 @@ class EngineLoad:
 
     def forget(self, url: str) -> None:
         self._previous.pop(url, None)
+        self._waiting.pop(url, None)
         self._idle.pop(url, None)
         self._learned.pop(url, None)

@@ -62,7 +62,8 @@ class Backend:
     others_at_scrape: float = 0.0
     #: scrapes in a row, up to the last, that found the engine queueing (``engine_waiting > 0``)
     queued_scrapes: int = 0
-    #: the smaller of ``engine_waiting`` at the last two scrapes: the queue that persisted (0 unless both queued)
+    #: the least ``engine_waiting`` of the last ``QUEUE_SCRAPES`` (3) scrapes: the queue that persisted
+    #: (0 unless all of them saw the engine queue; ``router.engine_load``)
     queued_floor: float = 0.0
     # -- the model's constants learned from that engine's counters (-1.0: not learned, use the configured)
     #: seconds to prefill one prompt token

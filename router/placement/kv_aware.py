@@ -59,7 +59,7 @@ with a session staying where its KV is until moving is clearly cheaper (DESIGN.m
   clearly faster, and then its floor is too), e.g. none when every engine queues alike.
 - *hysteresis*: a move off the pin for "wait" or "kv_pressure" also needs the pin's *settled*
   prediction (``_settled_ttft``: its learned constants, its KV pressure, and of its queue only what
-  persisted over its last two scrapes, ``Backend.queued_floor``, lowered by requests finished since
+  persisted over its last three scrapes, ``Backend.queued_floor``, lowered by requests finished since
   but never raised by requests sent since; not the ``busy`` term) to be clearly slower than the
   target: one scrape that caught an engine queueing, or in-flight counts that wander, move nothing.
 - a pinned turn whose uncached prompt tokens do not fit the pin's free KV (``_fits``: the scraped
@@ -74,7 +74,7 @@ with a session staying where its KV is until moving is clearly cheaper (DESIGN.m
   or for a child agent session (``hint.parent_session``) the backend holding most of its parent's
   KV (else the parent's pin), with the parent's tokens there counted as cached ("parent"). It goes
   home unless another backend is clearly faster ("wait", or "cached" when that one holds more of
-  its prompt), for "wait" than home's settled prediction too (its queue as the last scrape saw it).
+  its prompt), for "wait" than home's settled prediction too (its queue as it persisted over three scrapes).
 - the pin already failed for this request (a retry): the fastest other backend, pin kept (SPILL, "retry").
 - no session: the least loaded (``load``) of the backends within the margin of the fastest ("least").
 
@@ -259,8 +259,8 @@ class KVAwarePolicy:
     def _settled_slower(self, backend: Backend, prompt: int, cached: int, waiting: float, fast: float) -> bool:
         """Whether ``backend``'s prediction counting only what justifies leaving it (module docstring,
         *hysteresis*) is clearly slower than ``fast``: its learned constants (medians over several
-        scrape intervals), its KV pressure, and a queue of ``waiting`` requests (``engine_waiting``, or
-        for a pin ``queued_floor``: what persisted over two scrapes), lowered by what finished since
+        scrape intervals), its KV pressure, and a queue of ``waiting`` requests (``queued_floor``:
+        what persisted over three scrapes), lowered by what finished since
         the scrape but never raised by what was sent since; never the in-flight ``busy`` term
         (in-flight counts wander by chance). Without a queue or pressure, by ``SLOW_FACTOR``."""
         per_token = backend.prefill_s_per_token
@@ -408,7 +408,7 @@ class KVAwarePolicy:
         target, ttft, wait, cached = self._fastest(pool, exclude, prompt, cached_map, home, bound,
                                                    (home, home_cached))
         if target is not home and self._clearly_faster(home_ttft, ttft) and (
-                cached > home_cached or self._settled_slower(home, prompt, home_cached, home.engine_waiting, ttft)):
+                cached > home_cached or self._settled_slower(home, prompt, home_cached, home.queued_floor, ttft)):
             pins[pool.name] = target.url
             return Placement(target, outcome, "cached" if cached > home_cached else "wait", cached, wait, ttft)
         pins[pool.name] = home.url

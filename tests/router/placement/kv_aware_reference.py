@@ -316,7 +316,7 @@ class ReferenceKVAwarePolicy:
         target, ttft, wait, cached = self._fastest(pool, exclude, prompt, cached_map, home, bound,
                                                    (home, home_cached))
         if target is not home and self._clearly_faster(home_ttft, ttft) and (
-                cached > home_cached or self._settled_slower(home, prompt, home_cached, home.engine_waiting, ttft)):
+                cached > home_cached or self._settled_slower(home, prompt, home_cached, home.queued_floor, ttft)):
             pins[pool.name] = target.url
             return Placement(target, outcome, "cached" if cached > home_cached else "wait", cached, wait, ttft)
         pins[pool.name] = home.url

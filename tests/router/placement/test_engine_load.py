@@ -244,3 +244,20 @@ def test_a_real_slowdown_shows_within_a_majority_of_the_window() -> None:
         sample = busy_interval(0, sample, 2.0)
         load.apply(backend, sample)
     assert backend.step_s == pytest.approx(2.0)
+
+
+def test_a_queue_persists_only_when_three_scrapes_in_a_row_see_it() -> None:
+    """``queued_floor`` is the least ``vllm:num_requests_waiting`` of the last three scrapes: a busy
+    engine shows a few arrivals waiting at any instant, and two scrapes in a row often catch that."""
+    load = EngineLoad(learn=False)
+    backend = Backend("http://127.0.0.1:8100")
+    for waiting, floor in ((5, 0), (7, 0), (6, 5), (0, 0), (9, 0), (9, 0), (12, 9)):
+        load.apply(backend, EngineSample(waiting=waiting))
+        assert backend.queued_floor == floor, (waiting, floor)
+    load.clear(backend)  # a failed scrape: nothing known, the history starts again
+    assert backend.queued_floor == 0
+    for _ in range(2):
+        load.apply(backend, EngineSample(waiting=12))
+        assert backend.queued_floor == 0
+    load.apply(backend, EngineSample(waiting=12))
+    assert backend.queued_floor == 12

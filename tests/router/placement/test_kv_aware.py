@@ -163,8 +163,11 @@ def test_new_sessions_go_by_rendezvous_hash_unless_it_is_clearly_slower() -> Non
         assert (placement.outcome, placement.reason) == (Outcome.NEW, "hash")
         assert placement.backend is ranking.candidates(pool, sid)[0]
     hashed = ranking.candidates(pool, "late")[0]
-    hashed.engine_waiting = 50
+    hashed.engine_waiting = 50  # one scrape caught it queueing (arrivals between two steps, say): stay
     placement = policy.place(pool, "late", sessions.touch("late"), hint=hint(last=0))
+    assert placement.backend is hashed and (placement.outcome, placement.reason) == (Outcome.NEW, "hash")
+    hashed.queued_floor = 50  # three scrapes in a row did: a real queue, the new session goes elsewhere
+    placement = policy.place(pool, "late", table().touch("late"), hint=hint(last=0))  # met afresh
     assert placement.backend is not hashed and (placement.outcome, placement.reason) == (Outcome.NEW, "wait")
 
 

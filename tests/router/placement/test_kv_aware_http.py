@@ -98,8 +98,8 @@ async def test_the_engines_load_comes_from_their_metrics_and_moves_sessions(make
         other = "b1" if home == "b0" else "b0"
         # its engine starts queueing hard: the session leaves for the backend with headroom
         next(f for f in fakes if f.name == home).waiting = 200
-        await eventually(lambda: by_name[home].engine_waiting == 200 and by_name[home].queued_scrapes >= 2,
-                         timeout=10.0, what="the queue scraped twice in a row (kv_aware's hysteresis)")
+        await eventually(lambda: by_name[home].engine_waiting == 200 and by_name[home].queued_scrapes >= 3,
+                         timeout=10.0, what="the queue scraped three times in a row (kv_aware's hysteresis)")
         moved = await http.post(router.url + "/v1/completions", json=body)
         assert (await moved.json())["backend"] == other
         assert moved.headers[DECISION_HEADER].startswith("spill;") and moved.headers[DECISION_HEADER].endswith(
