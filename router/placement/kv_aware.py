@@ -25,9 +25,9 @@ with a session staying where its KV is until moving is clearly cheaper (DESIGN.m
 - ``pressure`` = how far the KV cache usage is past ``kv_pressure_from``, 0..1: near a full KV cache
   the session's cached prefix may be evicted and the request preempted (recomputed); at 100% the
   prompt is charged twice more. The usage is ``vllm:kv_cache_usage_perc`` at the scrape scaled by
-  ``(in_flight + others + 1) / (in_flight_at_scrape + others + 1)`` (``others``:
-  ``others_at_scrape``, so a replica's own few requests move it as a share of the engine's, not
-  of its own): running requests hold that cache, so as they
+  the engine's requests now against then (``usage_now``: ``(in_flight + 1) / (in_flight_at_scrape
+  + 1)`` for a lone router; with other replicas' requests there, this router's change since the
+  scrape stands for the engine's in proportion): running requests hold that cache, so as they
   finish (or sessions leave) the pressure fades before the next scrape, and sessions do not leave a
   pressured backend in a herd.
 - ``P``: exact in tokens mode; else estimated from the body's length (``bytes_per_token``), at
@@ -109,6 +109,22 @@ KV_PRESSURE_WEIGHT = 2.0
 SLOW_FACTOR = 3.0
 
 _EMPTY: Mapping[str, int] = {}
+
+
+def usage_now(backend: Backend) -> float:
+    """``backend``'s KV usage now, estimated from the scrape's: scaled by the engine's requests now
+    against then. Then: this router's ``in_flight_at_scrape`` + ``others_at_scrape`` (+ 1). Now: then +
+    the change of this router's in-flight count since, which, when other replicas or workers hold
+    requests there too, stands for the engine's whole change in proportion (they serve alike traffic,
+    and their requests finish and arrive as ours do, unseen here until the next scrape). A lone router:
+    ``(in_flight + 1) / (in_flight_at_scrape + 1)``."""
+    at = backend.in_flight_at_scrape
+    others = backend.others_at_scrape
+    change = backend.in_flight - at
+    if others > 0 and at > 0:
+        change = change * (at + others) / at
+    then = at + others + 1
+    return backend.kv_usage * (then + change) / then
 
 
 class KVView(Protocol):
@@ -203,8 +219,7 @@ class KVAwarePolicy:
 
     def _pressure_s(self, backend: Backend, prompt: int) -> float:
         """The KV-pressure part of ``backend``'s wait for a ``prompt``-token request (module docstring)."""
-        others = backend.others_at_scrape + 1
-        usage = backend.kv_usage * (backend.in_flight + others) / (backend.in_flight_at_scrape + others)
+        usage = usage_now(backend)
         if usage <= self._kv_from:
             return 0.0
         per_token = backend.prefill_s_per_token
@@ -224,8 +239,7 @@ class KVAwarePolicy:
             return True
         usage = backend.kv_usage
         if backend.in_flight < backend.in_flight_at_scrape:
-            others = backend.others_at_scrape + 1
-            usage = usage * (backend.in_flight + others) / (backend.in_flight_at_scrape + others)
+            usage = usage_now(backend)
         return tokens <= backend.kv_capacity_tokens * (1.0 - usage)
 
     def _roomy(self, pool: BackendSet, exclude: frozenset[str], prompt: int, cached_map: Mapping[str, int] | None,

@@ -30,6 +30,22 @@ SLOW_FACTOR = 3.0
 _EMPTY: Mapping[str, int] = {}
 
 
+def usage_now(backend: Backend) -> float:
+    """``backend``'s KV usage now, estimated from the scrape's: scaled by the engine's requests now
+    against then. Then: this router's ``in_flight_at_scrape`` + ``others_at_scrape`` (+ 1). Now: then +
+    the change of this router's in-flight count since, which, when other replicas or workers hold
+    requests there too, stands for the engine's whole change in proportion (they serve alike traffic,
+    and their requests finish and arrive as ours do, unseen here until the next scrape). A lone router:
+    ``(in_flight + 1) / (in_flight_at_scrape + 1)``."""
+    at = backend.in_flight_at_scrape
+    others = backend.others_at_scrape
+    change = backend.in_flight - at
+    if others > 0 and at > 0:
+        change = change * (at + others) / at
+    then = at + others + 1
+    return backend.kv_usage * (then + change) / then
+
+
 class KVView(Protocol):
     """What the policy reads of the router's KV index (``router.kv.index.KVIndex``)."""
 
@@ -120,8 +136,7 @@ class ReferenceKVAwarePolicy:
 
     def _pressure_s(self, backend: Backend, prompt: int) -> float:
         """The KV-pressure part of ``backend``'s wait for a ``prompt``-token request (module docstring)."""
-        others = backend.others_at_scrape + 1
-        usage = backend.kv_usage * (backend.in_flight + others) / (backend.in_flight_at_scrape + others)
+        usage = usage_now(backend)
         if usage <= self._kv_from:
             return 0.0
         per_token = backend.prefill_s_per_token
@@ -141,8 +156,7 @@ class ReferenceKVAwarePolicy:
             return True
         usage = backend.kv_usage
         if backend.in_flight < backend.in_flight_at_scrape:
-            others = backend.others_at_scrape + 1
-            usage = usage * (backend.in_flight + others) / (backend.in_flight_at_scrape + others)
+            usage = usage_now(backend)
         return tokens <= backend.kv_capacity_tokens * (1.0 - usage)
 
     def _roomy(self, pool: BackendSet, exclude: frozenset[str], prompt: int, cached_map: Mapping[str, int] | None,

@@ -262,16 +262,25 @@ def test_replicas_judge_the_safety_net_and_the_kv_usage_on_the_engines_whole_loa
     assert blind[0].place(blind[1], "s", blind[2], hint=hint()).outcome is Outcome.STICKY
     assert aware[0].place(aware[1], "s", aware[2], hint=hint()).reason == "load"
 
-    # KV usage 0.9 at the scrape with 1 of this replica's requests and 9 others' there; its one request
-    # finished since: one of ten, not the whole of its own (which would halve the usage)
+    # KV usage 0.95 at the scrape with 3 of this replica's requests and 6 others' there; one of its
+    # three finished since: the others' (unseen until the next scrape) are taken to have gone alike, so
+    # the usage is that of a lone router whose 9 became 6: 0.95 x 7 / 10, under kv_pressure_from
     policy = KVAwarePolicy(KVAwareSettings(kv_pressure_from=0.8))
-    backend = Backend("http://127.0.0.1:8100")
-    backend.kv_usage, backend.in_flight_at_scrape, backend.in_flight, backend.others_at_scrape = 0.9, 1, 0, 9.0
-    _, wait = policy.predict(backend, PROMPT, 0)
-    usage = 0.9 * 10 / 11
-    assert wait == pytest.approx((usage - 0.8) / 0.2 * 2 * PROMPT / 4000.0)
-    backend.others_at_scrape = 0.0
-    assert policy.predict(backend, PROMPT, 0)[1] == 0.0  # blind: 0.9 x 1 / 2 = 0.45, no pressure
+    replica, lone = Backend("http://127.0.0.1:8100"), Backend("http://127.0.0.1:8101")
+    replica.kv_usage, replica.in_flight_at_scrape, replica.in_flight, replica.others_at_scrape = 0.95, 3, 2, 6.0
+    lone.kv_usage, lone.in_flight_at_scrape, lone.in_flight = 0.95, 9, 6
+    assert policy.predict(replica, PROMPT, 0) == policy.predict(lone, PROMPT, 0)
+    assert policy.predict(replica, PROMPT, 0)[1] == 0.0  # 0.665: no pressure
+    # and two more of its requests arrived: 5 against 3, the engine's 9 taken to be 15
+    replica.in_flight, lone.in_flight = 5, 15
+    _, wait = policy.predict(replica, PROMPT, 0)
+    assert wait == pytest.approx(policy.predict(lone, PROMPT, 0)[1]) and wait > 0
+    # the free KV for the fit check is read the same way: 4,096 tokens at 95%, 2 of its 3 gone
+    replica.kv_capacity_tokens = lone.kv_capacity_tokens = 4096
+    replica.in_flight, lone.in_flight = 1, 3
+    tokens = int(4096 * (1 - 0.95 * 4 / 10))
+    assert KVAwarePolicy._fits(replica, tokens) and KVAwarePolicy._fits(lone, tokens)
+    assert not KVAwarePolicy._fits(replica, tokens + 2)
 
 
 def test_a_retry_goes_elsewhere_and_keeps_the_pin() -> None:
