@@ -188,6 +188,7 @@ class ChoiceText:
             prompt_ids=prompt_ids,
             skip_special_tokens=options.skip_special_tokens,
             spaces_between_special_tokens=options.spaces_between_special_tokens,
+            one_shot=model.byte_level_decoder,
         )
         self._stops = (
             StopStrings(options.stop, include_stop_str_in_output=options.include_stop_str_in_output)
@@ -249,8 +250,8 @@ class ChoiceText:
         if (finish_reason == "stop" and ids and not self._include
                 and self._is_stop_token(ids[-1], stop_reason)):
             decode -= 1  # vLLM leaves the stop token's own text out
-        if stops is None:
-            text = self._detok.push(ids[:decode] if decode < len(ids) else ids)
+        if stops is None:  # and finish_reason is set: these are the choice's last ids
+            text = self._detok.push_final(ids[:decode] if decode < len(ids) else ids)
             self.tokens += len(ids)
             consumed = ids
         else:
