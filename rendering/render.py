@@ -114,7 +114,7 @@ def new_request_id(prefix: str) -> str:
     return f"{prefix}-{random_id()}"
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class _Limits:
     """``TokenizeParams``: the context budget one request's prompt is checked against."""
 
