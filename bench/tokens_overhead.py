@@ -39,6 +39,11 @@ are medians over rounds with ``[lo–hi]``; ratios and differences are taken wit
 (side by side) and then summarised the same way. CPU per request = utime+stime of the process
 tree from /proc over the measured window, per completed request.
 
+**A/B** (``--base DIR``): a frozen copy of another tree (e.g. ``git archive`` of the base commit into
+DIR) is run beside this one: its own text and tokens routers (``text(base)``, ``tokens(base)``, started
+with DIR as their working directory, so they import DIR's code) in front of the same engines, in the
+same interleaved rounds; the verdict table then has a row per tree. ``--no-stream``: non-stream only.
+
 Output: a markdown section ``tokens_overhead`` in ``--out`` and one JSON line per run in
 ``bench/out/tokens_overhead.jsonl``.
 """
@@ -58,7 +63,7 @@ import msgspec
 
 from bench.chat_prompts import chat_bodies
 from bench.loadgen import LoadResult, LoadSpec
-from bench.procs import LOOPBACK, Proc, free_port, start_process, start_router
+from bench.procs import LOOPBACK, Proc, free_port, launch, start_process, start_router
 from bench.router_overhead import LoadGen, exit_status, machine_facts, process_tree, publish
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -86,6 +91,21 @@ def tokens_router_args(model_dir: str, *, render: Sequence[str] = (), prompt_cac
     if prompt_cache_bytes is not None:
         args += ["--prompt-cache-bytes", str(prompt_cache_bytes)]
     return args
+
+
+def start_router_in(tree: str, log_dir: str, *args: str, env: dict[str, str] | None = None) -> Proc:
+    """``python -m router args`` with ``tree`` as the working directory (its code first on sys.path),
+    ``env`` added to its environment."""
+    port = free_port()
+    env = dict(env or {})
+    if "PYTHONUNBUFFERED" not in os.environ:
+        env.setdefault("PYTHONUNBUFFERED", "1")
+    return launch("router-base", [sys.executable, "-m", "router", "--host", LOOPBACK, "--port", str(port), *args],
+                  port, log_dir, env=env, cwd=tree)
+
+
+#: (text target, tokens target) pairs the verdict compares: this tree's, and the base tree's (--base)
+PAIRS = (("text", "tokens"), ("text(base)", "tokens(base)"))
 
 
 @dataclass
@@ -351,13 +371,14 @@ def render_report(cells: dict[tuple[str, str], Cell], targets: Sequence[Target],
         return (f"{verdict} {ok}/{len(added)} rounds; median {median(added):.0f} vs "
                 f"{median([cpu(r) for r in text.rounds]):.0f}")
 
-    for mode in modes:
-        text, tokens = cells.get((mode, "text")), cells.get((mode, "tokens"))
+    for mode, (text_name, tokens_name) in ((m, pair) for m in modes for pair in PAIRS):
+        text, tokens = cells.get((mode, text_name)), cells.get((mode, tokens_name))
         if text is None or tokens is None:
             continue
         b = bare.get(mode, [])
         added = [cpu(t) - b[i] for i, t in enumerate(tokens.rounds) if i < len(b)]
-        row = (f"| {mode} | {fmt([cpu(r) for r in text.rounds])} | {fmt([cpu(r) for r in tokens.rounds])} | "
+        label = mode + (" (base)" if text_name.endswith("(base)") else "")
+        row = (f"| {label} | {fmt([cpu(r) for r in text.rounds])} | {fmt([cpu(r) for r in tokens.rounds])} | "
                f"{fmt(b)} | {fmt(added)} | {judged(added, text)} |")
         if bare_fast:
             f = bare_fast.get(mode, [])
@@ -374,14 +395,15 @@ def render_report(cells: dict[tuple[str, str], Cell], targets: Sequence[Target],
             "| mode | floor | floor µs | tokens − floor µs | ≤ text? (per round) |",
             "|---|---|---:|---:|---|",
         ]
-        for mode in modes:
-            text, tokens = cells.get((mode, "text")), cells.get((mode, "tokens"))
+        for mode, (text_name, tokens_name) in ((m, pair) for m in modes for pair in PAIRS):
+            text, tokens = cells.get((mode, text_name)), cells.get((mode, tokens_name))
             if text is None or tokens is None:
                 continue
+            label = mode + (" (base)" if text_name.endswith("(base)") else "")
             for floor, values in paced.items():
                 f = values.get(mode, [])
                 added = [cpu(t) - f[i] for i, t in enumerate(tokens.rounds) if i < len(f)]
-                lines.append(f"| {mode} | {floor} | {fmt(f)} | {fmt(added)} | {judged(added, text)} |")
+                lines.append(f"| {label} | {floor} | {fmt(f)} | {fmt(added)} | {judged(added, text)} |")
     if pieces:
         first = next(m for m in modes if m.startswith("non-stream"))
         text_cpu = [cpu(r) for r in cells[(first, "text")].rounds] if (first, "text") in cells else []
@@ -444,6 +466,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="stream lengths in tokens (default 32 128; quick 4 12; not 16: vLLM's SamplingParams default, which a render leaves out and an engine reads as the rest of the context)")
     p.add_argument("--no-remote-render", action="store_true", help="skip the tokens(remote) row")
     p.add_argument("--no-direct", action="store_true", help="skip the direct (no router) row")
+    p.add_argument("--no-stream", action="store_true", help="non-stream requests only (no stream cells)")
+    p.add_argument("--base", default=None, metavar="DIR",
+                   help="A/B: also run text and tokens routers from the tree in DIR (e.g. a `git archive` of the "
+                        "base commit), interleaved with this tree's, as text(base) and tokens(base)")
+    p.add_argument("--base-env", action="append", default=[], metavar="NAME=VALUE",
+                   help="an environment variable for the --base routers only (repeatable; e.g. LD_PRELOAD=...)")
     p.add_argument("--rates", type=float, nargs="+", default=None, metavar="REQ_PER_S",
                    help="open loop: every target at each of these request rates, non-stream only (default: "
                         "closed loop at --concurrency, non-stream and streams)")
@@ -478,7 +506,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.rates:
         modes = [mode_label("non-stream", rate) for rate in args.rates]
     else:
-        modes = ["non-stream", *(f"stream {n}" for n in args.stream_tokens)]
+        modes = ["non-stream", *(() if args.no_stream else (f"stream {n}" for n in args.stream_tokens))]
     bodies = {m: chat_bodies(args.sessions, chars=args.chars, model=model.name, max_tokens=mode_tokens(m),
                              stream=not m.startswith("non-stream")) for m in modes}
     non_stream = modes[0]
@@ -515,6 +543,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             targets = [] if args.no_direct else [
                 Target("direct", [e.url for e in engines], lambda: {"backends": engine_pids}, is_proxy=False)]
             targets += [Target("text", [text.url], groups(text)), Target("tokens", [tokens.url], groups(tokens))]
+            if args.base:
+                base_env = dict(item.split("=", 1) for item in args.base_env)
+                text_base = start_router_in(args.base, tmp, *route, "--policy", "session", env=base_env)
+                tokens_base = start_router_in(args.base, tmp, *route, "--policy", "session",
+                                              *tokens_router_args(args.model_dir), env=base_env)
+                started += [text_base, tokens_base]
+                targets += [Target("text(base)", [text_base.url], groups(text_base)),
+                            Target("tokens(base)", [tokens_base.url], groups(tokens_base))]
             if not args.no_remote_render:
                 render = start_engine(tmp, args.model_dir, "--role", "render")
                 remote = start_router(tmp, *route, "--policy", "session",

@@ -80,9 +80,11 @@ _RUNNING_COMPLETION_TAIL = (b',"logprobs":null,"finish_reason":null,"stop_reason
                             b'"token_ids":null}]}\n\n')
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class DerenderOptions:
-    """The request fields derender reads (``from_chat`` / ``from_completion`` take them)."""
+    """The request fields derender reads (``from_chat`` / ``from_completion`` take them). Read-only by
+    convention (not ``frozen``: a frozen dataclass's ``__init__`` sets each field through
+    ``object.__setattr__``, ~3 µs of every tokens-mode request against ~0.7 µs)."""
 
     n: int = 1
     stop: tuple[str, ...] = ()
@@ -188,6 +190,7 @@ class ChoiceText:
             prompt_ids=prompt_ids,
             skip_special_tokens=options.skip_special_tokens,
             spaces_between_special_tokens=options.spaces_between_special_tokens,
+            one_shot=model.byte_level_decoder,
         )
         self._stops = (
             StopStrings(options.stop, include_stop_str_in_output=options.include_stop_str_in_output)
@@ -249,8 +252,8 @@ class ChoiceText:
         if (finish_reason == "stop" and ids and not self._include
                 and self._is_stop_token(ids[-1], stop_reason)):
             decode -= 1  # vLLM leaves the stop token's own text out
-        if stops is None:
-            text = self._detok.push(ids[:decode] if decode < len(ids) else ids)
+        if stops is None:  # and finish_reason is set: these are the choice's last ids
+            text = self._detok.push_final(ids[:decode] if decode < len(ids) else ids)
             self.tokens += len(ids)
             consumed = ids
         else:
@@ -399,12 +402,10 @@ class ChatDerender(_Base):
         self._collecting = False
         self._collected_ids: dict[int, list[int]] = {}
         self._collected_kv: dict[str, Any] | None = None
-        enc_id = encode(request_id)
         #: no token ids and no usage in running events: those are constant bytes around the text
         self._plain = not (self.options.return_token_ids or self.options.continuous_usage or self.options.logprobs)
         self._heads: dict[int, bytes] = {}
-        self._head = (b'data: {"id":' + enc_id + b',"object":"chat.completion.chunk","created":'
-                      + str(self.created).encode() + b',"model":' + encode(model.name) + b',"choices":[{"index":')
+        self._head = b""  # made at the first content event (a whole answer needs none)
 
     def _choice(self, index: int) -> ChoiceText:
         choice = self._choices.get(index)
@@ -572,6 +573,10 @@ class ChatDerender(_Base):
 
     def _content_head(self, index: int) -> bytes:
         head = self._heads.get(index)
+        if head is None and not self._heads:  # the first content event: the bytes every one starts with
+            self._head = (b'data: {"id":' + encode(self.request_id) + b',"object":"chat.completion.chunk","created":'
+                          + str(self.created).encode() + b',"model":' + encode(self.model.name)
+                          + b',"choices":[{"index":')
         if head is None:
             head = self._heads[index] = self._head + str(index).encode() + b',"delta":{"content":'
         return head

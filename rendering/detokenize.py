@@ -14,6 +14,7 @@ know (the model's vocabulary can be larger than the tokenizer's) decode to nothi
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
 
 import tokenizers
@@ -37,6 +38,12 @@ def prime_ids(tokenizer: tokenizers.Tokenizer, prompt_ids: Sequence[int], *,
     The last 8 ids do when their text is not empty and ends with a whole character: that character's
     bytes all lie in them, so the prompt's text ends with it too (any tail whose text ends on a
     character boundary gives the whole prompt's steps); otherwise the last 32 are checked as below."""
+    return _prime(tokenizer, prompt_ids, skip_special_tokens)[0]
+
+
+def _prime(tokenizer: tokenizers.Tokenizer, prompt_ids: Sequence[int],
+           skip_special_tokens: bool) -> tuple[list[int], str | None]:
+    """``prime_ids`` and, when it was decoded on the way, the text of those ids (else None)."""
     if len(prompt_ids) > _SHORT_TAIL:
         short = list(prompt_ids[-_SHORT_TAIL:])
         try:
@@ -44,7 +51,7 @@ def prime_ids(tokenizer: tokenizers.Tokenizer, prompt_ids: Sequence[int], *,
         except (TypeError, OverflowError):
             text = ""
         if text and not text.endswith(_REPLACEMENT):
-            return short
+            return short, text
     tail = list(prompt_ids[-_PRIME_TAIL:])
     if len(tail) < len(prompt_ids):
         try:
@@ -52,25 +59,37 @@ def prime_ids(tokenizer: tokenizers.Tokenizer, prompt_ids: Sequence[int], *,
         except (TypeError, OverflowError):
             clean = True
         if not clean:
-            return list(prompt_ids)
-    return tail
+            return list(prompt_ids), None
+    return tail, None
 
 
-def _stream(tokenizer: tokenizers.Tokenizer, prompt_ids: Sequence[int] | None,
-            skip_special_tokens: bool) -> DecodeStream:
-    if prompt_ids:
+def _stream(tokenizer: tokenizers.Tokenizer, prime: list[int], skip_special_tokens: bool) -> DecodeStream:
+    if prime:
         try:
-            return DecodeStream(ids=prime_ids(tokenizer, prompt_ids, skip_special_tokens=skip_special_tokens),
-                                skip_special_tokens=skip_special_tokens)
-        except (TypeError, OverflowError):  # an id no tokenizer holds: start unprimed
+            return DecodeStream(ids=prime, skip_special_tokens=skip_special_tokens)
+        except (TypeError, OverflowError):  # an id no tokenizer can hold: start unprimed
             pass
     return DecodeStream(skip_special_tokens=skip_special_tokens)
+
+
+def byte_level_decoder(tokenizer: tokenizers.Tokenizer) -> bool:
+    """The tokenizer's decoder is ``ByteLevel`` alone: a decode is the UTF-8 text of the ids' bytes put
+    end to end (``IncrementalDetokenizer.push_final`` may then decode a whole answer in one call)."""
+    decoder = tokenizer.decoder
+    if decoder is None:
+        return False
+    try:
+        spec = json.loads(decoder.__getstate__())
+    except (TypeError, ValueError, AttributeError):
+        return False
+    return isinstance(spec, dict) and spec.get("type") == "ByteLevel"
 
 
 class IncrementalDetokenizer:
     """One output sequence's text, one token at a time (one instance per choice)."""
 
-    __slots__ = ("_tokenizer", "_stream", "_skip", "_added", "_last_special")
+    __slots__ = ("_tokenizer", "_stream", "_skip", "_added", "_last_special", "_prime", "_prime_text",
+                 "_one_shot")
 
     def __init__(
         self,
@@ -79,10 +98,20 @@ class IncrementalDetokenizer:
         prompt_ids: Sequence[int] | None = None,
         skip_special_tokens: bool = True,
         spaces_between_special_tokens: bool = True,
+        one_shot: bool = False,
     ) -> None:
+        """``one_shot``: the tokenizer's decoder is byte-level (``byte_level_decoder``), so that
+        ``push_final`` may decode a whole answer in one call."""
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
-        self._stream = _stream(tokenizer, prompt_ids, skip_special_tokens)
+        self._prime: list[int]
+        self._prime_text: str | None
+        if prompt_ids:
+            self._prime, self._prime_text = _prime(tokenizer, prompt_ids, skip_special_tokens)
+        else:
+            self._prime, self._prime_text = [], ""
+        #: made at the first step (a whole answer decoded in one call needs none)
+        self._stream: DecodeStream | None = None
         # vLLM writes consecutive special tokens without a separator only when they are kept
         # and the request turned spaces_between_special_tokens off.
         self._added: dict[int, str] | None = None
@@ -90,6 +119,11 @@ class IncrementalDetokenizer:
         if not skip_special_tokens and not spaces_between_special_tokens:
             added = {tid: tok.content for tid, tok in tokenizer.get_added_tokens_decoder().items()}
             self._added = added or None
+        self._one_shot = one_shot and self._added is None
+
+    def _open(self) -> DecodeStream:
+        stream = self._stream = _stream(self._tokenizer, self._prime, self._skip)
+        return stream
 
     def _recover(self, token_id: int, exc: Exception) -> str | None:
         """``step`` failed: an impossible id decodes to nothing; a broken prefix restarts."""
@@ -97,13 +131,16 @@ class IncrementalDetokenizer:
             return None
         if not str(exc).startswith(_INVALID_PREFIX):
             raise exc
-        self._stream = DecodeStream(skip_special_tokens=self._skip)
-        return self._stream.step(self._tokenizer, token_id)
+        stream = self._stream = DecodeStream(skip_special_tokens=self._skip)
+        return stream.step(self._tokenizer, token_id)
 
     def push_one(self, token_id: int) -> str:
         """The text ``token_id`` completes ("" while a character is still incomplete)."""
+        stream = self._stream
+        if stream is None:
+            stream = self._open()
         try:
-            text = self._stream.step(self._tokenizer, token_id)
+            text = stream.step(self._tokenizer, token_id)
         except Exception as exc:
             text = self._recover(token_id, exc)
         if self._added is not None:
@@ -117,7 +154,10 @@ class IncrementalDetokenizer:
         """The new text for ``token_ids``; never ends inside a multi-byte UTF-8 character."""
         step = self.push_one
         if self._added is None:
-            stream_step = self._stream.step
+            stream = self._stream
+            if stream is None:
+                stream = self._open()
+            stream_step = stream.step
             tokenizer = self._tokenizer
             parts: list[str] = []
             for token_id in token_ids:
@@ -125,11 +165,35 @@ class IncrementalDetokenizer:
                     text = stream_step(tokenizer, token_id)
                 except Exception as exc:
                     text = self._recover(token_id, exc)
-                    stream_step = self._stream.step
+                    stream_step = self._stream.step  # type: ignore[union-attr]  # _recover made one
                 if text:
                     parts.append(text)
             return "".join(parts) if len(parts) != 1 else parts[0]
         return "".join([step(token_id) for token_id in token_ids])
+
+    def push_final(self, token_ids: list[int]) -> str:
+        """``push(token_ids)`` when they are the sequence's last ids (a whole answer): the same text.
+
+        With a byte-level decoder and nothing pushed before, one ``decode`` of the prime + ``token_ids``
+        gives it, minus the prime's text: such a decode is the UTF-8 text of the ids' bytes end to end,
+        and when it holds no U+FFFD every byte sequence in it is whole and valid, so the stream's steps
+        (each the text of the bytes up to a character boundary) add up to the same text and hold
+        nothing back at the end. Otherwise (a U+FFFD anywhere, an id no tokenizer can hold, a text that
+        does not extend the prime's) it steps the stream as ``push`` does."""
+        if self._one_shot and self._stream is None and token_ids:
+            tokenizer = self._tokenizer
+            prime = self._prime
+            skip = self._skip
+            try:
+                prefix = self._prime_text
+                if prefix is None:
+                    prefix = self._prime_text = tokenizer.decode(prime, skip_special_tokens=skip)
+                full = tokenizer.decode(prime + token_ids if prime else token_ids, skip_special_tokens=skip)
+            except (TypeError, OverflowError):
+                full = None
+            if full is not None and _REPLACEMENT not in full and full.startswith(prefix):
+                return full[len(prefix):]
+        return self.push(token_ids)
 
 
 def detokenize(

@@ -278,10 +278,11 @@ def _analyze(tokenizer: tokenizers.Tokenizer) -> tuple[CutRule | None, str]:
     return _pre_tokenizer_rule(spec, added, nfc=nfc)
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+@dataclass(slots=True, eq=False)
 class PromptState:
     """One session's last rendered prompt: its text, its ids (``encode(text).ids``, never to be mutated)
-    and the clean cuts the next turn may start from."""
+    and the clean cuts the next turn may start from. Read-only by convention (not ``frozen``: one is made
+    per render, and a frozen dataclass's ``__init__`` sets each field through ``object.__setattr__``)."""
 
     text: str
     token_ids: list[int]
@@ -421,7 +422,11 @@ class PromptEncoder:
             if start > 0 and (not mark_pos or mark_pos[-1] != start):
                 mark_pos.append(start)
                 mark_count.append(len(ids))
-            ids += encode(text[start:]) if start else encode(text)
+            tail = encode(text[start:]) if start else encode(text)
+            if ids:
+                ids += tail
+            else:  # a first render: the encode's own list (no copy)
+                ids = tail
             if n > start:
                 mark_pos.append(n)
                 mark_count.append(len(ids))

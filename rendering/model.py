@@ -20,6 +20,7 @@ from typing import Any
 import tokenizers
 
 from contract.errors import ConfigError
+from rendering.detokenize import byte_level_decoder
 
 #: the shipped model (tiny-llama's tokenizer files), found from this package's own location; the
 #: package is installed editable, so this is the repository's ``models/tiny-llama``
@@ -67,6 +68,9 @@ class RenderModel:
     special_tokens: dict[str, str] = field(default_factory=dict)
     #: ``truncation_side`` of tokenizer_config.json ("right" unless it says "left")
     truncation_side: str = "right"
+    #: the tokenizer's decoder is byte-level (``rendering.detokenize.byte_level_decoder``): a whole
+    #: answer can be detokenized in one ``decode`` instead of a stream step per id
+    byte_level_decoder: bool = False
 
 
 def load_model(
@@ -127,6 +131,7 @@ def load_model(
         max_chars_per_token=max(len(token) for token in vocab),
         special_tokens=specials,
         truncation_side="left" if tok_config.get("truncation_side") == "left" else "right",
+        byte_level_decoder=byte_level_decoder(tokenizer),
     )
 
 

@@ -114,7 +114,7 @@ def new_request_id(prefix: str) -> str:
     return f"{prefix}-{random_id()}"
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class _Limits:
     """``TokenizeParams``: the context budget one request's prompt is checked against."""
 
@@ -135,6 +135,8 @@ class Renderer:
                           if model.chat_template else None)
         self._knows_developer = bool(model.chat_template) and (
             '"developer"' in model.chat_template or "'developer'" in model.chat_template)
+        #: the names a render passes to the template: those it reads, and apply_chat_template's own
+        self._accepted = (self._template.variables | _APPLY_KWARGS) if self._template is not None else _APPLY_KWARGS
         self._defaults = dict(model.default_sampling)
         self._default_max_tokens: int | None = self._defaults.pop("max_tokens", None)
 
@@ -431,7 +433,7 @@ class Renderer:
         if reasoning_effort is not None and "enable_thinking" not in (chat_template_kwargs or {}):
             own["enable_thinking"] = reasoning_effort != "none"
         kwargs.update({k: v for k, v in own.items() if v is not None and v != "auto"})
-        accepted = template.variables | _APPLY_KWARGS
+        accepted = self._accepted
         kwargs = {k: v for k, v in kwargs.items() if k in accepted}
         if kwargs.get("continue_final_message") and kwargs.get("add_generation_prompt"):
             raise BadRequestError(_BOTH_PROMPT_FLAGS)

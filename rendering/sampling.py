@@ -39,6 +39,7 @@ _DEFAULTS: dict[str, Any] = {
     "top_k": 0,
     "min_p": 0.0,
 }
+_REPETITION, _PRESENCE, _FREQUENCY, _TEMPERATURE, _TOP_P, _TOP_K, _MIN_P = _DEFAULTS.values()
 #: StructuredOutputsParams' public fields, in its order (vLLM writes them all)
 _STRUCTURED_FIELDS: dict[str, Any] = {
     "json": None, "regex": None, "choice": None, "grammar": None, "json_object": None,
@@ -85,9 +86,28 @@ def _build(
     logprobs: int | None,
     prompt_logprobs: int | None,
 ) -> SamplingParams:
-    picked = {name: value if (value := getattr(req, name)) is not None else defaults.get(name, fallback)
-              for name, fallback in _DEFAULTS.items()}
-    temperature = picked["temperature"]
+    # each unset field: generation_config's default, else vLLM's (the _DEFAULTS objects themselves)
+    repetition_penalty = req.repetition_penalty
+    if repetition_penalty is None:
+        repetition_penalty = defaults.get("repetition_penalty", _REPETITION)
+    presence_penalty = req.presence_penalty
+    if presence_penalty is None:
+        presence_penalty = defaults.get("presence_penalty", _PRESENCE)
+    frequency_penalty = req.frequency_penalty
+    if frequency_penalty is None:
+        frequency_penalty = defaults.get("frequency_penalty", _FREQUENCY)
+    temperature = req.temperature
+    if temperature is None:
+        temperature = defaults.get("temperature", _TEMPERATURE)
+    top_p = req.top_p
+    if top_p is None:
+        top_p = defaults.get("top_p", _TOP_P)
+    top_k = req.top_k
+    if top_k is None:
+        top_k = defaults.get("top_k", _TOP_K)
+    min_p = req.min_p
+    if min_p is None:
+        min_p = defaults.get("min_p", _MIN_P)
     if 0 < temperature < _MAX_TEMP:
         temperature = _MAX_TEMP
     seed = None if req.seed == -1 else req.seed
@@ -103,9 +123,9 @@ def _build(
     if req.ec_transfer_params:
         extra_args["ec_transfer_params"] = req.ec_transfer_params
 
-    _verify(n=n, presence_penalty=picked["presence_penalty"], frequency_penalty=picked["frequency_penalty"],
-            repetition_penalty=picked["repetition_penalty"], temperature=temperature, top_p=picked["top_p"],
-            top_k=picked["top_k"], min_p=picked["min_p"], max_tokens=max_tokens, min_tokens=req.min_tokens,
+    _verify(n=n, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+            repetition_penalty=repetition_penalty, temperature=temperature, top_p=top_p,
+            top_k=top_k, min_p=min_p, max_tokens=max_tokens, min_tokens=req.min_tokens,
             stream_interval=req.stream_interval, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             stop=stop, bad_words=bad_words, extra_args=extra_args)
     greedy = temperature < _SAMPLING_EPS
@@ -113,9 +133,9 @@ def _build(
         raise validation_error(f"n must be 1 when using greedy sampling, got {n}.")
 
     fields: dict[str, Any] = {
-        "presence_penalty": picked["presence_penalty"],
-        "frequency_penalty": picked["frequency_penalty"],
-        "repetition_penalty": picked["repetition_penalty"],
+        "presence_penalty": presence_penalty,
+        "frequency_penalty": frequency_penalty,
+        "repetition_penalty": repetition_penalty,
         "temperature": temperature,
         "stop": stop,
         "stop_token_ids": stop_token_ids,
@@ -130,10 +150,10 @@ def _build(
     if req.watermarking is not None:
         fields["watermarking"] = req.watermarking
     if not greedy:  # greedy sampling resets these to the defaults
-        fields["top_p"] = picked["top_p"]
-        fields["min_p"] = picked["min_p"]
-        if picked["top_k"] != 0:
-            fields["top_k"] = picked["top_k"]
+        fields["top_p"] = top_p
+        fields["min_p"] = min_p
+        if top_k != 0:
+            fields["top_k"] = top_k
     if seed is not None:
         fields["seed"] = seed
     if req.ignore_eos:

@@ -79,10 +79,11 @@ def generate_payload(request: GenerateRequest, *, stream: bool) -> bytes:
     kind = OUTPUT_DELTA if stream else OUTPUT_FINAL_ONLY
     if sampling.output_kind != kind:
         changes["output_kind"] = kind
+    options = _STREAM_USAGE if stream else None
     if changes:
         sampling = msgspec.structs.replace(sampling, **changes)
-    request = msgspec.structs.replace(request, sampling_params=sampling, stream=stream,
-                                      stream_options=_STREAM_USAGE if stream else None)
+    if changes or request.stream is not stream or request.stream_options is not options:
+        request = msgspec.structs.replace(request, sampling_params=sampling, stream=stream, stream_options=options)
     # max_tokens written even at 16: a generate route reads a missing one as the remaining context
     return encode_generate_request(request, explicit_max_tokens=True)
 

@@ -84,6 +84,48 @@ def test_tokens_report_compares_added_cost_with_the_text_path_round_by_round() -
     assert "| +0.75 [+0.50–+1.00] |" in per_token["tokens"]  # TTFT added: 3.0-2.0 and 3.0-2.5
 
 
+def test_tokens_report_judges_the_base_tree_beside_this_one() -> None:
+    """--base: the base tree's text and tokens routers get their own verdict row, from their own cells."""
+    args = argparse.Namespace(sessions=10, chars=1000, concurrency=16, warmup=0.5, seconds=3.0, rounds=2)
+    names = ("text", "tokens", "text(base)", "tokens(base)")
+    targets = [tokens_overhead.Target(name, []) for name in names]
+    cpu = {"text": (100, 110), "tokens": (400, 430), "text(base)": (120, 120), "tokens(base)": (500, 520)}
+    cells = {("non-stream", name): tokens_overhead.Cell("non-stream", name, [_result(a), _result(b)])
+             for name, (a, b) in cpu.items()}
+    facts = {"date": "d", "nproc": "2", "cpu": "c", "kernel": "k", "loadavg": "0", "python": "3.11", "aiohttp": "a",
+             "uvloop": "u", "httptools": "h", "msgspec": "m", "tokenizers": "t", "command": "cmd", "prompt_tokens": "300"}
+    text = tokens_overhead.render_report(cells, targets, ["non-stream"], {"non-stream": [320.0, 300.0]}, [700.0],
+                                         facts, args)
+    ours = next(line for line in text.splitlines() if line.startswith("| non-stream | 105 [100–110] | 415"))
+    base = next(line for line in text.splitlines() if line.startswith("| non-stream (base) | 120 [120–120] | 510"))
+    assert "| 105 [80–130] | ⚠️ 1/2 rounds; median 105 vs 105 |" in ours
+    assert "| 200 [180–220] | ❌ 0/2 rounds; median 200 vs 120 |" in base  # 500-320, 520-300 over 120
+
+
+def test_start_router_in_runs_the_named_trees_code(tmp_path: Path) -> None:
+    """--base's routers import the base tree's code: the tree is their working directory."""
+    tree = tmp_path / "tree"
+    (tree / "router").mkdir(parents=True)
+    (tree / "router" / "__init__.py").write_text("")
+    (tree / "router" / "__main__.py").write_text(
+        "import os, sys\nopen(os.environ['MARK'], 'w').write(__file__)\nsys.exit(3)\n")
+    mark = tmp_path / "mark"
+    with pytest.raises(AssertionError, match="exited with 3"):
+        tokens_overhead.start_router_in(str(tree), str(tmp_path), env={"MARK": str(mark)})
+    assert mark.read_text() == str(tree / "router" / "__main__.py")
+
+
+def test_tokens_glue_measures_this_tree_and_a_base_one() -> None:
+    """bench.tokens_glue: every part measured, in process and in a child importing another tree."""
+    from bench import tokens_glue
+
+    here = tokens_glue.measure(tokens_glue.MODEL_DIR, repeats=1)
+    assert set(here) == set(tokens_glue.PARTS) and all(v > 0 for v in here.values())
+    assert here["glue"] > here["payload"]
+    child = tokens_glue.measure_in(str(REPO), tokens_glue.MODEL_DIR, repeats=1)
+    assert set(child) == set(tokens_glue.PARTS) and all(v > 0 for v in child.values())
+
+
 def test_render_report_ratio_and_target() -> None:
     args = argparse.Namespace(sessions=5, chars=5500, concurrency=[1, 4], warmup=0.5, seconds=3.0, rounds=2)
     facts = {"date": "d", "nproc": "2", "cpu": "c", "kernel": "k", "loadavg": "0", "python": "3.11", "tokenizers": "t",

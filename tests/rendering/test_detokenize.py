@@ -198,3 +198,72 @@ def test_a_broken_prefix_restarts_the_stream_at_that_token(monkeypatch: pytest.M
     d = module.IncrementalDetokenizer(TOKENIZER)
     with pytest.raises(Exception, match="other"):
         d.push([98])
+
+
+def test_the_shipped_tokenizer_has_a_byte_level_decoder() -> None:
+    from rendering.detokenize import byte_level_decoder
+    from rendering.model import load_model
+
+    assert byte_level_decoder(TOKENIZER)
+    assert load_model(ROOT / "models" / "tiny-llama").byte_level_decoder
+    metaspace = Tokenizer.from_str(TOKENIZER.to_str())
+    from tokenizers import decoders
+
+    metaspace.decoder = decoders.Metaspace()
+    assert not byte_level_decoder(metaspace)  # not proven for other decoders: answers are stepped
+    metaspace.decoder = None
+    assert not byte_level_decoder(metaspace)
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    prompt=st.lists(st.integers(min_value=0, max_value=VOCAB + 10), max_size=80),
+    ids=st.lists(st.integers(min_value=0, max_value=VOCAB + 10), max_size=24),
+    skip=st.booleans(),
+    spaces=st.booleans(),
+)
+def test_a_whole_answer_in_one_decode_is_the_streams_text(prompt: list[int], ids: list[int], skip: bool,
+                                                          spaces: bool) -> None:
+    """push_final (one decode when it can) == vLLM 0.32's stream stepped id by id, whatever the ids."""
+    d = IncrementalDetokenizer(TOKENIZER, prompt_ids=prompt, skip_special_tokens=skip,
+                               spaces_between_special_tokens=spaces, one_shot=True)
+    stepped = IncrementalDetokenizer(TOKENIZER, prompt_ids=prompt, skip_special_tokens=skip,
+                                     spaces_between_special_tokens=spaces).push(ids)
+    assert d.push_final(ids) == stepped
+    if spaces or skip:
+        assert stepped == _vllm_032(ids, prompt, skip)
+
+
+@pytest.mark.parametrize("case", range(len(GOLDEN)))
+def test_golden_text_in_one_decode(case: int) -> None:
+    ids = GOLDEN[case]["request"]["generate_response"]["choices"][0]["token_ids"]
+    d = IncrementalDetokenizer(TOKENIZER, one_shot=True)
+    assert d.push_final(ids) == GOLDEN[case]["response"]["choices"][0]["message"]["content"]
+
+
+def test_one_decode_is_used_only_where_it_is_proven(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Valid text: one decode, no stream; a U+FFFD, an impossible id or an earlier push: the stream."""
+    import rendering.detokenize as module
+
+    made: list[int] = []
+
+    def Counting(*args: object, **kwargs: object) -> DecodeStream:  # noqa: N802 (stands in for the class)
+        made.append(1)
+        return DecodeStream(*args, **kwargs)
+
+    monkeypatch.setattr(module, "DecodeStream", Counting)
+    prompt = ids_of("hello the")
+    assert IncrementalDetokenizer(TOKENIZER, prompt_ids=prompt, one_shot=True).push_final(ids_of(" quick €")) == " quick €"
+    assert made == []
+    euro = [byte_token(b) for b in "€".encode()]
+    broken = ids_of(" a") + euro[:2] + ids_of(" b")  # an invalid sequence in the middle: U+FFFD
+    assert (IncrementalDetokenizer(TOKENIZER, prompt_ids=prompt, one_shot=True).push_final(broken)
+            == _vllm_032(broken, prompt))
+    assert made == [1]
+    assert IncrementalDetokenizer(TOKENIZER, one_shot=True).push_final(ids_of("a") + [-1]) == "a"
+    assert made == [1, 1]
+    d = IncrementalDetokenizer(TOKENIZER, prompt_ids=prompt, one_shot=True)
+    assert d.push(ids_of(" x")) + d.push_final(ids_of(" y")) == " x y"
+    assert made == [1, 1, 1]
+    assert IncrementalDetokenizer(TOKENIZER, prompt_ids=prompt).push_final(ids_of(" z")) == " z"  # not one_shot
+    assert made == [1, 1, 1, 1]
