@@ -53,6 +53,30 @@ with a session staying where its KV is until moving is clearly cheaper (DESIGN.m
   so never above its prediction) and only the candidates whose floor is clearly faster than the pin
   are predicted: the same choices as predicting all of them (the fastest matters only when it is
   clearly faster, and then its floor is too), e.g. none when every engine queues alike.
+- *no pass* (``_settled``): when every engine queues alike the fast path's floor (no wait) is below
+  the pin's prediction on every request, and that pass finds no rival each time. So the pass also
+  leaves what it saw (``_Settle``): the available members' smallest queue ``Q`` (``waiting +
+  in_flight - in_flight_at_scrape``, 0 when one does not queue), cost per queued request ``G``,
+  load ``L`` (``in_flight + others_at_scrape``) and busy cost ``B`` (0 when one has none), and its
+  load total. The pool's ``Ledger`` (``router.membership``, kept by ``Backend.__setattr__``, so by
+  every writer) counts the in-flight units added to and dropped from available members since, and
+  bumps a version on any other change a pass reads (availability, the scrape's fields, learned
+  constants, membership, an in-flight count below 0). While the version is the pass's, with ``D``
+  units dropped since, no member's in-flight count fell by more than ``D``, and each term of a
+  candidate's floor is monotonic in its in-flight count and in each constant (none negative; the
+  configured ``queued_request_s`` >= 0), so with ``predict``'s operations in its order (rounding is
+  monotonic)::
+
+      min_step + uncached * min_per_token + (max(0, Q - D) * G + max(0, L - D) * B)
+
+  is at most every candidate's floor (the pin's included: a lower bound over more members is still
+  one). When the pin is not clearly slower than it, no candidate is a rival: the pass would find
+  none, and its stats are known without it: the load total is the pass's moved by ``added -
+  drops``, exact because every load is a whole number (``Ledger.inexact``: else no answer), the
+  count and cheapest constants are the pass's. Not used with a ``reported_load_weight`` (its
+  products are not whole numbers), with excluded backends, or on a model's candidate set (no
+  ledger of its own). Requests finishing lower the bound: after about ``Q`` of them a pass runs
+  again and takes a new snapshot.
 - *hysteresis*: a move off the pin for "wait" or "kv_pressure" also needs the pin's *settled*
   prediction (``_settled_ttft``: its learned constants, its KV pressure, and of its queue only what
   persisted over its last two scrapes, ``Backend.queued_floor``, lowered by requests finished since
