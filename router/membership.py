@@ -31,8 +31,9 @@ class Ledger:
     no-pass settlement): kept by ``Backend.__setattr__`` for the backends of one ``BackendPool``.
 
     - ``added`` / ``drops``: in-flight units added to / removed from the pool's *available* members
-      (``healthy`` and not ``draining``), counted as ``in_flight`` is written: ``added - drops`` is
-      how much their in-flight total moved, ``drops`` the most any one of them fell.
+      (``healthy`` and not ``draining``), counted as ``in_flight`` is written: between two moments,
+      the change of ``added - drops`` is how much their in-flight total moved, and the change of
+      ``drops`` bounds how far any one member's count fell.
     - ``version``: bumped whenever anything else a placement pass reads of a member changes value
       (``WATCHED``: availability, the scrape's queue and load fields, the learned constants; not
       ``reported_load``, which ``kv_aware`` reads only with a ``reported_load_weight``), when a

@@ -73,7 +73,8 @@ with a session staying where its KV is until moving is clearly cheaper (DESIGN.m
   one). When the pin is not clearly slower than it, no candidate is a rival: the pass would find
   none, and its stats are known without it: the load total is the pass's moved by ``added -
   drops``, exact because every load is a whole number (``Ledger.inexact``: else no answer), the
-  count and cheapest constants are the pass's. Not used with a ``reported_load_weight`` (its
+  count and cheapest constants are the pass's. Loads are not negative (a pass that sees one below
+  0 leaves nothing; an in-flight count written below 0 bumps the version), so no busy term is. Not used with a ``reported_load_weight`` (its
   products are not whole numbers), with excluded backends, or on a model's candidate set (no
   ledger of its own). Requests finishing lower the bound: after about ``Q`` of them a pass runs
   again and takes a new snapshot.
