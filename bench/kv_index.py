@@ -21,13 +21,22 @@ Measured, on that index (median of ``--repeats`` runs, CPU time of this one proc
 
 ``python -m bench.kv_index`` writes its section of ``bench/RESULTS.md``; ``--quick`` runs a small
 scene (a smoke test; nothing written).
+
+``--compare`` measures only the placement scenarios, on the same scene, with the current policy next
+to ``tests/router/placement/kv_aware_reference.py`` (the policy before its all-candidates path was
+made faster) and, with ``--baseline FILE``, a ``kv_aware.py`` of another commit (``git show
+COMMIT:router/placement/kv_aware.py > FILE``), interleaved (each repeat times every policy in
+turn); every decision is compared (backend, outcome, reason, cached tokens, wait and predicted
+TTFT). It prints a table and writes nothing.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+from collections import deque
 import hashlib
+import importlib.util
 import os
 import platform
 import statistics
@@ -40,7 +49,7 @@ from bench.router_overhead import write_section
 from contract.kv_events import BlockRemoved, BlockStored
 from router.kv.index import MAX_TAGS, KVIndex
 from router.membership import Backend, BackendPool
-from router.placement.base import PlacementHint
+from router.placement.base import Placement, PlacementHint
 from router.placement.kv_aware import KVAwarePolicy
 from router.sessions.table import SessionEntry
 
@@ -147,52 +156,193 @@ def event_costs(scene: Scene, calls: int, repeats: int) -> dict[str, tuple[float
     return out
 
 
-def placement_costs(scene: Scene, calls: int, repeats: int) -> dict[str, float]:
-    """Name -> median microseconds per call."""
-    index = scene.index
-    pool = BackendPool("default", [Backend(url) for url in scene.urls])
-    policy = KVAwarePolicy(kv=index)
-    entries = []
-    for s in range(scene.sessions):
-        entry = SessionEntry(f"sess-{s}", created=0.0, last_active=0.0, last_seen=0.0)
-        entry.pins["default"] = scene.urls[s % len(scene.urls)]
-        entries.append(entry)
-    hint = PlacementHint(prompt_tokens_estimate=(SYSTEM_BLOCKS + OWN_BLOCKS + 8) * BS, last_tokens=640)
-    out: dict[str, float] = {}
+#: the placement scenarios: name -> how it sets the pool's engines (applied in this order, on one pool)
+def _idle(pool: BackendPool) -> None:
+    for backend in pool.members:
+        backend.engine_waiting = 0
+        backend.kv_usage = 0.0
 
-    def cycle(fn: Callable[[int], object]) -> Callable[[], object]:
-        state = [0]
 
-        def one() -> object:
-            i = state[0] = (state[0] + 7919) % scene.sessions
-            return fn(i)
-
-        return one
-
-    def place(i: int) -> object:
-        entry = entries[i]
-        return policy.place(pool, entry.session_id, entry, hint=hint)
-
-    out["kv_aware place(), pinned, engines idle (fast path)"] = median_us(
-        [per_call(cycle(place), calls) for _ in range(repeats)])
+def _queueing(pool: BackendPool) -> None:
     for backend in pool.members:  # every engine queueing: the pin's prediction no longer settles it
         backend.engine_waiting = 5
-    out["kv_aware place(), pinned, every engine queueing alike (no candidate's floor beats the pin)"] = median_us(
-        [per_call(cycle(place), calls) for _ in range(repeats)])
+        backend.kv_usage = 0.0
+
+
+def _kv_full(pool: BackendPool) -> None:
     # every engine idle with a full KV cache: each candidate's floor (its prediction without the KV-pressure
     # term) is clearly faster than the pin, so every candidate is predicted (none is: no session moves)
     for backend in pool.members:
         backend.engine_waiting = 0
         backend.kv_usage = 1.0
-    out[f"kv_aware place(), pinned, every KV cache full (all {len(pool.members) - 1} others predicted)"] = median_us(
-        [per_call(cycle(place), calls) for _ in range(repeats)])
+
+
+#: requests in flight in the scenario with traffic: each placement sends one and the oldest finishes
+TRAFFIC_IN_FLIGHT = 16
+
+
+def scenarios(backends: int) -> list[tuple[str, Callable[[BackendPool], None], bool]]:
+    """(name, how it sets the engines, whether requests are sent and finish between placements)."""
+    return [
+        ("kv_aware place(), pinned, engines idle (fast path)", _idle, False),
+        ("kv_aware place(), pinned, every engine queueing alike (no candidate's floor beats the pin)", _queueing,
+         False),
+        ("kv_aware place(), pinned, every engine queueing alike, a request sent and one finished per placement "
+         f"({TRAFFIC_IN_FLIGHT} in flight; the in-flight writes included)", _queueing, True),
+        (f"kv_aware place(), pinned, every KV cache full (all {backends - 1} others predicted)", _kv_full, False),
+    ]
+
+
+class Traffic:
+    """Requests sent and finished around placements: each placed backend's in-flight count goes up
+    (as the proxy's does) and the oldest request in flight finishes (its backend's goes down), so
+    ``TRAFFIC_IN_FLIGHT`` stay in flight; ``close`` finishes them."""
+
+    def __init__(self, pool: BackendPool) -> None:
+        self.ring: deque[Backend] = deque()
+        for backend in pool.members[:TRAFFIC_IN_FLIGHT]:
+            backend.in_flight += 1
+            self.ring.append(backend)
+
+    def after(self, backend: Backend) -> None:
+        backend.in_flight += 1
+        self.ring.append(backend)
+        self.ring.popleft().in_flight -= 1
+
+    def wrap(self, place: Callable[[int], Placement]) -> Callable[[int], Placement]:
+        def one(i: int) -> Placement:
+            placement = place(i)
+            self.after(placement.backend)
+            return placement
+
+        return one
+
+    def close(self) -> None:
+        while self.ring:
+            self.ring.popleft().in_flight -= 1
+
+
+def _pinned_entries(scene: Scene) -> list[SessionEntry]:
+    entries = []
+    for s in range(scene.sessions):
+        entry = SessionEntry(f"sess-{s}", created=0.0, last_active=0.0, last_seen=0.0)
+        entry.pins["default"] = scene.urls[s % len(scene.urls)]
+        entries.append(entry)
+    return entries
+
+
+PLACE_HINT = PlacementHint(prompt_tokens_estimate=(SYSTEM_BLOCKS + OWN_BLOCKS + 8) * BS, last_tokens=640)
+
+
+def _cycle(sessions: int, fn: Callable[[int], object]) -> Callable[[], object]:
+    """``fn`` of the next session, stepping through them by a prime (not in pin order)."""
+    state = [0]
+
+    def one() -> object:
+        i = state[0] = (state[0] + 7919) % sessions
+        return fn(i)
+
+    return one
+
+
+def placement_costs(scene: Scene, calls: int, repeats: int) -> dict[str, float]:
+    """Name -> median microseconds per call."""
+    index = scene.index
+    pool = BackendPool("default", [Backend(url) for url in scene.urls])
+    policy = KVAwarePolicy(kv=index)
+    entries = _pinned_entries(scene)
+    out: dict[str, float] = {}
+
+    def place(i: int) -> Placement:
+        entry = entries[i]
+        return policy.place(pool, entry.session_id, entry, hint=PLACE_HINT)
+
+    for name, setup, traffic in scenarios(len(pool.members)):
+        setup(pool)
+        samples = []
+        for _ in range(repeats):
+            moving = Traffic(pool) if traffic else None
+            samples.append(per_call(_cycle(scene.sessions, moving.wrap(place) if moving else place), calls))
+            if moving:
+                moving.close()
+        out[name] = median_us(samples)
     out["KVIndex.session_tokens()"] = median_us(
-        [per_call(cycle(lambda i: index.session_tokens(f"sess-{i}")), calls) for _ in range(repeats)])
+        [per_call(_cycle(scene.sessions, lambda i: index.session_tokens(f"sess-{i}")), calls) for _ in range(repeats)])
     prompts = [scene.prompt(s) for s in range(0, scene.sessions, max(1, scene.sessions // 512))]
     out[f"KVIndex.prefix_tokens(), {len(prompts[0])}-token prompt ({len(prompts[0]) // BS} blocks)"] = median_us(
-        [per_call(cycle(lambda i: index.prefix_tokens(prompts[i % len(prompts)])), calls // 10)
+        [per_call(_cycle(scene.sessions, lambda i: index.prefix_tokens(prompts[i % len(prompts)])), calls // 10)
          for _ in range(repeats)])
     return out
+
+
+def load_policy_class(path: str, module: str, cls: str) -> type:
+    """The class ``cls`` of the Python file ``path`` (another commit's policy, or the test's reference)."""
+    spec = importlib.util.spec_from_file_location(module, path)
+    assert spec is not None and spec.loader is not None, path
+    loaded = importlib.util.module_from_spec(spec)
+    sys.modules[module] = loaded  # dataclasses look their module up
+    spec.loader.exec_module(loaded)
+    return getattr(loaded, cls)  # type: ignore[no-any-return]
+
+
+#: placements per scenario whose decisions ``compare_placement`` compares
+DECISIONS = 2000
+
+
+def compare_placement(scene: Scene, calls: int, repeats: int, baseline: str | None
+                      ) -> tuple[list[str], dict[str, dict[str, float]], dict[str, str]]:
+    """(policy labels, scenario -> label -> median µs per call, scenario -> what the decisions were).
+    Every policy places the same sessions on the same pool; the decisions of ``verify`` calls per
+    scenario are compared (an ``AssertionError`` names the first that differs)."""
+    reference = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                             "tests", "router", "placement", "kv_aware_reference.py")
+    classes: dict[str, type] = {
+        "reference": load_policy_class(reference, "_kv_aware_reference", "ReferenceKVAwarePolicy")}
+    if baseline is not None:
+        classes["baseline"] = load_policy_class(baseline, "_kv_aware_baseline", "KVAwarePolicy")
+    classes["current"] = KVAwarePolicy
+    policies = {label: cls(kv=scene.index) for label, cls in classes.items()}
+    pool = BackendPool("default", [Backend(url) for url in scene.urls])
+    entries = {label: _pinned_entries(scene) for label in policies}
+    timings: dict[str, dict[str, float]] = {}
+    decisions: dict[str, str] = {}
+    for name, setup, traffic in scenarios(len(pool.members)):
+        setup(pool)
+        samples: dict[str, list[float]] = {label: [] for label in policies}
+        for _ in range(repeats):
+            for label, policy in policies.items():
+                own = entries[label]
+                place = policy.place  # type: ignore[attr-defined]
+
+                def one(i: int, own: list[SessionEntry] = own, place: Callable[..., Placement] = place) -> Placement:
+                    return place(pool, own[i].session_id, own[i], hint=PLACE_HINT)
+
+                moving = Traffic(pool) if traffic else None
+                samples[label].append(per_call(_cycle(scene.sessions, moving.wrap(one) if moving else one), calls))
+                if moving:
+                    moving.close()
+        timings[name] = {label: median_us(values) for label, values in samples.items()}
+        # the decisions: fresh policies (the same history: their caches start alike) and fresh pins
+        # place the same sessions in turn on the same pool state, the traffic applied once per step
+        fresh = {label: cls(kv=scene.index) for label, cls in classes.items()}
+        pins = {label: _pinned_entries(scene) for label in fresh}
+        seen: set[tuple[object, ...]] = set()
+        moving = Traffic(pool) if traffic else None
+        for i in range(0, scene.sessions, max(1, scene.sessions // DECISIONS)):
+            answers = []
+            for label, policy in fresh.items():
+                entry = pins[label][i]
+                p = policy.place(pool, entry.session_id, entry, hint=PLACE_HINT)  # type: ignore[attr-defined]
+                answers.append((p.backend.url, p.outcome, p.reason, p.cached_tokens, p.wait_s, p.predicted_ttft_s,
+                                dict(entry.pins)))
+            assert all(a == answers[0] for a in answers), (name, i, dict(zip(fresh, answers)))
+            seen.add((answers[0][1].name, answers[0][2]))
+            if moving is not None:
+                moving.after(pool.get(answers[0][0]))  # type: ignore[arg-type]
+        if moving is not None:
+            moving.close()
+        decisions[name] = "identical " + ", ".join(f"{o}/{r}" for o, r in sorted(seen))
+    return list(policies), timings, decisions
 
 
 def bytes_per_block(blocks: int) -> float:
@@ -254,6 +404,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=20_000, help="calls per measurement")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="a small scene, nothing written (smoke test)")
+    parser.add_argument("--compare", action="store_true",
+                        help="placement only: the current policy next to the reference (and --baseline), "
+                             "decisions compared; nothing written")
+    parser.add_argument("--baseline", default=None, metavar="FILE",
+                        help="with --compare: another commit's router/placement/kv_aware.py")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "RESULTS.md"))
     args = parser.parse_args(argv)
     if args.quick:
@@ -261,6 +416,20 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     scene = Scene(args.backends, args.sessions, args.max_blocks)
     build_s = time.perf_counter() - started
+    if args.compare:
+        labels, timings, decisions = compare_placement(scene, args.calls, args.repeats, args.baseline)
+        load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+        lines = [f"`python -m bench.kv_index {' '.join(sys.argv[1:] if argv is None else argv)}` "
+                 f"({time.strftime('%Y-%m-%d %H:%M %Z')}, load average {load}; {len(scene.urls)} backends, "
+                 f"{scene.sessions:,} sessions; µs per call, median of {args.repeats} × {args.calls:,} calls, "
+                 "interleaved)", "",
+                 "| scenario | " + " | ".join(labels) + " | decisions |",
+                 "|---|" + "---:|" * len(labels) + "---|"]
+        for name, by_label in timings.items():
+            lines.append(f"| {name.removeprefix('kv_aware place(), ')} | "
+                         + " | ".join(f"{by_label[label]:.1f}" for label in labels) + f" | {decisions[name]} |")
+        print("\n".join(lines))
+        return 0
     built = scene.index.blocks
     gc_ms = gc_pause_ms()
     events = event_costs(scene, args.calls, args.repeats)

@@ -26,10 +26,55 @@ POOL_PREFILL = "prefill"
 POOL_DECODE = "decode"
 
 
+class Ledger:
+    """What placement may know of a pool's backends without a pass over them (``kv_aware``'s
+    no-pass settlement): kept by ``Backend.__setattr__`` for the backends of one ``BackendPool``.
+
+    - ``added`` / ``drops``: in-flight units added to / removed from the pool's *available* members
+      (``healthy`` and not ``draining``), counted as ``in_flight`` is written: between two moments,
+      the change of ``added - drops`` is how much their in-flight total moved, and the change of
+      ``drops`` bounds how far any one member's count fell.
+    - ``version``: bumped whenever anything else a placement pass reads of a member changes value
+      (``WATCHED``: availability, the scrape's queue and load fields, the learned constants; not
+      ``reported_load``, which ``kv_aware`` reads only with a ``reported_load_weight``), when a
+      member's in-flight count is written below 0, and when members join or leave.
+    - ``inexact``: how many of the members' ``engine_waiting`` and ``others_at_scrape`` values are
+      not whole numbers (or are negative), so that sums of them are not exact in floats; and 1 more
+      while a member also belongs to another pool's ledger.
+
+    The proxy's only cost is ``Backend.__setattr__`` on its two ``in_flight`` writes per request.
+    """
+
+    __slots__ = ("added", "drops", "version", "inexact")
+
+    def __init__(self) -> None:
+        self.added = 0
+        self.drops = 0
+        self.version = 0
+        self.inexact = 0
+
+
+#: the ``Backend`` fields besides ``in_flight`` whose change bumps its pool's ``Ledger.version``
+WATCHED = frozenset((
+    "healthy", "draining", "engine_waiting", "in_flight_at_scrape", "others_at_scrape",
+    "step_s", "prefill_s_per_token", "queued_request_s", "busy_s_per_request",
+))
+#: the watched fields whose values are summed (``Ledger.inexact`` counts those that are not whole, or negative)
+_SUMMED = frozenset(("engine_waiting", "others_at_scrape"))
+
+
+def _inexact(value: float) -> int:
+    """1 when ``value`` is not a whole number >= 0 (sums of it would not be exact in floats), else 0."""
+    return 0 if value >= 0 and float(value).is_integer() else 1
+
+
 @dataclass(slots=True, eq=False)
 class Backend:
     """One upstream server and the router's live knowledge of it."""
 
+    #: the pool's ``Ledger`` (None outside a pool): set by ``BackendPool.add``, kept by ``__setattr__``;
+    #: the first field, so that ``__init__`` sets it before the others (``__setattr__`` reads it)
+    ledger: Ledger | None = field(default=None, init=False, repr=False)
     url: str
     pool: str = POOL_DEFAULT
     #: label used in metrics and the admin API; defaults to the URL
@@ -98,6 +143,29 @@ class Backend:
         """May receive new requests."""
         return self.healthy and not self.draining
 
+    def __setattr__(self, name: str, value: Any, _set: Any = object.__setattr__) -> None:
+        """Set a field, keeping the pool's ``Ledger`` (its docstring): in-flight units added and
+        dropped on available members, and a version bumped by any other change a placement pass reads."""
+        if name == "in_flight":
+            ledger = self.ledger
+            if ledger is not None and self.healthy and not self.draining:
+                moved = value - self.in_flight
+                if moved > 0:
+                    ledger.added += moved
+                elif moved < 0:
+                    ledger.drops -= moved
+                    if value < 0:
+                        ledger.version += 1
+        elif name in WATCHED:
+            ledger = self.ledger
+            if ledger is not None:
+                old = getattr(self, name)
+                if old != value:
+                    ledger.version += 1
+                    if name in _SUMMED:
+                        ledger.inexact += _inexact(value) - _inexact(old)
+        _set(self, name, value)
+
 
 def normalize_url(url: str) -> str:
     """Validate a backend base URL (``http://host:port``) and return it without a trailing slash.
@@ -132,6 +200,9 @@ class BackendSet:
     per-set caches of policies (cursors, hash rings), and ``version`` changes whenever the set
     may have changed (its pool's ``version`` when it was built).
     """
+
+    #: a pool's ``Ledger`` (``BackendPool``); None for a candidate set of some of its members
+    ledger: Ledger | None = None
 
     def __init__(self, name: str, key: str, members: list[Backend], version: int = 0,
                  model: str | None = None) -> None:
@@ -169,6 +240,8 @@ class BackendPool(BackendSet):
 
     def __init__(self, name: str, backends: list[Backend] | None = None) -> None:
         super().__init__(name, name, [])
+        #: what ``Backend.__setattr__`` keeps of the members for placement (``Ledger``)
+        self.ledger = Ledger()
         #: model id -> its candidate set (``self`` when every member may serve it)
         self._by_model: dict[str, BackendSet] = {}
         #: members whose models are not known yet (None when there are none): any model may go there
@@ -180,6 +253,12 @@ class BackendPool(BackendSet):
         if backend.url in self._by_url:
             raise ConfigError(f"backend {backend.url} is already in pool {self.name!r}")
         backend.pool = self.name
+        ledger = self.ledger
+        if backend.ledger is not None:  # it is in another pool too: neither ledger is exact any more
+            backend.ledger.inexact += 1
+            ledger.inexact += 1
+        ledger.inexact += _inexact(backend.engine_waiting) + _inexact(backend.others_at_scrape)
+        backend.ledger = ledger
         self.members.append(backend)
         self._by_url[backend.url] = backend
         self._changed()
@@ -189,6 +268,9 @@ class BackendPool(BackendSet):
         backend = self._by_url.pop(url, None)
         if backend is not None:
             self.members.remove(backend)
+            if backend.ledger is self.ledger:
+                self.ledger.inexact -= _inexact(backend.engine_waiting) + _inexact(backend.others_at_scrape)
+                backend.ledger = None
             self._changed()
         return backend
 
@@ -228,6 +310,7 @@ class BackendPool(BackendSet):
     def _changed(self) -> None:
         """Membership or models changed: bump the version and rebuild the candidate sets."""
         self.version += 1
+        self.ledger.version += 1
         members = self.members
         unknown = [b for b in members if b.models is None]
         if not unknown:

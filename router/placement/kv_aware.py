@@ -57,6 +57,31 @@ with a session staying where its KV is until moving is clearly cheaper (DESIGN.m
   so never above its prediction) and only the candidates whose floor is clearly faster than the pin
   are predicted: the same choices as predicting all of them (the fastest matters only when it is
   clearly faster, and then its floor is too), e.g. none when every engine queues alike.
+- *no pass* (``_settled``): when every engine queues alike the fast path's floor (no wait) is below
+  the pin's prediction on every request, and that pass finds no rival each time. So the pass also
+  leaves what it saw (``_Settle``): the available members' smallest queue ``Q`` (``waiting +
+  in_flight - in_flight_at_scrape``, 0 when one does not queue), cost per queued request ``G``,
+  load ``L`` (``in_flight + others_at_scrape``) and busy cost ``B`` (0 when one has none), and its
+  load total. The pool's ``Ledger`` (``router.membership``, kept by ``Backend.__setattr__``, so by
+  every writer) counts the in-flight units added to and dropped from available members since, and
+  bumps a version on any other change a pass reads (availability, the scrape's fields, learned
+  constants, membership, an in-flight count below 0). While the version is the pass's, with ``D``
+  units dropped since, no member's in-flight count fell by more than ``D``, and each term of a
+  candidate's floor is monotonic in its in-flight count and in each constant (none negative; the
+  configured ``queued_request_s`` >= 0), so with ``predict``'s operations in its order (rounding is
+  monotonic)::
+
+      min_step + uncached * min_per_token + (max(0, Q - D) * G + max(0, L - D) * B)
+
+  is at most every candidate's floor (the pin's included: a lower bound over more members is still
+  one). When the pin is not clearly slower than it, no candidate is a rival: the pass would find
+  none, and its stats are known without it: the load total is the pass's moved by ``added -
+  drops``, exact because every load is a whole number (``Ledger.inexact``: else no answer), the
+  count and cheapest constants are the pass's. Loads are not negative (a pass that sees one below
+  0 leaves nothing; an in-flight count written below 0 bumps the version), so no busy term is. Not used with a ``reported_load_weight`` (its
+  products are not whole numbers), with excluded backends, or on a model's candidate set (no
+  ledger of its own). Requests finishing lower the bound: after about ``Q`` of them a pass runs
+  again and takes a new snapshot.
 - *hysteresis*: a move off the pin for "wait" or "kv_pressure" also needs the pin's *settled*
   prediction (``_settled_ttft``: its learned constants, its KV pressure, and of its queue only what
   persisted over its last three scrapes, ``Backend.queued_floor``, lowered by requests finished since
@@ -92,7 +117,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from router.membership import Backend, BackendSet
+from router.membership import Backend, BackendSet, Ledger
 from router.placement.base import Outcome, Placement, PlacementHint, SessionPins
 from router.placement.least_loaded import NOTHING_EXCLUDED, no_available_backend
 from router.placement.session import Ring, load_bound
@@ -167,6 +192,33 @@ class _PoolStats:
         self.min_per_token = 0.0
 
 
+class _Settle:
+    """What the last ``_rivals`` pass over a pool saw, for ``_settled`` (module docstring, *no pass*):
+    valid while the pool's ``Ledger.version`` and ``version`` are those of the pass."""
+
+    __slots__ = ("ledger", "version", "pool_version", "drops", "base", "count", "min_step", "min_per_token",
+                 "queue", "queued", "load", "busy")
+
+    def __init__(self) -> None:
+        self.ledger: Ledger | None = None
+        self.version = -1
+        self.pool_version = -1
+        #: ``Ledger.drops`` at the pass
+        self.drops = 0
+        #: the load total at the pass less ``Ledger.added - Ledger.drops`` then (a whole number)
+        self.base = 0.0
+        self.count = 0
+        self.min_step = 0.0
+        self.min_per_token = 0.0
+        #: the available members' smallest queue (``waiting + in_flight - in_flight_at_scrape``; 0 when
+        #: one does not queue), smallest cost per queued request, smallest load, smallest ``busy`` (0
+        #: when one has none)
+        self.queue = 0.0
+        self.queued = 0.0
+        self.load = 0.0
+        self.busy = 0.0
+
+
 class KVAwarePolicy:
     """``kv_aware``: see the module docstring."""
 
@@ -186,6 +238,11 @@ class KVAwarePolicy:
         self._weight = settings.reported_load_weight
         #: the all-candidates floor (``_pinned``) is a floor: prefill costs and the move factor are not negative
         self._floor_ok = self._per_token >= 0 and self._factor >= 0
+        #: ``_settled`` may answer (module docstring, *no pass*): its bound needs costs per queued request
+        #: that are not negative, and a load total of whole numbers (no ``reported_load`` weight)
+        self._settle_ok = self._floor_ok and self._queued >= 0 and not self._weight
+        #: ``pool.key`` -> what its last ``_rivals`` pass saw (``_settled``)
+        self._settles: dict[str, _Settle] = {}
         #: ``pool.key`` -> its members with their URL absorbed by blake2b (rendezvous ranking of new sessions)
         self._rings: dict[str, Ring] = {}
         self._stats: dict[str, _PoolStats] = {}
@@ -363,7 +420,11 @@ class KVAwarePolicy:
         if prompt >= 0 and self._floor_ok:
             # predict only the candidates whose floor is clearly faster than the pin (``_rivals``): the
             # fastest within the bound is among them whenever it matters, i.e. when it is clearly faster
-            stats, rivals = self._rivals(pool, exclude, prompt - other_cached, pin_ttft, pinned)
+            settled = self._settled(pool, exclude, prompt - other_cached, pin_ttft) if self._settle_ok else None
+            if settled is not None:
+                stats, rivals = settled, []
+            else:
+                stats, rivals = self._rivals(pool, exclude, prompt - other_cached, pin_ttft, pinned)
             bound = self._safety_bound(stats.total, stats.count)
             target, ttft, wait, cached = pinned, 0.0, 0.0, 0
             if rivals:
@@ -591,7 +652,8 @@ class KVAwarePolicy:
         tokens (the fewest any backend but the pin may have to prefill) and without its KV-pressure
         term, with ``predict``'s operations in ``predict``'s order: rounding is monotonic, the pressure
         term is not negative (prompt >= 0, ``_floor_ok``), so no floor exceeds its prediction, and a
-        candidate not in the list is not clearly faster than the pin."""
+        candidate not in the list is not clearly faster than the pin. When ``_settled`` may use it,
+        the pass also leaves what it saw for it (``_Settle``)."""
         stats = self._stats.get(pool.key)
         if stats is None:
             stats = self._stats[pool.key] = _PoolStats()
@@ -605,6 +667,8 @@ class KVAwarePolicy:
         count = 0
         min_step = math.inf
         min_per_token = math.inf
+        # for ``_Settle``: the smallest queue, cost per queued request, load and busy
+        min_queue = min_queued = min_load = min_busy = math.inf
         rivals: list[Backend] = []
         for backend in pool.members:
             if not backend.healthy or backend.draining or (exclude and backend.url in exclude):
@@ -623,19 +687,31 @@ class KVAwarePolicy:
                 min_step = step
             if per_token < min_per_token:
                 min_per_token = per_token
-            if backend is pinned:
-                continue
+            if load < min_load:
+                min_load = load
             wait = 0.0
             waiting = backend.engine_waiting
             if waiting > 0:
                 queue = waiting + in_flight - backend.in_flight_at_scrape
+                queued = backend.queued_request_s
+                if queued < 0:
+                    queued = default_queued
                 if queue > 0:
-                    queued = backend.queued_request_s
-                    wait = queue * (queued if queued >= 0 else default_queued)
+                    wait = queue * queued
+                if queue < min_queue:
+                    min_queue = queue
+                if queued < min_queued:
+                    min_queued = queued
+            else:
+                min_queue = 0.0
             busy = backend.busy_s_per_request
             if busy > 0:
                 wait += load * busy
-            if pin_ttft > factor * (step + uncached * per_token + wait) + margin:
+                if busy < min_busy:
+                    min_busy = busy
+            else:
+                min_busy = 0.0
+            if backend is not pinned and pin_ttft > factor * (step + uncached * per_token + wait) + margin:
                 rivals.append(backend)
         # the stats, as ``_refresh`` leaves them
         stats.total = total
@@ -644,7 +720,57 @@ class KVAwarePolicy:
         stats.min_per_token = min_per_token if count else 0.0
         stats.version = -1 if exclude else pool.version
         stats.age = 0
+        ledger = pool.ledger
+        # a load below 0 (an in-flight count below 0: a bug elsewhere) would make a busy term negative
+        if ledger is not None and self._settle_ok and not exclude and count and min_load >= 0:
+            settle = self._settles.get(pool.key)
+            if settle is None:
+                settle = self._settles[pool.key] = _Settle()
+            if ledger.inexact:
+                settle.ledger = None  # some queue or load is not a whole number: no exact sums
+            else:
+                settle.ledger = ledger
+                settle.version = ledger.version
+                settle.pool_version = pool.version
+                settle.drops = ledger.drops
+                settle.base = total - (ledger.added - ledger.drops)
+                settle.count = count
+                settle.min_step = stats.min_step
+                settle.min_per_token = stats.min_per_token
+                settle.queue = min_queue
+                settle.queued = min_queued
+                settle.load = min_load
+                settle.busy = min_busy
         return stats, rivals
+
+    def _settled(self, pool: BackendSet, exclude: frozenset[str], uncached: int, pin_ttft: float
+                 ) -> _PoolStats | None:
+        """``_rivals`` without a pass, when its answer is known to be none (module docstring, *no
+        pass*): the stats it would leave, else None (a pass is needed)."""
+        settle = self._settles.get(pool.key)
+        ledger = pool.ledger
+        if (settle is None or exclude or ledger is None or settle.ledger is not ledger
+                or settle.version != ledger.version or settle.pool_version != pool.version):
+            return None
+        drops = ledger.drops - settle.drops  # no member's in-flight count fell by more since the pass
+        queue = settle.queue - drops
+        wait = queue * settle.queued if queue > 0 else 0.0
+        load = settle.load - drops
+        busy = settle.busy
+        if load > 0 and busy > 0:
+            wait += load * busy
+        if pin_ttft > self._factor * (settle.min_step + uncached * settle.min_per_token + wait) + self._margin:
+            return None  # some candidate's floor may be clearly faster than the pin
+        stats = self._stats.get(pool.key)
+        if stats is None:
+            stats = self._stats[pool.key] = _PoolStats()
+        stats.total = settle.base + (ledger.added - ledger.drops)
+        stats.count = settle.count
+        stats.min_step = settle.min_step
+        stats.min_per_token = settle.min_per_token
+        stats.version = pool.version
+        stats.age = 0
+        return stats
 
     def _fastest_rival(self, rivals: list[Backend], prompt: int, cached_map: Mapping[str, int] | None,
                        keep: Backend, bound: int) -> tuple[Backend, float, float, int]:

@@ -127,3 +127,138 @@ def test_same_decisions_as_the_reference_on_random_pool_states(seed: int) -> Non
             moved += results[0][0] != "error" and results[0][1].name == "SPILL"
     assert compared == 750 * 8
     assert moved > 100  # the states exercise the all-candidates path, not only the sticky fast path
+
+
+def queueing_alike(rng: random.Random, backend: Backend, waiting: float, odd: float) -> None:
+    """A scrape that found ``backend``'s engine queueing about as much as the others (the state where
+    the policy settles a pinned placement without a pass, ``KVAwarePolicy._settled``); with
+    probability ``odd`` one that does not queue, or a fractional load (no exact sums)."""
+    now = rng.choice((waiting, waiting, waiting + 1.0, 0.0 if rng.random() < odd else waiting))
+    backend.queued_floor = min(now, backend.engine_waiting)  # what persisted over two scrapes (hysteresis)
+    backend.engine_waiting = now
+    backend.in_flight_at_scrape = backend.in_flight
+    backend.others_at_scrape = rng.choice((0.0, 0.0, 1.0, 3.0, 2.5 if rng.random() < odd else 0.0))
+    backend.kv_usage = rng.choice((0.0, 0.3, 0.3, 0.3, 0.92, 1.0))
+    backend.kv_capacity_tokens = rng.choice((0, 0, 65536))
+
+
+def learned(rng: random.Random, backend: Backend, alike: bool, only: str | None = None) -> None:
+    """Learned constants (alike: mostly the configured ones); ``only``: change that one alone."""
+    choices = {
+        "step_s": (-1.0,) if alike else (-1.0, 0.01, 0.005),
+        "prefill_s_per_token": (-1.0,) if alike else (-1.0, 0.00025, 0.0001),
+        "queued_request_s": (-1.0, 0.1) if alike else (-1.0, 0.1, 0.05),
+        "busy_s_per_request": (-1.0, 0.002) if alike else (-1.0, 0.0, 0.01, 0.003),
+    }
+    for name, values in choices.items():
+        if only is None or name == only:
+            setattr(backend, name, rng.choice(values if only is None else (*values, 0.0005)))
+
+
+def one_change(rng: random.Random, backend: Backend) -> None:
+    """One field of ``backend`` changed alone, as a scrape, a health check, a drain or learning may:
+    mostly one that makes it faster (a candidate the last pass did not see as a rival may be one now)."""
+    name, value = rng.choice((
+        ("engine_waiting", 0.0), ("engine_waiting", 1.0), ("in_flight_at_scrape", backend.in_flight + 7),
+        ("others_at_scrape", 0.0), ("step_s", 0.001), ("prefill_s_per_token", 0.00001),
+        ("queued_request_s", 0.0), ("busy_s_per_request", -1.0), ("healthy", True), ("draining", False),
+        ("engine_waiting", 9.0), ("others_at_scrape", 5.0), ("step_s", 0.05),
+    ))
+    setattr(backend, name, value)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_same_decisions_with_and_without_a_pass_as_in_flight_counts_move(seed: int) -> None:
+    """Sequences of placements on pools where every engine queues about alike, with what happens
+    between them in a router: requests sent and finished (in-flight counts rising and falling, the
+    proxy's writes), scrapes of one engine, health and drain changes, learned constants, members
+    leaving and joining, fractional loads. The policy settles most pinned placements without a pass
+    (``_settled``): its bound must hold after in-flight counts fell (the drops since the pass) and
+    every other change must be seen; the reference passes over every candidate each time."""
+    rng = random.Random(1000 + seed)
+    compared = settled = passes = after_drops = moved = 0
+    for trial in range(80):
+        size = rng.choice((3, 9, 16, 64, 64))
+        pool = BackendPool("default", [Backend(f"http://10.1.{i // 250}.{i % 250 + 1}:8000") for i in range(size)])
+        settings = KVAwareSettings(
+            move_factor=rng.choice((1.0, 1.5)), move_margin_s=rng.choice((0.0, 0.005)),
+            max_load_factor=rng.choice((1.0, 2.0)), sticky_headroom=rng.choice((0, 2)))
+        kv = FakeKV() if rng.random() < 0.7 else None
+        reference, current = ReferenceKVAwarePolicy(settings, kv=kv), KVAwarePolicy(settings, kv=kv)
+        real_settled = current._settled
+        counts = [0, 0, 0]  # settled, a pass needed, settled after in-flight counts fell since the pass
+
+        def counting_settled(*args: object, real=real_settled, counts=counts, current=current,  # type: ignore[no-untyped-def]
+                             pool=pool) -> object:
+            found = real(*args)  # type: ignore[arg-type]
+            counts[found is None] += 1
+            if found is not None and pool.ledger.drops > current._settles[pool.key].drops:
+                counts[2] += 1
+            return found
+
+        current._settled = counting_settled  # type: ignore[method-assign]
+        waiting = rng.choice((1.0, 3.0, 6.0, 6.0))
+        alike = rng.random() < 0.7
+        odd = rng.choice((0.0, 0.0, 0.01, 0.1))
+        for backend in pool.members:
+            backend.in_flight = rng.choice((0, 1, 2, 4))
+            queueing_alike(rng, backend, waiting, odd)
+            queueing_alike(rng, backend, waiting, odd)
+            learned(rng, backend, alike)
+        urls = [b.url for b in pool.members]
+        entries: dict[str, tuple[SessionEntry, SessionEntry]] = {}
+        for s in range(12):
+            pair = (SessionEntry(f"s{s}", 0.0, 0.0, 0.0), SessionEntry(f"s{s}", 0.0, 0.0, 0.0))
+            pair[0].pins["default"] = pair[1].pins["default"] = rng.choice(urls)
+            entries[f"s{s}"] = pair
+        if kv is not None:  # mostly on its pin (the index and the pins agree), sometimes a little elsewhere too
+            for sid, pair in entries.items():
+                held = kv.sessions[sid] = {u: 128 for u in rng.sample(urls, rng.choice((0, 0, 0, 1, 2)))}
+                if rng.random() < 0.8:
+                    held[pair[0].pins["default"]] = rng.choice((640, 2000))
+            kv.live = set(rng.sample(urls, rng.randint(0, len(urls))))
+        for _ in range(60):
+            members = pool.members
+            for _ in range(rng.choice((0, 1, 1, 2, 3, 6))):  # requests finished and sent since
+                backend = rng.choice(members)
+                if rng.random() < 0.55 and backend.in_flight > 0:
+                    backend.in_flight -= 1
+                else:
+                    backend.in_flight += 1
+            event = rng.random()
+            if event < 0.08:
+                queueing_alike(rng, rng.choice(members), waiting, odd)
+            elif event < 0.10:
+                backend = rng.choice(members)
+                backend.healthy = not backend.healthy
+            elif event < 0.12:
+                backend = rng.choice(members)
+                backend.draining = not backend.draining
+            elif event < 0.14:
+                learned(rng, rng.choice(members), alike,
+                        rng.choice(("step_s", "prefill_s_per_token", "queued_request_s", "busy_s_per_request")))
+            elif event < 0.15 and len(members) > 2:
+                gone = pool.remove(rng.choice(members).url)
+                assert gone is not None
+                back = Backend(gone.url)  # a member leaving and joining again, with a fresh state
+                back.in_flight = rng.choice((0, 3))
+                queueing_alike(rng, back, waiting, odd)
+                pool.add(back)
+            elif event < 0.20:
+                one_change(rng, rng.choice(members))
+            sid = rng.choice(list(entries) + [None] if rng.random() < 0.1 else list(entries))
+            prompt = rng.choice((16, 640, 2000))
+            exclude = frozenset(rng.sample(urls, 1)) if rng.random() < 0.05 else frozenset()
+            results = []
+            for policy, which in ((reference, 0), (current, 1)):
+                entry = entries[sid][which] if sid is not None else None
+                results.append(outcome(policy, pool, sid, entry, exclude, PlacementHint(prompt, last_tokens=prompt // 2)))
+            assert results[0] == results[1], (seed, trial, sid, results)
+            compared += 1
+            moved += results[0][0] != "error" and results[0][1].name == "SPILL"
+        settled += counts[0]
+        passes += counts[1]
+        after_drops += counts[2]
+    assert compared == 80 * 60
+    # the no-pass answer was used often, also after in-flight counts fell; and some sessions moved
+    assert settled > 250 and after_drops > 60 and moved > 100, (settled, passes, after_drops, moved)
