@@ -333,7 +333,10 @@ class KVAwarePolicy:
         scrape intervals), its KV pressure, and a queue of ``waiting`` requests (``queued_floor``:
         what persisted over three scrapes), lowered by what finished since
         the scrape but never raised by what was sent since; never the in-flight ``busy`` term
-        (in-flight counts wander by chance). Without a queue or pressure, by ``SLOW_FACTOR``."""
+        (in-flight counts wander by chance). Without a queue or pressure, by ``SLOW_FACTOR``, and
+        only on learned constants: a backend with none learned yet (just started, or back after a
+        restart while the others learned theirs) is not judged slower by the configured ones, or it
+        would get no traffic to learn from and stay empty."""
         per_token = backend.prefill_s_per_token
         if per_token < 0:
             per_token = self._per_token
@@ -351,6 +354,8 @@ class KVAwarePolicy:
             wait += self._pressure_s(backend, prompt)
         uncached = prompt - cached
         ttft = step + (uncached if uncached > 0 else 0) * per_token + wait
+        if wait <= 0 and backend.step_s < 0 and backend.prefill_s_per_token < 0:
+            return False  # nothing measured there yet: the configured constants are no evidence it is slower
         factor = self._factor if wait > 0 else max(self._factor, SLOW_FACTOR)
         return ttft > factor * fast + self._margin
 

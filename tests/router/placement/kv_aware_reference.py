@@ -209,6 +209,8 @@ class ReferenceKVAwarePolicy:
             wait += self._pressure_s(backend, prompt)
         uncached = prompt - cached
         ttft = step + (uncached if uncached > 0 else 0) * per_token + wait
+        if wait <= 0 and backend.step_s < 0 and backend.prefill_s_per_token < 0:
+            return False  # nothing measured there yet: the configured constants are no evidence it is slower
         factor = self._factor if wait > 0 else max(self._factor, SLOW_FACTOR)
         return ttft > factor * fast + self._margin
 

@@ -155,6 +155,27 @@ def test_a_slow_backend_loses_its_sessions() -> None:
     assert placement.backend is not pin and (placement.outcome, placement.reason) == (Outcome.SPILL, "wait")
 
 
+def test_a_backend_with_nothing_learned_is_not_judged_slower_by_the_configured_constants() -> None:
+    """The others learned they are fast (1 ms steps, 40,000 prompt tokens/s); one backend just came back
+    (restarted: nothing learned, the configured 10 ms and 4,000 tokens/s stand in). New sessions hashed
+    to it still go there, and its sessions stay: otherwise it would get no traffic to learn from. Once
+    it has learned that it is slow, they leave."""
+    policy, pool, sessions, ranking = KVAwarePolicy(), make_pool(3), table(), SessionPolicy()
+    back = pool.members[0]
+    for backend in pool.members[1:]:
+        backend.step_s, backend.prefill_s_per_token = 0.001, 0.000025
+    hashed_there = [sid for sid in (f"n{i}" for i in range(60)) if ranking.candidates(pool, sid)[0] is back]
+    assert hashed_there
+    for sid in hashed_there:
+        placement = policy.place(pool, sid, sessions.touch(sid), hint=hint(last=0))
+        assert (placement.backend, placement.reason) == (back, "hash")
+    placement = policy.place(pool, hashed_there[0], sessions.touch(hashed_there[0]), hint=hint())
+    assert (placement.backend, placement.outcome) == (back, Outcome.STICKY)
+    back.step_s, back.prefill_s_per_token = 0.2, 0.001  # learned: 200x and 40x slower
+    placement = policy.place(pool, hashed_there[0], sessions.touch(hashed_there[0]), hint=hint())
+    assert placement.backend is not back and (placement.outcome, placement.reason) == (Outcome.SPILL, "wait")
+
+
 def test_new_sessions_go_by_rendezvous_hash_unless_it_is_clearly_slower() -> None:
     policy, pool, sessions, ranking = KVAwarePolicy(), make_pool(4), table(), SessionPolicy()
     for i in range(40):
