@@ -327,11 +327,11 @@ class KVAwarePolicy:
                 best, best_ttft, best_wait, best_cached = backend, ttft, wait, cached
         return None if best is None else (best, best_ttft, best_wait, best_cached)
 
-    def _settled_slower(self, backend: Backend, prompt: int, cached: int, waiting: float, fast: float) -> bool:
+    def _settled_slower(self, backend: Backend, prompt: int, cached: int, fast: float) -> bool:
         """Whether ``backend``'s prediction counting only what justifies leaving it (module docstring,
         *hysteresis*) is clearly slower than ``fast``: its learned constants (medians over several
-        scrape intervals), its KV pressure, and a queue of ``waiting`` requests (``queued_floor``:
-        what persisted over three scrapes), lowered by what finished since
+        scrape intervals), its KV pressure, and its queue as it persisted over three scrapes
+        (``queued_floor``), lowered by what finished since
         the scrape but never raised by what was sent since; never the in-flight ``busy`` term
         (in-flight counts wander by chance). Without a queue or pressure, by ``SLOW_FACTOR``, and
         only on learned constants: a backend with none learned yet (just started, or back after a
@@ -344,6 +344,7 @@ class KVAwarePolicy:
         if step < 0:
             step = self._step
         wait = 0.0
+        waiting = backend.queued_floor
         if waiting > 0:
             since = backend.in_flight - backend.in_flight_at_scrape
             queue = waiting + since if since < 0 else waiting
@@ -438,7 +439,7 @@ class KVAwarePolicy:
             # predict every candidate (and refresh the stats) in one pass
             bound, target, ttft, wait, cached = self._scan(pool, exclude, prompt, cached_map, pinned)
         if target is not pinned and self._clearly_faster(pin_ttft, ttft) and (
-                cached > pin_cached or self._settled_slower(pinned, prompt, pin_cached, pinned.queued_floor, ttft)):
+                cached > pin_cached or self._settled_slower(pinned, prompt, pin_cached, ttft)):
             pins[pool.name] = target.url
             pressure = self._pressure_s(pinned, prompt)
             if cached > pin_cached:  # the session's KV is there rather than on its pin (the index says)
@@ -488,7 +489,7 @@ class KVAwarePolicy:
         target, ttft, wait, cached = self._fastest(pool, exclude, prompt, cached_map, home, bound,
                                                    (home, home_cached))
         if target is not home and self._clearly_faster(home_ttft, ttft) and (
-                cached > home_cached or self._settled_slower(home, prompt, home_cached, home.queued_floor, ttft)):
+                cached > home_cached or self._settled_slower(home, prompt, home_cached, ttft)):
             pins[pool.name] = target.url
             return Placement(target, outcome, "cached" if cached > home_cached else "wait", cached, wait, ttft)
         pins[pool.name] = home.url
