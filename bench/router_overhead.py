@@ -22,6 +22,12 @@ than wall-clock figures on a shared 2-core machine.
 writing to a file in the run's temporary directory), side by side with the plain router (access
 log off), and a check row with each format's CPU per request over the plain router's.
 
+``--rate R`` runs every cell open loop at R requests/s instead (the same rate for every target: CPU per
+request of an asyncio server falls as its rate rises, so closed loop a target that serves fewer req/s looks
+dearer per request for the same work). ``--kv-events``: the backends publish vLLM's KV events and the
+``--policies`` rows' routers subscribe (the session-policy rows run ``--kv-events off``), so the KV index's
+upkeep is in their CPU.
+
 Output: a markdown report, printed and written into ``--out`` between the markers
 ``<!-- SECTION:begin -->`` / ``<!-- SECTION:end -->`` (the rest of the file is kept; ``--section``,
 default ``router_overhead``, or ``router_overhead_access_log`` with ``--access-log``), and one JSON
@@ -46,8 +52,9 @@ from typing import Protocol
 import msgspec
 
 from bench.loadgen import LoadResult, LoadSpec
+from bench.multiturn import kv_events_config
 from bench.nginx import Nginx, find_nginx, nginx_version, start_nginx
-from bench.procs import REPO, Proc, start_backend, start_router
+from bench.procs import REPO, Proc, free_port, start_backend, start_router
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_OUT = os.path.join(BENCH_DIR, "RESULTS.md")
@@ -190,7 +197,10 @@ def render(cells: dict[tuple[str, int, str], Cell], targets: Sequence[Target], f
     policies = [n for n in names if n.startswith(POLICY_PREFIX)]
     if policies:
         workers_note += (f"**{', '.join(policies)}**: the same with `--policy POLICY` (**router** runs `--policy "
-                         "session`; the backends publish no KV events here, so `kv_aware` has no index). ")
+                         "session`; " + ("the backends publish KV events (`--kv-events-config`, ipc://); the policy rows' "
+                                         "routers subscribe to them, **router** runs `--kv-events off`: the index's "
+                                         "upkeep is in their CPU). " if args.kv_events else
+                                         "the backends publish no KV events here, so `kv_aware` has no index). "))
     nginx_note = ("**nginx**: plain reverse proxy, 1 worker, round-robin, keep-alive upstream, `proxy_buffering off`, "
                   "no access log. " if "nginx" in names else "**nginx**: not run. ")
     machine = (f"- Machine: {facts['nproc']} CPUs ({facts['cpu']}), {facts['kernel']}; load average at start "
@@ -202,7 +212,9 @@ def render(cells: dict[tuple[str, int, str], Cell], targets: Sequence[Target], f
              f"(session policy); clients send `X-Session-ID` from a pool of {args.sessions} sessions (every target "
              f"gets the same requests). {workers_note}{nginx_note}non-stream: `POST /v1/completions` `max_tokens` 8; "
              "stream: the same with `stream: true`, `max_tokens` 16 (16 token events + `[DONE]`).")
-    method = (f"- Method: closed loop at concurrency c, keep-alive; per cell {args.warmup:g} s warm-up, then "
+    loop = (f"open loop at {args.rate:g} requests/s (one started every 1/rate s over at most c connections; "
+            "requests that found every connection busy are counted late)" if args.rate else "closed loop")
+    method = (f"- Method: {loop} at concurrency c, keep-alive; per cell {args.warmup:g} s warm-up, then "
               f"{args.seconds:g} s measured; {args.rounds} round(s) interleaved (target order rotates). Each figure "
               "is the best over the rounds (highest req/s, lowest latency and CPU); `[lo–hi]` is the range over "
               "rounds. Proxy CPU = utime+stime of the proxy's process tree from /proc/PID/stat over the window, "
@@ -252,6 +264,10 @@ def render(cells: dict[tuple[str, int, str], Cell], targets: Sequence[Target], f
                     f"{_fmt_range(cell, _proxy_cpu, cpu) if target.is_proxy else '—'} | "
                     f"{cell.best(_backend_cpu):.0f} | {errors} |"
                 )
+    if args.rate:
+        late = {name: sum(r.late for (_, _, n), cell in cells.items() if n == name for r in cell.rounds) for name in names}
+        lines += ["", "Late requests (open loop: due while every connection was busy), all cells and rounds: "
+                  + ", ".join(f"{name} {count}" for name, count in late.items()) + "."]
     lines += ["", *checks(cells, targets, concurrencies), ""]
     return "\n".join(lines)
 
@@ -451,6 +467,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--policies", nargs="+", default=[], metavar="POLICY",
                    help="also run the router with --policy POLICY (rows router(policy=POLICY)) to compare its CPU "
                         "per request with the plain router's (session policy)")
+    p.add_argument("--rate", type=float, default=0.0,
+                   help="open loop at this many requests per second for every target and cell (default 0: closed "
+                        "loop). CPU per request of an asyncio server falls as its rate rises; closed loop, a target "
+                        "that serves fewer req/s (e.g. a policy that keeps sessions where a hash put them, unevenly) "
+                        "then shows a higher CPU per request for the same work. At one rate the comparison is like for like")
+    p.add_argument("--kv-events", action="store_true",
+                   help="the backends publish vLLM's KV events (--kv-events-config on ipc://) and the --policies "
+                        "routers subscribe to them (their default [kv_events] enabled = auto; the session-policy "
+                        "routers run --kv-events off, as before the index): the index's upkeep in their CPU")
     p.add_argument("--section", default=None,
                    help=f"marked section of --out to write (default {SECTION}; {ACCESS_LOG_SECTION} with --access-log)")
     p.add_argument("--out", default=DEFAULT_OUT, help="markdown file to write the report into (default bench/RESULTS.md)")
@@ -462,9 +487,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.concurrency = args.concurrency or ([4] if args.quick else [16, 128])
     args.section = args.section or (ACCESS_LOG_SECTION if args.access_log else
                                     POLICY_SECTION if args.policies else SECTION)
+    if args.rate < 0:
+        p.error("--rate must be >= 0 (0: closed loop)")
     if args.rounds < 1 or args.seconds <= 0 or args.warmup < 0 or min(args.concurrency) < 1 or args.sessions < 1:
         p.error("--rounds, --seconds, --concurrency and --sessions must be positive")
     return args
+
+
+def bench_backend(tmp: str, kv_events: bool) -> Proc:
+    """One ``--speed 0`` backend; with ``kv_events`` it publishes vLLM's KV events on ipc:// sockets in ``tmp``."""
+    if not kv_events:
+        return start_backend(tmp)
+    port = free_port()
+    return start_backend(tmp, "--kv-events-config", kv_events_config(tmp, port), port=port)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -477,23 +512,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     cells: dict[tuple[str, int, str], Cell] = {}
     with tempfile.TemporaryDirectory(prefix="bench-router-overhead-") as tmp:
         try:
-            backends = [start_backend(tmp), start_backend(tmp)]
+            backends = [bench_backend(tmp, args.kv_events), bench_backend(tmp, args.kv_events)]
             started += backends
             backend_urls = [b.url for b in backends]
             backend_pids = [b.pid for b in backends]
             route_args = [a for url in backend_urls for a in ("--backend", url)]
+            # with --kv-events, the session-policy rows stay the router before the KV index (no subscription);
+            # the --policies rows subscribe (their default): what the index's upkeep adds is in their CPU
+            session_args = [*route_args, "--kv-events", "off"] if args.kv_events else route_args
             targets = [Target("direct", backend_urls, is_proxy=False)]
-            router = start_router(tmp, *route_args, "--policy", "session")
+            router = start_router(tmp, *session_args, "--policy", "session")
             started.append(router)
             targets.append(Target("router", [router.url], lambda p=router.pid: process_tree(p)))
             if args.workers > 1 and router_supports_workers():
-                multi = start_router(tmp, *route_args, "--policy", "session", "--workers", str(args.workers))
+                multi = start_router(tmp, *session_args, "--policy", "session", "--workers", str(args.workers))
                 started.append(multi)
                 targets.append(Target(f"router×{args.workers}", [multi.url], lambda p=multi.pid: process_tree(p)))
             elif args.workers > 1:
                 print("router has no --workers option: skipping that row", file=sys.stderr)
             if args.aiohttp_front and router_supports_front():
-                aio = start_router(tmp, *route_args, "--policy", "session", "--front", "aiohttp")
+                aio = start_router(tmp, *session_args, "--policy", "session", "--front", "aiohttp")
                 started.append(aio)
                 targets.append(Target("router(aiohttp)", [aio.url], lambda p=aio.pid: process_tree(p)))
             elif args.aiohttp_front:
@@ -503,7 +541,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 started.append(other)
                 targets.append(Target(f"{POLICY_PREFIX}{policy})", [other.url], lambda p=other.pid: process_tree(p)))
             for fmt in args.access_log:
-                logged = start_router(tmp, *route_args, "--policy", "session", "--access-log", fmt,
+                logged = start_router(tmp, *session_args, "--policy", "session", "--access-log", fmt,
                                       "--access-log-file", os.path.join(tmp, f"access-{fmt}.log"))
                 started.append(logged)
                 targets.append(Target(f"{ACCESS_LOG_PREFIX}{fmt})", [logged.url], lambda p=logged.pid: process_tree(p)))
@@ -533,7 +571,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                             groups["proxy"] = target.proxy_pids()
                         spec = LoadSpec(urls=target.urls, stream=stream, max_tokens=max_tokens, concurrency=c,
                                         seconds=args.seconds, warmup_s=args.warmup, sessions=args.sessions,
-                                        cpu_groups=groups)
+                                        cpu_groups=groups, rate=args.rate)
                         result = loadgen.run(spec)
                         cells.setdefault((mode, c, target.name), Cell(mode, c, target.name)).rounds.append(result)
                         done += 1

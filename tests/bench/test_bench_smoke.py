@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import urllib.request
 from typing import Any
 
 import msgspec
@@ -17,7 +18,7 @@ from bench.loadgen import LoadSpec, percentile, run_load
 from bench.nginx import find_nginx, write_conf
 from bench.procs import REPO
 from bench.loadgen import LoadResult
-from bench.router_overhead import BEGIN, END, Cell, Target, checks, parse_args, process_tree, write_section
+from bench.router_overhead import BEGIN, END, Cell, Target, bench_backend, checks, parse_args, process_tree, write_section
 
 SSE_EVENTS = 16
 
@@ -176,6 +177,26 @@ def test_policy_rows_go_to_their_own_section_with_their_cpu_over_the_session_pol
     rows = checks(cells, targets, [16])
     assert "| CPU/req stream c=16 over router (session policy) | — | +8 µs (+10.0%) |" in rows
     assert not any(r.startswith("| access log cost") for r in rows)
+
+
+def test_kv_events_backends_publish_where_the_routers_find_them(tmp_path: Any) -> None:
+    """``--kv-events``: the benchmark's backends advertise a ZMQ PUB on an ipc:// path in the run's
+    directory at ``GET /kv_event_sources`` (what the policy rows' routers subscribe to); without it, none."""
+    assert parse_args(["--quick", "--kv-events"]).kv_events and not parse_args(["--quick"]).kv_events
+    assert parse_args(["--quick", "--rate", "500"]).rate == 500.0 and parse_args(["--quick"]).rate == 0.0
+    with pytest.raises(SystemExit):
+        parse_args(["--quick", "--rate", "-1"])
+    with_events, plain = bench_backend(str(tmp_path), True), bench_backend(str(tmp_path), False)
+    try:
+        with urllib.request.urlopen(with_events.url + "/kv_event_sources", timeout=5) as resp:
+            sources = msgspec.json.decode(resp.read())
+        with urllib.request.urlopen(plain.url + "/kv_event_sources", timeout=5) as resp:
+            assert msgspec.json.decode(resp.read()) == {}
+    finally:
+        with_events.stop()
+        plain.stop()
+    text = msgspec.json.encode(sources).decode()
+    assert f"ipc://{tmp_path}/kv-{with_events.port}.sock" in text, text
 
 
 def test_process_tree_includes_children() -> None:
