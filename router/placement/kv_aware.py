@@ -191,6 +191,16 @@ class _PoolStats:
         self.min_step = 0.0
         self.min_per_token = 0.0
 
+    def record(self, total: float, count: int, min_step: float, min_per_token: float, version: int) -> None:
+        """What one pass over the set found (``min_*`` are ``inf`` when ``count`` is 0); ``version``: the
+        set's, or -1 when backends were excluded (the stats then describe one request: the next refreshes)."""
+        self.total = total
+        self.count = count
+        self.min_step = min_step if count else 0.0
+        self.min_per_token = min_per_token if count else 0.0
+        self.version = version
+        self.age = 0
+
 
 class _Settle:
     """What the last ``_rivals`` pass over a pool saw, for ``_settled`` (module docstring, *no pass*):
@@ -719,13 +729,7 @@ class KVAwarePolicy:
                 min_busy = 0.0
             if backend is not pinned and pin_ttft > factor * (step + uncached * per_token + wait) + margin:
                 rivals.append(backend)
-        # the stats, as ``_refresh`` leaves them
-        stats.total = total
-        stats.count = count
-        stats.min_step = min_step if count else 0.0
-        stats.min_per_token = min_per_token if count else 0.0
-        stats.version = -1 if exclude else pool.version
-        stats.age = 0
+        stats.record(total, count, min_step, min_per_token, -1 if exclude else pool.version)
         ledger = pool.ledger
         # a load below 0 (an in-flight count below 0: a bug elsewhere) would make a busy term negative
         if ledger is not None and self._settle_ok and not exclude and count and min_load >= 0:
@@ -770,12 +774,8 @@ class KVAwarePolicy:
         stats = self._stats.get(pool.key)
         if stats is None:
             stats = self._stats[pool.key] = _PoolStats()
-        stats.total = settle.base + (ledger.added - ledger.drops)
-        stats.count = settle.count
-        stats.min_step = settle.min_step
-        stats.min_per_token = settle.min_per_token
-        stats.version = pool.version
-        stats.age = 0
+        stats.record(settle.base + (ledger.added - ledger.drops), settle.count, settle.min_step, settle.min_per_token,
+                     pool.version)
         return stats
 
     def _fastest_rival(self, rivals: list[Backend], prompt: int, cached_map: Mapping[str, int] | None,
@@ -879,13 +879,7 @@ class KVAwarePolicy:
             ttft = step + (uncached if uncached > 0 else 0) * per_token + wait
             if ttft < best_ttft or (ttft == best_ttft and backend is keep):
                 best, best_ttft, best_wait, best_cached, best_load = backend, ttft, wait, cached, load
-        # the stats, as ``_refresh`` leaves them
-        stats.total = total
-        stats.count = count
-        stats.min_step = min_step if count else 0.0
-        stats.min_per_token = min_per_token if count else 0.0
-        stats.version = -1 if exclude else pool.version
-        stats.age = 0
+        stats.record(total, count, min_step, min_per_token, -1 if exclude else pool.version)
         bound = self._safety_bound(total, count)
         if best is None or (best is not keep and bound and best_load + 1 > bound):
             return (bound, *self._fastest(pool, exclude, prompt, cached_map, keep, bound, None))
@@ -972,11 +966,5 @@ class KVAwarePolicy:
                 min_step = step
             if per_token < min_per_token:
                 min_per_token = per_token
-        stats.total = total
-        stats.count = count
-        stats.min_step = min_step if count else 0.0
-        stats.min_per_token = min_per_token if count else 0.0
-        # stats taken with some backends excluded describe this request only: the next one refreshes
-        stats.version = -1 if exclude else pool.version
-        stats.age = 0
+        stats.record(total, count, min_step, min_per_token, -1 if exclude else pool.version)
         return stats
