@@ -29,7 +29,7 @@ def chat(turns: list[str]) -> dict[str, object]:
 @pytest.mark.slow
 async def test_sessions_leave_a_slow_backend_and_stay_on_a_fast_one(tmp_path: Path) -> None:
     fast = start_backend(str(tmp_path), speed="0.2")
-    slow = start_backend(str(tmp_path), speed="12")
+    slow = start_backend(str(tmp_path), speed="30")
     config = tmp_path / "router.toml"
     config.write_text("[health]\ninterval_s = 0.2\n[placement]\ndecision_header = true\n")
     router = None
