@@ -60,9 +60,11 @@ def _percentile(data: Sequence[float], q: float) -> float:
 
 
 def _variants(result: BenchResult) -> list[str]:
+    """The variants drawn: not the repeats of one at other seeds (``skewed@seed2``), which are judged
+    only in the target checks."""
     seen: list[str] = []
     for c in result.cells:
-        if c.variant not in seen:
+        if c.variant not in seen and "@" not in c.variant:
             seen.append(c.variant)
     return seen
 

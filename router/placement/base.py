@@ -29,6 +29,7 @@ REASONS = (
     "parent",  # a child session's first request, where its parent's KV (or pin) is
     "wait",  # moved: the pin's (or hash choice's) predicted wait made another backend clearly faster
     "kv_pressure",  # moved: the pin's KV cache is nearly full (eviction / preemption risk)
+    "evicted",  # moved: the pin's KV events show the session's prefix gone there; where predicted fastest
     "load",  # moved: the pin is over the load bound (the safety net)
     "retry",  # this request already failed on the pin: elsewhere, pin kept
     "unavailable",  # the pin is unhealthy, draining or gone: re-placed

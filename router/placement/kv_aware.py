@@ -87,6 +87,15 @@ with a session staying where its KV is until moving is clearly cheaper (DESIGN.m
   persisted over its last three scrapes, ``Backend.queued_floor``, lowered by requests finished since
   but never raised by requests sent since; not the ``busy`` term) to be clearly slower than the
   target: one scrape that caught an engine queueing, or in-flight counts that wander, move nothing.
+- *evicted*: when the pin's KV events reach the index and it holds less than half of the session's
+  last prompt + answer there (``hint.last_tokens``), and at least ``EVICTED_TOKENS`` fewer, the turn
+  recomputes what is gone wherever it goes: a move costs nothing a stay does not. It goes to the
+  fastest backend within the bound, the pin only when that is not faster by more than the margin
+  (SPILL, "evicted"; "cached" when the target holds more of the session), without the move factor and
+  the hysteresis. A backend that evicts its sessions' prefixes between their turns holds more than
+  its KV fits: the sessions that lost theirs leave it for one with less work ahead, and stay there.
+  The floor of ``EVICTED_TOKENS`` keeps short conversations (a block or two, or an index a step
+  behind the engine) on their pins.
 - a pinned turn whose uncached prompt tokens do not fit the pin's free KV (``_fits``: the scraped
   ``kv_capacity_tokens`` x (1 - usage), the usage lowered by requests finished since the scrape)
   would be preempted there: it goes to the fastest backend within the bound whose known free KV
@@ -107,7 +116,11 @@ with a session staying where its KV is until moving is clearly cheaper (DESIGN.m
 max(ceil(max_load_factor * (total + 1) / n), ceil((total + 1) / n) + sticky_headroom)``; a pin over
 it sheds the session ("load") to the fastest backend within it, and moves only go to backends
 within it. Loose by design (default 2x the mean): it bounds the spread when predictions are wrong
-(or blind: no scrape answers), it is not the signal.
+(or blind: no scrape answers), it is not the signal. Once the pin's interference (``busy``) is learned,
+its in-flight requests are in its prediction, and the net defers to it: a pin over the bound keeps a
+session predicted faster there (its cached prefix is worth more than the pin's load; a move would
+recompute it and slow the target's requests too) and sheds one predicted faster elsewhere, by any
+margin.
 """
 
 from __future__ import annotations
@@ -132,6 +145,10 @@ KV_PRESSURE_WEIGHT = 2.0
 #: this many times the other's TTFT (a slow engine: 5x and more); less is load-dependent noise (an
 #: engine's step includes what it meets, so the busier one looks slower and sessions would wander)
 SLOW_FACTOR = 3.0
+#: a pinned session whose pin's KV events show it lost at least this many tokens of its last prompt +
+#: answer there (and at least half of them) recomputes them wherever it goes: it is placed where it is
+#: predicted fastest, without the move factor and hysteresis that guard a cached prefix
+EVICTED_TOKENS = 256
 
 _EMPTY: Mapping[str, int] = {}
 
@@ -407,6 +424,14 @@ class KVAwarePolicy:
             for url, tokens in cached_map.items():
                 if url != pinned.url and tokens > other_cached:
                     other_cached = tokens
+        evicted = False
+        if hint is not None:
+            # the pin lost most of the session's last prompt + answer (module docstring, *evicted*)
+            last = hint.last_tokens
+            held = pin_cached if pin_cached > 0 else 0
+            if last - held >= EVICTED_TOKENS and held + held < last:
+                kv = self.kv
+                evicted = kv is not None and kv.has_events(pinned.url)
         if pin_cached < 0:
             # the index holds none of the session on its pin: none is there when the pin's KV events
             # reach the index (evicted, or the engine restarted); the last prompt + answer otherwise
@@ -423,7 +448,7 @@ class KVAwarePolicy:
         # the sticky fast path: no other backend can be clearly faster, and the pin is within the bound
         floor = stats.min_step + (prompt - other_cached) * stats.min_per_token
         fits = pinned.kv_capacity_tokens <= 0 or self._fits(pinned, prompt - pin_cached)
-        if fits and not self._clearly_faster(pin_ttft, floor) and (
+        if fits and not evicted and not self._clearly_faster(pin_ttft, floor) and (
                 pinned.in_flight + pinned.others_at_scrape + 1 <= self._safety_bound(stats.total, stats.count)):
             return Placement(pinned, Outcome.STICKY, "cached", pin_cached, pin_wait, pin_ttft)
         if not fits:
@@ -433,7 +458,15 @@ class KVAwarePolicy:
                 target, ttft, wait, cached = roomy
                 pins[pool.name] = target.url
                 return Placement(target, Outcome.SPILL, "kv_pressure", cached, wait, ttft)
-        if prompt >= 0 and self._floor_ok:
+        if evicted:
+            # the turn recomputes what the pin lost wherever it goes: the fastest backend, the pin only
+            # when it is as fast within the margin (no move factor, no hysteresis)
+            bound, target, ttft, wait, cached = self._scan(pool, exclude, prompt, cached_map, pinned)
+            if target is not pinned and pin_ttft > ttft + self._margin:
+                pins[pool.name] = target.url
+                return Placement(target, Outcome.SPILL, "cached" if cached > pin_cached else "evicted",
+                                 cached, wait, ttft)
+        elif prompt >= 0 and self._floor_ok:
             # predict only the candidates whose floor is clearly faster than the pin (``_rivals``): the
             # fastest within the bound is among them whenever it matters, i.e. when it is clearly faster
             settled = self._settled(pool, exclude, prompt - other_cached, pin_ttft) if self._settle_ok else None
@@ -460,7 +493,7 @@ class KVAwarePolicy:
         if pinned.in_flight + pinned.others_at_scrape + 1 > bound:
             # the safety net: the fastest backend within the bound (the pin is not: it is over it)
             target, ttft, wait, cached = self._fastest(pool, exclude, prompt, cached_map, None, bound, None)
-            if target is not pinned:
+            if target is not pinned and (pinned.busy_s_per_request <= 0 or ttft < pin_ttft):
                 pins[pool.name] = target.url
                 return Placement(target, Outcome.SPILL, "load", cached, wait, ttft)
         return Placement(pinned, Outcome.STICKY, "cached", pin_cached, pin_wait, pin_ttft)

@@ -35,7 +35,7 @@ class PinWriter(Protocol):
 
 #: the reason label's closed set (a peer's unknown reason is counted as "other")
 OFF_FIRST_REASONS = frozenset(
-    ("load", "wait", "kv_pressure", "cached", "parent", "repin", "retry", "response", "unavailable", "other")
+    ("load", "wait", "kv_pressure", "evicted", "cached", "parent", "repin", "retry", "response", "unavailable", "other")
 )
 _REPINS = frozenset((Outcome.REPIN_UNHEALTHY, Outcome.REPIN_REMOVED))
 

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 
+import msgspec
 import pytest
 
 from bench.multiturn import (
@@ -23,6 +24,7 @@ from bench.multiturn import (
     imbalance,
     kv_events_config,
     oracle_cached,
+    parse_args,
     parse_metrics,
     percentile,
 )
@@ -184,6 +186,39 @@ def test_issue_14_targets_compare_kv_aware_with_the_peer_and_the_session_policy(
     assert {c.name: c.ok for c in check_kv_aware_targets(both_zero)}["[skewed] kv_aware preemptions < session's"]
     # the issue-14 checks are part of the run's target table
     assert "[skewed] kv_aware preemptions < session's" in {c.name for c in check_targets(good, 1.25)}
+
+
+def test_the_skewed_tail_is_judged_over_every_seed_of_the_run() -> None:
+    """The full run repeats the skewed variant's kv_aware and session cells at more workload seeds
+    (``skewed@seed<N>``, not the other policies or the peers); the tail target takes the median of the
+    per-seed ratios, the preemption target their sums."""
+    def cell(target: str, variant: str, worst: float, preempt: int = 0) -> CellResult:
+        return CellResult(variant=variant, target=target, kind="ours", worst_backend_ttft_p99=worst,
+                          preemptions=preempt, of_oracle=0.95)
+
+    config, _ = parse_args(["--variants", "uniform,skewed", "--peers", "none"])
+    assert [v.name for v in config.variants] == ["uniform", "skewed", "skewed@seed2", "skewed@seed3", "skewed@seed4"]
+    repeat = config.variants[2]
+    assert repeat.spec == msgspec.structs.replace(config.variants[1].spec, seed=2)
+    assert set(repeat.skip_policies) == {"round_robin", "least_loaded"} and repeat.repeat_of == "skewed"
+    assert [v.name for v in parse_args(["--variants", "skewed", "--skewed-seeds", "1"])[0].variants] == ["skewed"]
+    assert [v.name for v in parse_args(["--seed", "7", "--variants", "skewed", "--skewed-seeds", "2"])[0].variants] == [
+        "skewed", "skewed@seed8"]
+    # one seed in three twice as bad: the median says the policy is better
+    cells = [cell("kv_aware", "skewed", 1.0, 1), cell("session", "skewed", 0.5, 1),
+             cell("kv_aware", "skewed@seed2", 0.3), cell("session", "skewed@seed2", 1.0, 2),
+             cell("kv_aware", "skewed@seed3", 0.4), cell("session", "skewed@seed3", 0.8)]
+    checks = {c.name: c for c in check_kv_aware_targets(cells)}
+    tail = checks["[skewed, 3 seeds] kv_aware worst-backend TTFT p99 <= 0.8x session's (median ratio)"]
+    assert tail.ok and tail.detail.startswith("median 0.50x") and "seed2: 300 ms / 1000 ms = 0.30x" in tail.detail
+    assert checks["[skewed, 3 seeds] kv_aware preemptions < session's (summed)"].ok  # 1 vs 3
+    assert not checks["[skewed] kv_aware worst-backend TTFT p99 <= 0.8x session's"].ok  # the first seed alone
+    cells[2] = cell("kv_aware", "skewed@seed2", 0.9, 3)
+    checks = {c.name: c for c in check_kv_aware_targets(cells)}
+    assert not checks["[skewed, 3 seeds] kv_aware worst-backend TTFT p99 <= 0.8x session's (median ratio)"].ok
+    assert not checks["[skewed, 3 seeds] kv_aware preemptions < session's (summed)"].ok  # 4 vs 3
+    # one seed only: no pooled check
+    assert not any("seeds]" in c.name for c in check_kv_aware_targets(cells[:2]))
 
 
 def test_counter_deltas_group_by_labels_and_keep_what_grew() -> None:

@@ -39,6 +39,8 @@ def _result(records: bool = True) -> BenchResult:
     cells = [_cell(v, t, s, records) for v in ("uniform", "skewed")
              for t, s in (("kv_aware", 0.03), ("session", 0.04), ("round_robin", 0.1))]
     cells.append(CellResult(variant="skewed", target="sglang-router (cache_aware)", kind="peer", skipped="not installed"))
+    # a repeat at another workload seed: judged in the target checks, not drawn
+    cells += [_cell("skewed@seed2", t, s, records) for t, s in (("kv_aware", 0.03), ("session", 0.04))]
     return BenchResult(started="2026-12-01T16:00:00", machine={}, command="python -m bench.multiturn",
                        config=BenchConfig(variants=quick_variants(1)), cells=cells, checks=[], peer_notes=[])
 

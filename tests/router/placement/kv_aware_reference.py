@@ -1,5 +1,6 @@
 """The ``kv_aware`` policy as it was before its all-candidates path was made faster (commit 4ea8bc5),
-kept verbatim (class renamed ``ReferenceKVAwarePolicy``) as the reference that
+kept verbatim (class renamed ``ReferenceKVAwarePolicy``; since then only the *evicted* rule added, in
+its plainest form) as the reference that
 ``test_kv_aware_equivalence`` compares the current policy's decisions against. Not used by the router.
 """
 
@@ -26,6 +27,7 @@ KV_PRESSURE_WEIGHT = 2.0
 #: this many times the other's TTFT (a slow engine: 5x and more); less is load-dependent noise (an
 #: engine's step includes what it meets, so the busier one looks slower and sessions would wander)
 SLOW_FACTOR = 3.0
+EVICTED_TOKENS = 256
 
 _EMPTY: Mapping[str, int] = {}
 
@@ -251,6 +253,10 @@ class ReferenceKVAwarePolicy:
             for url, tokens in cached_map.items():
                 if url != pinned.url and tokens > other_cached:
                     other_cached = tokens
+        # added with the *evicted* rule (not in 4ea8bc5): the pin lost most of the session's last turn
+        index_held = max(pin_cached, 0)
+        evicted = (hint is not None and hint.last_tokens - index_held >= EVICTED_TOKENS
+                   and 2 * index_held < hint.last_tokens and self.kv is not None and self.kv.has_events(pinned.url))
         if pin_cached < 0:
             # the index holds none of the session on its pin: none is there when the pin's KV events
             # reach the index (evicted, or the engine restarted); the last prompt + answer otherwise
@@ -267,7 +273,7 @@ class ReferenceKVAwarePolicy:
         # the sticky fast path: no other backend can be clearly faster, and the pin is within the bound
         floor = stats.min_step + (prompt - other_cached) * stats.min_per_token
         fits = pinned.kv_capacity_tokens <= 0 or self._fits(pinned, prompt - pin_cached)
-        if fits and not self._clearly_faster(pin_ttft, floor) and pinned.in_flight + pinned.others_at_scrape + 1 <= self._safety_bound(
+        if fits and not evicted and not self._clearly_faster(pin_ttft, floor) and pinned.in_flight + pinned.others_at_scrape + 1 <= self._safety_bound(
                 stats.total, stats.count):
             return Placement(pinned, Outcome.STICKY, "cached", pin_cached, pin_wait, pin_ttft)
         if not fits:
@@ -281,6 +287,9 @@ class ReferenceKVAwarePolicy:
         stats = self._refresh(pool, exclude)
         bound = self._safety_bound(stats.total, stats.count)
         target, ttft, wait, cached = self._fastest(pool, exclude, prompt, cached_map, pinned, bound, None)
+        if evicted and target is not pinned and pin_ttft > ttft + self._margin:
+            pins[pool.name] = target.url
+            return Placement(target, Outcome.SPILL, "cached" if cached > pin_cached else "evicted", cached, wait, ttft)
         if target is not pinned and self._clearly_faster(pin_ttft, ttft) and (
                 cached > pin_cached or self._settled_slower(pinned, prompt, pin_cached, pinned.queued_floor, ttft)):
             pins[pool.name] = target.url
@@ -293,7 +302,7 @@ class ReferenceKVAwarePolicy:
         if pinned.in_flight + pinned.others_at_scrape + 1 > bound:
             # the safety net: the fastest backend within the bound (the pin is not: it is over it)
             target, ttft, wait, cached = self._fastest(pool, exclude, prompt, cached_map, None, bound, None)
-            if target is not pinned:
+            if target is not pinned and (pinned.busy_s_per_request <= 0 or ttft < pin_ttft):
                 pins[pool.name] = target.url
                 return Placement(target, Outcome.SPILL, "load", cached, wait, ttft)
         return Placement(pinned, Outcome.STICKY, "cached", pin_cached, pin_wait, pin_ttft)

@@ -250,6 +250,25 @@ def test_the_safety_net_bounds_the_spread() -> None:
     assert entry3.pins["default"] == others[0].url
 
 
+def test_the_safety_net_defers_to_a_prediction_that_sees_the_load() -> None:
+    """Once the pin's interference is learned (``busy_s_per_request``), its in-flight requests are in
+    its prediction: over the bound, a session whose cached prefix makes staying predicted faster stays
+    (a move would recompute it, and slow the target's requests too); one that is predicted faster
+    elsewhere still goes, without the move factor."""
+    policy, pool, sessions = KVAwarePolicy(), make_pool(3), table()
+    entry, pin = pinned(policy, pool, sessions, "t")
+    others = [b for b in pool.members if b is not pin]
+    pin.in_flight, others[0].in_flight, others[1].in_flight = 14, 2, 3  # over the bound of 14
+    for backend in pool.members:
+        backend.busy_s_per_request = 0.01
+    # 0.01 + 50 / 4000 + 14 x 0.01 = 0.16 s there, 0.01 + 0.5 + 0.02 = 0.53 s on the least busy
+    placement = policy.place(pool, "t", entry, hint=hint())
+    assert (placement.backend, placement.outcome, placement.reason) == (pin, Outcome.STICKY, "cached")
+    # a turn the pin holds little of: 0.01 + 1.6 / 4 + 0.14 = 0.55 s there, faster (not 1.5x) elsewhere
+    placement = policy.place(pool, "t", entry, hint=hint(last=400))
+    assert (placement.backend, placement.outcome, placement.reason) == (others[0], Outcome.SPILL, "load")
+
+
 def test_replicas_judge_the_safety_net_and_the_kv_usage_on_the_engines_whole_load() -> None:
     """Three router replicas share the engines' traffic, each with a third of it in flight. The safety
     net and the KV-usage correction count the engine's requests of the other replicas too
@@ -403,6 +422,54 @@ def test_an_index_with_events_from_the_pin_that_says_zero_is_trusted() -> None:
     kv.live = {other.url}
     placement = policy.place(pool, "s", entry, hint=hint(last=1075))
     assert (placement.backend, placement.cached_tokens) == (pin, 1075)
+
+
+def test_a_session_whose_kv_the_pin_evicted_goes_where_it_is_served_fastest() -> None:
+    """The pin's events say it lost the session's last prompt + answer (or most of it): the turn
+    recomputes it wherever it goes, so it goes where its prefill starts soonest, without the move factor
+    or the hysteresis that guard a cached prefix (busy 20 ms per request: the pin's 8 in flight cost 160
+    ms, the other's 1 costs 20). Not when the pin kept half of it, or lost less than EVICTED_TOKENS,
+    or is as fast within the margin, or its events do not reach the index."""
+    from router.placement.kv_aware import EVICTED_TOKENS
+
+    policy, pool, sessions = KVAwarePolicy(), make_pool(2), table()
+    entry, pin = pinned(policy, pool, sessions, "s")
+    other = next(b for b in pool.members if b is not pin)
+    for backend in pool.members:
+        backend.busy_s_per_request = 0.02
+    pin.in_flight, other.in_flight = 8, 1
+    kv = policy.kv = FakeKV({"s": {pin.url: 320}})
+    # without events from the pin, the index's silence is no evidence: the pin keeps its estimate
+    placement = policy.place(pool, "s", entry, hint=hint(last=1500))
+    assert (placement.backend, placement.outcome) == (pin, Outcome.STICKY)
+    kv.live = {pin.url, other.url}
+    # the pin kept 800 of the last 1,500 tokens: a move would recompute them, it stays
+    kv.sessions = {"s": {pin.url: 800}}
+    placement = policy.place(pool, "s", entry, hint=hint(last=1500))
+    assert (placement.backend, placement.outcome, placement.cached_tokens) == (pin, Outcome.STICKY, 800)
+    # lost less than EVICTED_TOKENS: a short conversation, or the index's events a step behind
+    kv.sessions = {"s": {pin.url: 16}}
+    placement = policy.place(pool, "s", entry, hint=hint(last=16 + EVICTED_TOKENS - 1))
+    assert (placement.backend, placement.outcome) == (pin, Outcome.STICKY)
+    # the pin as fast or faster (its queue gone): stays
+    pin.in_flight = 1
+    kv.sessions = {"s": {pin.url: 320}}
+    placement = policy.place(pool, "s", entry, hint=hint(last=1500))
+    assert (placement.backend, placement.outcome) == (pin, Outcome.STICKY)
+    # 320 of 1,500 left on the pin, and the pin busier: 0.01 + 1.68 / 4 + 0.16 = 0.59 s there against
+    # 0.01 + 2 / 4 + 0.02 = 0.53 s on the other
+    pin.in_flight = 8
+    placement = policy.place(pool, "s", entry, hint=hint(last=1500))
+    assert (placement.backend, placement.outcome, placement.reason) == (other, Outcome.SPILL, "evicted")
+    assert entry.pins["default"] == other.url and placement.cached_tokens == 0
+    assert placement.predicted_ttft_s == pytest.approx(0.01 + PROMPT / 4000 + 0.02)
+    # the 1.5x move factor would have kept it there
+    assert not policy._clearly_faster(policy.predict(pin, PROMPT, 320)[0], placement.predicted_ttft_s)
+    # where another backend holds more of the session than the pin, the reason says so
+    entry.pins["default"] = pin.url
+    kv.sessions = {"s": {pin.url: 0, other.url: 400}}
+    placement = policy.place(pool, "s", entry, hint=hint(last=1500))
+    assert (placement.backend, placement.reason, placement.cached_tokens) == (other, "cached", 400)
 
 
 def test_a_session_met_for_the_first_time_goes_where_the_index_holds_its_kv() -> None:

@@ -73,7 +73,7 @@ def outcome(policy: object, pool: BackendPool, sid: str | None, entry: SessionEn
 @pytest.mark.parametrize("seed", range(4))
 def test_same_decisions_as_the_reference_on_random_pool_states(seed: int) -> None:
     rng = random.Random(seed)
-    compared = moved = 0
+    compared = moved = evicted = 0
     errors = 0
     for trial in range(750):
         size = rng.choice((1, 2, 3, 5, 8, 9, 16, 64))
@@ -114,19 +114,22 @@ def test_same_decisions_as_the_reference_on_random_pool_states(seed: int) -> Non
                 pin = entries[sid][0].pins.get("default")
                 if pin is not None:
                     exclude |= {pin}
+            last = rng.choice((0, prompt // 2, prompt // 2, prompt, 1000))  # the session's last turn
             results = []
             for policy, which in ((reference, 0), (current, 1)):
                 entry = entries[sid][which] if sid is not None else None
                 parent_entry = entries[parent][which] if parent is not None else None
                 hint = PlacementHint(prompt, prompt_ids=ids, parent_session=parent, parent_entry=parent_entry,
-                                     last_tokens=prompt // 2)
+                                     last_tokens=last)
                 results.append(outcome(policy, pool, sid, entry, exclude, hint))
             assert results[0] == results[1], (seed, trial, sid, results)
             compared += 1
             errors += results[0][0] == "error"
             moved += results[0][0] != "error" and results[0][1].name == "SPILL"
+            evicted += results[0][0] != "error" and results[0][2] == "evicted"
     assert compared == 750 * 8
     assert moved > 100  # the states exercise the all-candidates path, not only the sticky fast path
+    assert evicted > 20  # and the pin that lost the session's KV
 
 
 def queueing_alike(rng: random.Random, backend: Backend, waiting: float, odd: float) -> None:
