@@ -37,6 +37,7 @@ import gc
 from collections import deque
 import hashlib
 import importlib.util
+import inspect
 import os
 import platform
 import statistics
@@ -289,6 +290,14 @@ def load_policy_class(path: str, module: str, cls: str) -> type:
 DECISIONS = 2000
 
 
+def _fresh(cls: type, scene: Scene) -> object:
+    """A policy of ``cls`` on a clock that stands still, when it takes one (``kv_aware``'s prefill work
+    sent to a backend, ``ahead``, then depends on the placements alone, alike for every copy)."""
+    if "clock" in inspect.signature(cls).parameters:
+        return cls(kv=scene.index, clock=lambda: 0.0)
+    return cls(kv=scene.index)
+
+
 def compare_placement(scene: Scene, calls: int, repeats: int, baseline: str | None
                       ) -> tuple[list[str], dict[str, dict[str, float]], dict[str, str]]:
     """(policy labels, scenario -> label -> median µs per call, scenario -> what the decisions were).
@@ -324,7 +333,7 @@ def compare_placement(scene: Scene, calls: int, repeats: int, baseline: str | No
         timings[name] = {label: median_us(values) for label, values in samples.items()}
         # the decisions: fresh policies (the same history: their caches start alike) and fresh pins
         # place the same sessions in turn on the same pool state, the traffic applied once per step
-        fresh = {label: cls(kv=scene.index) for label, cls in classes.items()}
+        fresh = {label: _fresh(cls, scene) for label, cls in classes.items()}
         pins = {label: _pinned_entries(scene) for label in fresh}
         seen: set[tuple[object, ...]] = set()
         moving = Traffic(pool) if traffic else None

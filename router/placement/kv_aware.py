@@ -5,7 +5,7 @@ with a session staying where its KV is until moving is clearly cheaper (DESIGN.m
 ``C(b)`` are cached there::
 
     ttft(b) = step(b) + (P - C(b)) * prefill(b) + wait(b)
-    wait(b) = queue(b) * queued(b) + load(b) * busy(b) + pressure(b) * 2 * P * prefill(b)
+    wait(b) = queue(b) * queued(b) + load(b) * busy(b) + pressure(b) * 2 * P * prefill(b) + ahead(b)
 
 - ``step``, ``prefill`` (seconds per prompt token), ``queued`` (what each request the engine has
   waiting costs a newcomer) and ``busy`` (what one request in flight adds to a newcomer's first
@@ -30,6 +30,15 @@ with a session staying where its KV is until moving is clearly cheaper (DESIGN.m
   scrape stands for the engine's in proportion): running requests hold that cache, so as they
   finish (or sessions leave) the pressure fades before the next scrape, and sessions do not leave a
   pressured backend in a herd.
+- ``ahead`` = the prefill work this router sent to ``b`` that is not done yet: each placement leaves
+  its backend the prediction's own prefill term (uncached tokens x ``prefill``), done from the
+  placement on (or from when what was already ahead is done) at that rate, so a newcomer waits for
+  what remains (a virtual clock per backend, ``_ahead``; one read of the clock per placement). 0 while
+  this router has no request in flight there (everything it sent is answered). An engine that batches
+  everything into its running steps does not queue (``vllm:num_requests_waiting`` stays 0 while it
+  prefills long prompts), so neither the queue nor the averaged ``busy`` term sees a burst of
+  prefills; without this term, the sessions that had lost their KV all went to the backend predicted
+  fastest at once and recomputed there together. Each replica counts only its own work.
 - ``P``: exact in tokens mode; else estimated from the body's length (``bytes_per_token``), at
   least the session's last prompt + answer as this router saw it and, with the KV index, the most
   of the session resident on any backend (``_sized``: the conversation this turn extends), so a
@@ -53,7 +62,7 @@ with a session staying where its KV is until moving is clearly cheaper (DESIGN.m
   backend's (the pool's smallest step and prefill cost, no wait, the most any other backend has
   cached), with the pool's load total refreshed every ``STATS_EVERY`` placements. When that does
   not settle it, the pass that refreshes the pool's stats also takes each candidate's *floor* (its
-  prediction with that fewest uncached count and without the KV-pressure term, same operations,
+  prediction with that fewest uncached count and without the KV-pressure and ``ahead`` terms, same operations,
   so never above its prediction) and only the candidates whose floor is clearly faster than the pin
   are predicted: the same choices as predicting all of them (the fastest matters only when it is
   clearly faster, and then its floor is too), e.g. none when every engine queues alike.
@@ -126,7 +135,8 @@ margin.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -251,8 +261,15 @@ class KVAwarePolicy:
 
     name = "kv_aware"
 
-    def __init__(self, settings: KVAwareSettings = KVAwareSettings(), *, kv: KVView | None = None) -> None:
+    def __init__(self, settings: KVAwareSettings = KVAwareSettings(), *, kv: KVView | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.settings = settings
+        self._clock = clock
+        #: backend URL -> when the prefill work this router sent there is done, by the prediction's own
+        #: prefill cost (``ahead``; one entry per backend URL placed on)
+        self._ahead: dict[str, float] = {}
+        #: the clock at the current placement
+        self._now = 0.0
         #: the router's KV index (None: no KV events; the pins stand in for it). Settable after construction.
         self.kv = kv
         self._per_token = 1.0 / settings.prefill_tokens_per_s
@@ -298,6 +315,10 @@ class KVAwarePolicy:
             wait += (backend.in_flight + backend.others_at_scrape) * busy
         if backend.kv_usage > self._kv_from:
             wait += self._pressure_s(backend, prompt)
+        if backend.in_flight > 0:  # none of this router's requests there: none of its prefill work either
+            ahead = self._ahead.get(backend.url, 0.0) - self._now
+            if ahead > 0:
+                wait += ahead
         uncached = prompt - cached
         return step + (uncached if uncached > 0 else 0) * per_token + wait, wait
 
@@ -354,13 +375,14 @@ class KVAwarePolicy:
                 best, best_ttft, best_wait, best_cached = backend, ttft, wait, cached
         return None if best is None else (best, best_ttft, best_wait, best_cached)
 
-    def _settled_slower(self, backend: Backend, prompt: int, cached: int, fast: float) -> bool:
+    def _settled_slower(self, backend: Backend, prompt: int, cached: int, fast: float, target: Backend) -> bool:
         """Whether ``backend``'s prediction counting only what justifies leaving it (module docstring,
         *hysteresis*) is clearly slower than ``fast``: its learned constants (medians over several
         scrape intervals), its KV pressure, and its queue as it persisted over three scrapes
         (``queued_floor``), lowered by what finished since
         the scrape but never raised by what was sent since; never the in-flight ``busy`` term
-        (in-flight counts wander by chance). Without a queue or pressure, by ``SLOW_FACTOR``, and
+        (in-flight counts wander by chance) nor the prefill work sent there (``ahead``: gone within
+        a second or so). Without a queue or pressure, by ``SLOW_FACTOR``, and
         only on learned constants: a backend with none learned yet (just started, or back after a
         restart while the others learned theirs) is not judged slower by the configured ones, or it
         would get no traffic to learn from and stay empty."""
@@ -384,8 +406,18 @@ class KVAwarePolicy:
         ttft = step + (uncached if uncached > 0 else 0) * per_token + wait
         if wait <= 0 and backend.step_s < 0 and backend.prefill_s_per_token < 0:
             return False  # nothing measured there yet: the configured constants are no evidence it is slower
-        factor = self._factor if wait > 0 else max(self._factor, SLOW_FACTOR)
-        return ttft > factor * fast + self._margin
+        if wait > 0:
+            return ttft > self._factor * fast + self._margin
+        # a slow engine: against the target's prediction without the prefill work this router just
+        # sent there (``ahead``, charged at a rate the target may not have learned yet)
+        return ttft > max(self._factor, SLOW_FACTOR) * (fast - self._ahead_s(target)) + self._margin
+
+    def _ahead_s(self, backend: Backend) -> float:
+        """The ``ahead`` term of ``backend``'s prediction (module docstring)."""
+        if backend.in_flight <= 0:
+            return 0.0
+        ahead = self._ahead.get(backend.url, 0.0) - self._now
+        return ahead if ahead > 0 else 0.0
 
     # ------------------------------------------------------------------ the hot path
     def place(
@@ -396,6 +428,19 @@ class KVAwarePolicy:
         exclude: frozenset[str] = NOTHING_EXCLUDED,
         hint: PlacementHint | None = None,
     ) -> Placement:
+        now = self._now = self._clock()
+        placement = self._place(pool, session_id, entry, exclude, hint)
+        # the chosen backend's prefill of this request is ahead of the next ones sent there (``ahead``)
+        backend = placement.backend
+        step = backend.step_s
+        work = placement.predicted_ttft_s - placement.wait_s - (step if step >= 0 else self._step)
+        if work > 0:
+            ahead = self._ahead.get(backend.url, 0.0)
+            self._ahead[backend.url] = (ahead if ahead > now and backend.in_flight > 0 else now) + work
+        return placement
+
+    def _place(self, pool: BackendSet, session_id: str | None, entry: SessionPins | None,
+               exclude: frozenset[str], hint: PlacementHint | None) -> Placement:
         prompt = hint.prompt_tokens_estimate if hint is not None else 0
         if session_id is None or entry is None:
             return self._no_session(pool, exclude, prompt, self._prefix_map(hint))
@@ -482,7 +527,7 @@ class KVAwarePolicy:
             # predict every candidate (and refresh the stats) in one pass
             bound, target, ttft, wait, cached = self._scan(pool, exclude, prompt, cached_map, pinned)
         if target is not pinned and self._clearly_faster(pin_ttft, ttft) and (
-                cached > pin_cached or self._settled_slower(pinned, prompt, pin_cached, ttft)):
+                cached > pin_cached or self._settled_slower(pinned, prompt, pin_cached, ttft, target)):
             pins[pool.name] = target.url
             pressure = self._pressure_s(pinned, prompt)
             if cached > pin_cached:  # the session's KV is there rather than on its pin (the index says)
@@ -532,7 +577,7 @@ class KVAwarePolicy:
         target, ttft, wait, cached = self._fastest(pool, exclude, prompt, cached_map, home, bound,
                                                    (home, home_cached))
         if target is not home and self._clearly_faster(home_ttft, ttft) and (
-                cached > home_cached or self._settled_slower(home, prompt, home_cached, ttft)):
+                cached > home_cached or self._settled_slower(home, prompt, home_cached, ttft, target)):
             pins[pool.name] = target.url
             return Placement(target, outcome, "cached" if cached > home_cached else "wait", cached, wait, ttft)
         pins[pool.name] = home.url
@@ -699,8 +744,8 @@ class KVAwarePolicy:
         """``_refresh``, and the candidates other than ``pinned`` whose *floor* is clearly faster than
         ``pin_ttft``, in member order. A candidate's floor is its prediction with ``uncached`` prompt
         tokens (the fewest any backend but the pin may have to prefill) and without its KV-pressure
-        term, with ``predict``'s operations in ``predict``'s order: rounding is monotonic, the pressure
-        term is not negative (prompt >= 0, ``_floor_ok``), so no floor exceeds its prediction, and a
+        and ``ahead`` terms, with ``predict``'s operations in ``predict``'s order: rounding is
+        monotonic, those two terms are not negative (prompt >= 0, ``_floor_ok``), so no floor exceeds its prediction, and a
         candidate not in the list is not clearly faster than the pin. When ``_settled`` may use it,
         the pass also leaves what it saw for it (``_Settle``)."""
         stats = self._stats.get(pool.key)
@@ -868,6 +913,8 @@ class KVAwarePolicy:
         best_cached = 0
         best_load = 0.0
         get = cached_map.get if cached_map else None
+        ahead_of = self._ahead.get
+        now = self._now
         none_cached = 0 if prompt >= 0 else prompt  # what ``_fastest`` makes of a backend holding nothing
         none_uncached = prompt - none_cached
         for backend in pool.members:
@@ -901,6 +948,10 @@ class KVAwarePolicy:
                 wait += held * busy
             if backend.kv_usage > kv_from:
                 wait += self._pressure_s(backend, prompt)
+            if in_flight > 0:
+                ahead = ahead_of(backend.url, 0.0) - now
+                if ahead > 0:
+                    wait += ahead
             if get is not None:
                 cached = get(backend.url, 0)
                 if cached > prompt:

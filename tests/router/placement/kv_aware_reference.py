@@ -8,7 +8,8 @@ its plainest form) as the reference that
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -93,8 +94,15 @@ class ReferenceKVAwarePolicy:
 
     name = "kv_aware"
 
-    def __init__(self, settings: KVAwareSettings = KVAwareSettings(), *, kv: KVView | None = None) -> None:
+    def __init__(self, settings: KVAwareSettings = KVAwareSettings(), *, kv: KVView | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.settings = settings
+        self._clock = clock
+        #: backend URL -> when the prefill work this router sent there is done, by the prediction's own
+        #: prefill cost (``ahead``; one entry per backend URL placed on)
+        self._ahead: dict[str, float] = {}
+        #: the clock at the current placement
+        self._now = 0.0
         #: the router's KV index (None: no KV events; the pins stand in for it). Settable after construction.
         self.kv = kv
         self._per_token = 1.0 / settings.prefill_tokens_per_s
@@ -133,6 +141,10 @@ class ReferenceKVAwarePolicy:
             wait += (backend.in_flight + backend.others_at_scrape) * busy
         if backend.kv_usage > self._kv_from:
             wait += self._pressure_s(backend, prompt)
+        if backend.in_flight > 0:  # none of this router's requests there: none of its prefill work either
+            ahead = self._ahead.get(backend.url, 0.0) - self._now
+            if ahead > 0:
+                wait += ahead
         uncached = prompt - cached
         return step + (uncached if uncached > 0 else 0) * per_token + wait, wait
 
@@ -187,7 +199,8 @@ class ReferenceKVAwarePolicy:
                 best, best_ttft, best_wait, best_cached = backend, ttft, wait, cached
         return None if best is None else (best, best_ttft, best_wait, best_cached)
 
-    def _settled_slower(self, backend: Backend, prompt: int, cached: int, waiting: float, fast: float) -> bool:
+    def _settled_slower(self, backend: Backend, prompt: int, cached: int, waiting: float, fast: float,
+                        target: Backend) -> bool:
         """Whether ``backend``'s prediction counting only what justifies leaving it (module docstring,
         *hysteresis*) is clearly slower than ``fast``: its learned constants (medians over several
         scrape intervals), its KV pressure, and a queue of ``waiting`` requests (``engine_waiting``, or
@@ -213,8 +226,18 @@ class ReferenceKVAwarePolicy:
         ttft = step + (uncached if uncached > 0 else 0) * per_token + wait
         if wait <= 0 and backend.step_s < 0 and backend.prefill_s_per_token < 0:
             return False  # nothing measured there yet: the configured constants are no evidence it is slower
-        factor = self._factor if wait > 0 else max(self._factor, SLOW_FACTOR)
-        return ttft > factor * fast + self._margin
+        if wait > 0:
+            return ttft > self._factor * fast + self._margin
+        # a slow engine: against the target's prediction without the prefill work this router just
+        # sent there (``ahead``, charged at a rate the target may not have learned yet)
+        return ttft > max(self._factor, SLOW_FACTOR) * (fast - self._ahead_s(target)) + self._margin
+
+    def _ahead_s(self, backend: Backend) -> float:
+        """The ``ahead`` term of ``backend``'s prediction (module docstring)."""
+        if backend.in_flight <= 0:
+            return 0.0
+        ahead = self._ahead.get(backend.url, 0.0) - self._now
+        return ahead if ahead > 0 else 0.0
 
     # ------------------------------------------------------------------ the hot path
     def place(
@@ -225,6 +248,19 @@ class ReferenceKVAwarePolicy:
         exclude: frozenset[str] = NOTHING_EXCLUDED,
         hint: PlacementHint | None = None,
     ) -> Placement:
+        now = self._now = self._clock()
+        placement = self._place(pool, session_id, entry, exclude, hint)
+        # the chosen backend's prefill of this request is ahead of the next ones sent there (``ahead``)
+        backend = placement.backend
+        step = backend.step_s
+        work = placement.predicted_ttft_s - placement.wait_s - (step if step >= 0 else self._step)
+        if work > 0:
+            ahead = self._ahead.get(backend.url, 0.0)
+            self._ahead[backend.url] = (ahead if ahead > now and backend.in_flight > 0 else now) + work
+        return placement
+
+    def _place(self, pool: BackendSet, session_id: str | None, entry: SessionPins | None,
+               exclude: frozenset[str], hint: PlacementHint | None) -> Placement:
         prompt = hint.prompt_tokens_estimate if hint is not None else 0
         if session_id is None or entry is None:
             return self._no_session(pool, exclude, prompt, self._prefix_map(hint))
@@ -291,7 +327,7 @@ class ReferenceKVAwarePolicy:
             pins[pool.name] = target.url
             return Placement(target, Outcome.SPILL, "cached" if cached > pin_cached else "evicted", cached, wait, ttft)
         if target is not pinned and self._clearly_faster(pin_ttft, ttft) and (
-                cached > pin_cached or self._settled_slower(pinned, prompt, pin_cached, pinned.queued_floor, ttft)):
+                cached > pin_cached or self._settled_slower(pinned, prompt, pin_cached, pinned.queued_floor, ttft, target)):
             pins[pool.name] = target.url
             pressure = self._pressure_s(pinned, prompt)
             if cached > pin_cached:  # the session's KV is there rather than on its pin (the index says)
@@ -341,7 +377,7 @@ class ReferenceKVAwarePolicy:
         target, ttft, wait, cached = self._fastest(pool, exclude, prompt, cached_map, home, bound,
                                                    (home, home_cached))
         if target is not home and self._clearly_faster(home_ttft, ttft) and (
-                cached > home_cached or self._settled_slower(home, prompt, home_cached, home.queued_floor, ttft)):
+                cached > home_cached or self._settled_slower(home, prompt, home_cached, home.queued_floor, ttft, target)):
             pins[pool.name] = target.url
             return Placement(target, outcome, "cached" if cached > home_cached else "wait", cached, wait, ttft)
         pins[pool.name] = home.url

@@ -15,6 +15,14 @@ from router.sessions.table import SessionEntry, SessionTable
 PROMPT = 2000  # tokens: 0.5 s to prefill at the default 4,000 tokens/s
 
 
+def apart(settings: KVAwareSettings = KVAwareSettings(), **kw: object) -> KVAwarePolicy:
+    """The policy on a clock that moves an hour per placement: requests here are far apart, so the
+    prefill work each one sent (``ahead``) is done before the next (``test_prefill_work_sent_*``
+    tests it on a clock of their own)."""
+    clock = iter(range(0, 10**12, 3600))
+    return KVAwarePolicy(settings, clock=lambda: float(next(clock)), **kw)  # type: ignore[arg-type]
+
+
 def make_pool(n: int, first_port: int = 8100) -> BackendPool:
     return BackendPool("default", [Backend(f"http://127.0.0.1:{first_port + i}") for i in range(n)])
 
@@ -65,7 +73,7 @@ def test_is_the_default_policy_and_session_stays_one_setting_away() -> None:
 
 
 def test_prediction_is_step_plus_uncached_prefill_plus_wait() -> None:
-    policy = KVAwarePolicy(KVAwareSettings(prefill_tokens_per_s=1000.0, per_request_step_s=0.01,
+    policy = apart(KVAwareSettings(prefill_tokens_per_s=1000.0, per_request_step_s=0.01,
                                            queued_request_s=0.2, kv_pressure_from=0.8))
     b = Backend("http://127.0.0.1:8100")
     assert policy.predict(b, 500, 100) == pytest.approx((0.01 + 0.4, 0.0))
@@ -89,7 +97,7 @@ def test_sessions_stay_put_under_chance_in_flight_fluctuations() -> None:
     """The issue's short-request complaint: in-flight counts crossing mean + headroom by chance made
     sessions wander. Two backends that are not queueing: every request of every session stays."""
     rng = random.Random(7)
-    for policy in (KVAwarePolicy(), SessionPolicy()):
+    for policy in (apart(), SessionPolicy()):
         pool, sessions = make_pool(2), table()
         ids = [f"s{i}" for i in range(64)]
         entries = {sid: sessions.touch(sid) for sid in ids}
@@ -111,7 +119,7 @@ def test_sessions_stay_put_under_chance_in_flight_fluctuations() -> None:
 
 
 def test_a_saturated_pin_sheds_its_session_to_a_backend_with_headroom() -> None:
-    policy, pool, sessions = KVAwarePolicy(), make_pool(2), table()
+    policy, pool, sessions = apart(), make_pool(2), table()
     entry, pin = pinned(policy, pool, sessions, "s")
     other = next(b for b in pool.members if b is not pin)
     pin.engine_waiting = 30  # 30 queued x 0.1 s: 3 s of wait against a 0.5 s recompute elsewhere
@@ -129,7 +137,7 @@ def test_a_saturated_pin_sheds_its_session_to_a_backend_with_headroom() -> None:
 
 
 def test_a_short_queue_does_not_pay_for_recomputing_the_prefix() -> None:
-    policy, pool, sessions = KVAwarePolicy(), make_pool(2), table()
+    policy, pool, sessions = apart(), make_pool(2), table()
     entry, pin = pinned(policy, pool, sessions, "s")
     pin.engine_waiting = 3  # 0.3 s of queue < the 0.5 s prefill a move costs
     placement = policy.place(pool, "s", entry, hint=hint())
@@ -139,7 +147,7 @@ def test_a_short_queue_does_not_pay_for_recomputing_the_prefix() -> None:
 
 
 def test_a_kv_pressured_pin_sheds_its_session() -> None:
-    policy, pool, sessions = KVAwarePolicy(), make_pool(2), table()
+    policy, pool, sessions = apart(), make_pool(2), table()
     entry, pin = pinned(policy, pool, sessions, "s")
     pin.kv_usage = 0.99
     placement = policy.place(pool, "s", entry, hint=hint())
@@ -148,7 +156,7 @@ def test_a_kv_pressured_pin_sheds_its_session() -> None:
 
 
 def test_a_slow_backend_loses_its_sessions() -> None:
-    policy, pool, sessions = KVAwarePolicy(), make_pool(2), table()
+    policy, pool, sessions = apart(), make_pool(2), table()
     entry, pin = pinned(policy, pool, sessions, "s")
     pin.step_s = 2.0  # learned: its steps take 2 s (the other's are the configured 10 ms)
     placement = policy.place(pool, "s", entry, hint=hint())
@@ -160,7 +168,7 @@ def test_a_backend_with_nothing_learned_is_not_judged_slower_by_the_configured_c
     (restarted: nothing learned, the configured 10 ms and 4,000 tokens/s stand in). New sessions hashed
     to it still go there, and its sessions stay: otherwise it would get no traffic to learn from. Once
     it has learned that it is slow, they leave."""
-    policy, pool, sessions, ranking = KVAwarePolicy(), make_pool(3), table(), SessionPolicy()
+    policy, pool, sessions, ranking = apart(), make_pool(3), table(), SessionPolicy()
     back = pool.members[0]
     for backend in pool.members[1:]:
         backend.step_s, backend.prefill_s_per_token = 0.001, 0.000025
@@ -177,7 +185,7 @@ def test_a_backend_with_nothing_learned_is_not_judged_slower_by_the_configured_c
 
 
 def test_new_sessions_go_by_rendezvous_hash_unless_it_is_clearly_slower() -> None:
-    policy, pool, sessions, ranking = KVAwarePolicy(), make_pool(4), table(), SessionPolicy()
+    policy, pool, sessions, ranking = apart(), make_pool(4), table(), SessionPolicy()
     for i in range(40):
         sid = f"n{i}"
         placement = policy.place(pool, sid, sessions.touch(sid), hint=hint(last=0))
@@ -193,7 +201,7 @@ def test_new_sessions_go_by_rendezvous_hash_unless_it_is_clearly_slower() -> Non
 
 
 def test_a_child_session_goes_where_its_parent_is() -> None:
-    policy, pool, sessions = KVAwarePolicy(), make_pool(4), table()
+    policy, pool, sessions = apart(), make_pool(4), table()
     parent, parent_pin = pinned(policy, pool, sessions, "parent")
     for i in range(20):
         child = sessions.touch(f"child{i}")
@@ -210,7 +218,7 @@ def test_a_child_session_goes_where_its_parent_is() -> None:
 
 
 def test_the_kv_index_says_what_is_cached_where() -> None:
-    policy, pool, sessions = KVAwarePolicy(), make_pool(3), table()
+    policy, pool, sessions = apart(), make_pool(3), table()
     entry, pin = pinned(policy, pool, sessions, "s")
     holder = next(b for b in pool.members if b is not pin)
     # the index says the session's KV is elsewhere (its pin lost it): it follows its KV
@@ -235,7 +243,7 @@ def test_the_safety_net_bounds_the_spread() -> None:
     """A pin over max(ceil(max_load_factor x (total + 1) / n), ceil((total + 1) / n) + headroom) in
     flight sheds the session ("load") to the fastest backend within it. Over two backends a factor of
     2 never binds (one backend may carry all); from three on it does."""
-    policy, pool, sessions = KVAwarePolicy(), make_pool(2), table()
+    policy, pool, sessions = apart(), make_pool(2), table()
     entry, pin = pinned(policy, pool, sessions, "s")
     pin.in_flight = 80
     assert policy.place(pool, "s", entry, hint=hint()).outcome is Outcome.STICKY
@@ -255,7 +263,7 @@ def test_the_safety_net_defers_to_a_prediction_that_sees_the_load() -> None:
     its prediction: over the bound, a session whose cached prefix makes staying predicted faster stays
     (a move would recompute it, and slow the target's requests too); one that is predicted faster
     elsewhere still goes, without the move factor."""
-    policy, pool, sessions = KVAwarePolicy(), make_pool(3), table()
+    policy, pool, sessions = apart(), make_pool(3), table()
     entry, pin = pinned(policy, pool, sessions, "t")
     others = [b for b in pool.members if b is not pin]
     pin.in_flight, others[0].in_flight, others[1].in_flight = 14, 2, 3  # over the bound of 14
@@ -276,7 +284,7 @@ def test_replicas_judge_the_safety_net_and_the_kv_usage_on_the_engines_whole_loa
     def views() -> list[tuple[KVAwarePolicy, BackendPool, SessionEntry, Backend]]:
         out = []
         for _ in range(3):
-            policy, pool, sessions = KVAwarePolicy(), make_pool(4), table()
+            policy, pool, sessions = apart(), make_pool(4), table()
             entry, pin = pinned(policy, pool, sessions, "s")
             out.append((policy, pool, entry, pin))
         return out
@@ -305,7 +313,7 @@ def test_replicas_judge_the_safety_net_and_the_kv_usage_on_the_engines_whole_loa
     # KV usage 0.95 at the scrape with 3 of this replica's requests and 6 others' there; one of its
     # three finished since: the others' (unseen until the next scrape) are taken to have gone alike, so
     # the usage is that of a lone router whose 9 became 6: 0.95 x 7 / 10, under kv_pressure_from
-    policy = KVAwarePolicy(KVAwareSettings(kv_pressure_from=0.8))
+    policy = apart(KVAwareSettings(kv_pressure_from=0.8))
     replica, lone = Backend("http://127.0.0.1:8100"), Backend("http://127.0.0.1:8101")
     replica.kv_usage, replica.in_flight_at_scrape, replica.in_flight, replica.others_at_scrape = 0.95, 3, 2, 6.0
     lone.kv_usage, lone.in_flight_at_scrape, lone.in_flight = 0.95, 9, 6
@@ -324,7 +332,7 @@ def test_replicas_judge_the_safety_net_and_the_kv_usage_on_the_engines_whole_loa
 
 
 def test_a_retry_goes_elsewhere_and_keeps_the_pin() -> None:
-    policy, pool, sessions = KVAwarePolicy(), make_pool(2), table()
+    policy, pool, sessions = apart(), make_pool(2), table()
     entry, pin = pinned(policy, pool, sessions, "s")
     placement = policy.place(pool, "s", entry, frozenset({pin.url}), hint())
     assert placement.backend is not pin and (placement.outcome, placement.reason) == (Outcome.SPILL, "retry")
@@ -332,7 +340,7 @@ def test_a_retry_goes_elsewhere_and_keeps_the_pin() -> None:
 
 
 def test_a_dead_or_removed_pin_is_replaced() -> None:
-    policy, pool, sessions = KVAwarePolicy(), make_pool(3), table()
+    policy, pool, sessions = apart(), make_pool(3), table()
     entry, pin = pinned(policy, pool, sessions, "s")
     pin.healthy = False
     placement = policy.place(pool, "s", entry, hint=hint())
@@ -351,7 +359,7 @@ def test_a_dead_or_removed_pin_is_replaced() -> None:
 
 
 def test_requests_without_a_session_go_to_the_least_loaded_of_the_fastest() -> None:
-    policy, pool = KVAwarePolicy(), make_pool(3)
+    policy, pool = apart(), make_pool(3)
     slow, busy, free = pool.members
     slow.step_s = 5.0
     busy.in_flight, free.in_flight = 4, 1
@@ -366,7 +374,7 @@ def test_requests_without_a_session_go_to_the_least_loaded_of_the_fastest() -> N
 def test_the_fast_path_on_a_large_pool_matches_a_full_prediction() -> None:
     """Pools over SMALL_POOL refresh the load total every STATS_EVERY placements; decisions made on
     the fast path are the ones a full prediction makes when nothing is clearly faster."""
-    policy, pool, sessions = KVAwarePolicy(), make_pool(64), table()
+    policy, pool, sessions = apart(), make_pool(64), table()
     entries = {f"s{i}": sessions.touch(f"s{i}") for i in range(500)}
     for sid, entry in entries.items():
         policy.place(pool, sid, entry, hint=hint(last=0))
@@ -393,7 +401,7 @@ def test_new_sessions_land_where_the_session_policy_would_put_them() -> None:
     choice: the first in rendezvous order within the load bound, else the least loaded."""
     rng = random.Random(11)
     pool, sessions = make_pool(5), table()
-    ours, theirs = KVAwarePolicy(), SessionPolicy()
+    ours, theirs = apart(), SessionPolicy()
     for i in range(300):
         for backend in pool.members:
             backend.in_flight = rng.choice((0, 0, 1, 2, 3, 8))
@@ -407,7 +415,7 @@ def test_an_index_with_events_from_the_pin_that_says_zero_is_trusted() -> None:
     """The pin's KV events reach the index and it holds none of the session there (evicted, engine
     restarted): nothing is cached there, not the last prompt + answer. A pin without events keeps
     the estimate."""
-    policy, pool, sessions = KVAwarePolicy(), make_pool(2), table()
+    policy, pool, sessions = apart(), make_pool(2), table()
     entry, pin = pinned(policy, pool, sessions, "s")
     kv = policy.kv = FakeKV()
     placement = policy.place(pool, "s", entry, hint=hint(last=1075))
@@ -432,7 +440,7 @@ def test_a_session_whose_kv_the_pin_evicted_goes_where_it_is_served_fastest() ->
     or is as fast within the margin, or its events do not reach the index."""
     from router.placement.kv_aware import EVICTED_TOKENS
 
-    policy, pool, sessions = KVAwarePolicy(), make_pool(2), table()
+    policy, pool, sessions = apart(), make_pool(2), table()
     entry, pin = pinned(policy, pool, sessions, "s")
     other = next(b for b in pool.members if b is not pin)
     for backend in pool.members:
@@ -472,13 +480,44 @@ def test_a_session_whose_kv_the_pin_evicted_goes_where_it_is_served_fastest() ->
     assert (placement.backend, placement.reason, placement.cached_tokens) == (other, "cached", 400)
 
 
+def test_prefill_work_sent_to_a_backend_is_waited_for_until_it_is_done() -> None:
+    """An engine that batches everything into its running steps does not queue, so its scrape shows
+    no wait while it prefills long prompts. The router knows what it sent: each placement leaves the
+    chosen backend its prefill (the prediction's own prefill term) ahead of the next ones, done at the
+    prefill rate from when it starts; none once this router has nothing in flight there."""
+    now = [100.0]
+    policy, pool = KVAwarePolicy(clock=lambda: now[0]), make_pool(2)
+
+    def send(prompt: int = PROMPT) -> tuple[Backend, float]:
+        placement = policy.place(pool, None, None, hint=hint(prompt))
+        placement.backend.in_flight += 1  # the proxy counts it in flight
+        return placement.backend, placement.wait_s
+
+    a, wait = send()  # 2,000 uncached tokens: 0.5 s of prefill at 4,000 tokens/s
+    assert wait == 0.0
+    b, wait = send()  # a has 0.5 s of prefill ahead of a newcomer: the other one, idle
+    assert b is not a and wait == 0.0
+    now[0] += 0.2  # 0.3 s left on each
+    c, wait = send()
+    assert wait == pytest.approx(0.3)
+    d, wait = send()  # c now has 0.3 + 0.5 s ahead: the other one
+    assert d is not c and wait == pytest.approx(0.3)
+    now[0] += 0.3  # the first two are done: 0.5 s left on each
+    assert policy.place(pool, None, None, hint=hint()).wait_s == pytest.approx(0.5)
+    c.in_flight = 0  # every request this router sent there is answered: nothing of its work is left
+    placement = policy.place(pool, None, None, hint=hint())
+    assert placement.backend is c and placement.wait_s == 0.0
+    now[0] += 10.0  # long done everywhere
+    assert policy.place(pool, None, None, hint=hint()).wait_s == 0.0
+
+
 def test_a_session_met_for_the_first_time_goes_where_the_index_holds_its_kv() -> None:
     """Another replica placed the session (or this router restarted): no pin here, but the index
     (every replica subscribes to the same engines) says where its tokens are. It goes there, not to
     its rendezvous-hash choice, so replicas agree without shared state."""
     pool = make_pool(4)
     for sid in (f"s{i}" for i in range(20)):
-        policy, sessions = KVAwarePolicy(), table()
+        policy, sessions = apart(), table()
         home = policy.place(pool, sid, sessions.touch(sid), hint=hint(last=0)).backend  # the hash choice
         holder = next(b for b in pool.members if b is not home)
         policy.kv = FakeKV(sessions={sid: {holder.url: 1024, home.url: 0}})
@@ -487,7 +526,7 @@ def test_a_session_met_for_the_first_time_goes_where_the_index_holds_its_kv() ->
         assert (placement.backend, placement.outcome, placement.reason) == (holder, Outcome.NEW, "cached")
         assert placement.cached_tokens == 1024 and fresh.pins["default"] == holder.url
     # most tokens win; ties go to the lowest URL (what every replica picks); over the bound: not there
-    policy = KVAwarePolicy()
+    policy = apart()
     a, b, c, _ = pool.members
     policy.kv = FakeKV(sessions={"t": {c.url: 512, b.url: 512, a.url: 128}})
     assert policy.place(pool, "t", table().touch("t"), hint=hint(last=0)).backend is b
@@ -509,7 +548,7 @@ def test_a_replica_that_missed_the_last_turns_sizes_the_prompt_by_the_index() ->
     pool = make_pool(3)
     placements = []
     for last in (2400, 700):  # the replica that served the previous turn; one that served turn 1 only
-        policy, sessions = KVAwarePolicy(), table()
+        policy, sessions = apart(), table()
         kv = policy.kv = FakeKV()
         entry, pin = pinned(policy, pool, sessions, "s")
         kv.sessions = {"s": {pin.url: 2384}}
@@ -521,7 +560,7 @@ def test_a_replica_that_missed_the_last_turns_sizes_the_prompt_by_the_index() ->
     assert placements[0] == placements[1]
     assert placements[0][3] == 2384  # not capped at the body's 600-token estimate
     # tokens mode: the prompt is exact and is not raised (a shorter conversation than the index's chain)
-    policy, sessions = KVAwarePolicy(), table()
+    policy, sessions = apart(), table()
     kv = policy.kv = FakeKV()
     entry, pin = pinned(policy, pool, sessions, "t")
     kv.sessions = {"t": {pin.url: 2384}}

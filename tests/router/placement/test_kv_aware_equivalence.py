@@ -84,7 +84,9 @@ def test_same_decisions_as_the_reference_on_random_pool_states(seed: int) -> Non
             kv_pressure_from=rng.choice((0.8, 0.9)), max_load_factor=rng.choice((1.0, 2.0)),
             sticky_headroom=rng.choice((0, 2)), reported_load_weight=rng.choice((0.0, 0.0, 0.5)))
         kv = FakeKV() if rng.random() < 0.8 else None
-        reference, current = ReferenceKVAwarePolicy(settings, kv=kv), KVAwarePolicy(settings, kv=kv)
+        now = [0.0]  # one clock for both (``ahead``: the prefill work each sent a backend)
+        reference = ReferenceKVAwarePolicy(settings, kv=kv, clock=lambda now=now: now[0])
+        current = KVAwarePolicy(settings, kv=kv, clock=lambda now=now: now[0])
         entries: dict[str, tuple[SessionEntry, SessionEntry]] = {}
         for s in range(6):
             sid = f"s{s}"
@@ -115,6 +117,7 @@ def test_same_decisions_as_the_reference_on_random_pool_states(seed: int) -> Non
                 if pin is not None:
                     exclude |= {pin}
             last = rng.choice((0, prompt // 2, prompt // 2, prompt, 1000))  # the session's last turn
+            now[0] += rng.choice((0.0, 0.0, 0.001, 0.05, 0.3, 5.0))
             results = []
             for policy, which in ((reference, 0), (current, 1)):
                 entry = entries[sid][which] if sid is not None else None
@@ -187,7 +190,9 @@ def test_same_decisions_with_and_without_a_pass_as_in_flight_counts_move(seed: i
             move_factor=rng.choice((1.0, 1.5)), move_margin_s=rng.choice((0.0, 0.005)),
             max_load_factor=rng.choice((1.0, 2.0)), sticky_headroom=rng.choice((0, 2)))
         kv = FakeKV() if rng.random() < 0.7 else None
-        reference, current = ReferenceKVAwarePolicy(settings, kv=kv), KVAwarePolicy(settings, kv=kv)
+        now = [0.0]  # one clock for both (``ahead``: the prefill work each sent a backend)
+        reference = ReferenceKVAwarePolicy(settings, kv=kv, clock=lambda now=now: now[0])
+        current = KVAwarePolicy(settings, kv=kv, clock=lambda now=now: now[0])
         real_settled = current._settled
         counts = [0, 0, 0]  # settled, a pass needed, settled after in-flight counts fell since the pass
 
@@ -251,6 +256,7 @@ def test_same_decisions_with_and_without_a_pass_as_in_flight_counts_move(seed: i
                 one_change(rng, rng.choice(members))
             sid = rng.choice(list(entries) + [None] if rng.random() < 0.1 else list(entries))
             prompt = rng.choice((16, 640, 2000))
+            now[0] += rng.choice((0.0, 0.0, 0.001, 0.05, 0.3, 5.0))
             exclude = frozenset(rng.sample(urls, 1)) if rng.random() < 0.05 else frozenset()
             results = []
             for policy, which in ((reference, 0), (current, 1)):

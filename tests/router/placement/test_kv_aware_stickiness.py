@@ -13,8 +13,10 @@ import pytest
 
 from router.engine_load import EngineLoad, EngineSample
 from router.membership import Backend, BackendPool
-from router.placement import KVAwarePolicy, PlacementHint
+from router.placement import PlacementHint
 from router.sessions.table import SessionTable
+
+from .test_kv_aware import apart
 
 SESSIONS = 64
 PROMPT, LAST = 40, 30  # short requests (the stickiness benchmark's): moving costs almost no prefill
@@ -40,7 +42,7 @@ def simulate(concurrency: int, seed: int, steps: int = 6000, slow_from: int | No
     ``slow_from``: from that step on the second backend's engine queues at every scrape."""
     rng = random.Random(seed)
     pool = BackendPool("default", [Backend(f"http://127.0.0.1:{8100 + i}") for i in range(2)])
-    policy, sessions, load = KVAwarePolicy(), SessionTable(1000, 3600), EngineLoad(learn=False)
+    policy, sessions, load = apart(), SessionTable(1000, 3600), EngineLoad(learn=False)
     ids = [f"sim-{seed}-{i}" for i in range(SESSIONS)]
     served: dict[str, Counter[str]] = {sid: Counter() for sid in ids}
     first: Counter[str] = Counter()
@@ -93,7 +95,7 @@ def test_learned_constants_alone_move_a_session_only_from_a_really_slow_backend(
     """An engine's learned step includes what it meets there, so the busier of two equal engines looks
     slower for a while: 2-3x on constants alone moves nothing, a slow engine's 5x does."""
     pool = BackendPool("default", [Backend(f"http://127.0.0.1:{8100 + i}") for i in range(2)])
-    policy, sessions = KVAwarePolicy(), SessionTable(100, 3600)
+    policy, sessions = apart(), SessionTable(100, 3600)
     entry = sessions.touch("s")
     pin = policy.place(pool, "s", entry, hint=PlacementHint(PROMPT)).backend
     other = next(b for b in pool.members if b is not pin)
