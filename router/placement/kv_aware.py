@@ -159,6 +159,8 @@ SLOW_FACTOR = 3.0
 #: answer there (and at least half of them) recomputes them wherever it goes: it is placed where it is
 #: predicted fastest, without the move factor and hysteresis that guard a cached prefix
 EVICTED_TOKENS = 256
+#: backends with an ``ahead`` entry before the entries whose work is done are dropped
+AHEAD_PRUNE_AT = 1024
 
 _EMPTY: Mapping[str, int] = {}
 
@@ -266,8 +268,10 @@ class KVAwarePolicy:
         self.settings = settings
         self._clock = clock
         #: backend URL -> when the prefill work this router sent there is done, by the prediction's own
-        #: prefill cost (``ahead``; one entry per backend URL placed on)
+        #: prefill cost (``ahead``); entries done are dropped once there are ``_prune_at`` (backends that
+        #: left the pool leave none behind for long)
         self._ahead: dict[str, float] = {}
+        self._prune_at = AHEAD_PRUNE_AT
         #: the clock at the current placement
         self._now = 0.0
         #: the router's KV index (None: no KV events; the pins stand in for it). Settable after construction.
@@ -437,6 +441,9 @@ class KVAwarePolicy:
         if work > 0:
             ahead = self._ahead.get(backend.url, 0.0)
             self._ahead[backend.url] = (ahead if ahead > now and backend.in_flight > 0 else now) + work
+            if len(self._ahead) > self._prune_at:
+                self._ahead = {url: done for url, done in self._ahead.items() if done > now}
+                self._prune_at = max(AHEAD_PRUNE_AT, 2 * len(self._ahead))
         return placement
 
     def _place(self, pool: BackendSet, session_id: str | None, entry: SessionPins | None,

@@ -511,6 +511,19 @@ def test_prefill_work_sent_to_a_backend_is_waited_for_until_it_is_done() -> None
     assert policy.place(pool, None, None, hint=hint()).wait_s == 0.0
 
 
+def test_the_prefill_work_entries_of_backends_that_left_are_dropped() -> None:
+    """One ``ahead`` entry per backend placed on; entries whose work is done go once there are many
+    (backends replaced by discovery would otherwise leave one each for ever)."""
+    from router.placement.kv_aware import AHEAD_PRUNE_AT
+
+    now = [0.0]
+    policy = KVAwarePolicy(clock=lambda: now[0])
+    for i in range(3 * AHEAD_PRUNE_AT):
+        policy.place(make_pool(1, 20000 + i), None, None, hint=hint())  # a new backend each time
+        now[0] += 1.0  # each placement's 0.5 s of prefill is done before the next
+    assert len(policy._ahead) <= AHEAD_PRUNE_AT + 1
+
+
 def test_a_session_met_for_the_first_time_goes_where_the_index_holds_its_kv() -> None:
     """Another replica placed the session (or this router restarted): no pin here, but the index
     (every replica subscribes to the same engines) says where its tokens are. It goes there, not to
