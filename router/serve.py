@@ -18,8 +18,10 @@ from __future__ import annotations
 import asyncio
 import importlib
 import logging
+import os
 import signal
 import sys
+import threading
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -166,7 +168,19 @@ async def serve(
     for signum in signals:  # before anything else: a signal during start-up also drains
         loop.add_signal_handler(signum, stop.set)
     if lifeline is not None:
-        loop.add_reader(lifeline, stop.set)
+        def supervisor_gone() -> None:
+            # the pipe stays readable at EOF: once is enough (left registered, it spun the loop at
+            # 100% CPU for as long as the drain took)
+            loop.remove_reader(lifeline)
+            stop.set()
+            # nobody waits for an orphan: its drain and clean-up are bounded (a clean-up stuck on a
+            # peer that went with the supervisor, e.g. a shared-state store, kept one alive for good)
+            limit = drain_timeout_s + LIFELINE_GRACE_S
+            watchdog = threading.Timer(limit, _exit_unfinished, args=(limit,))
+            watchdog.daemon = True
+            watchdog.start()
+
+        loop.add_reader(lifeline, supervisor_gone)
     # aiohttp reads a shutdown timeout of 0 as "no timeout": 0 here means "do not wait"
     shutdown_timeout = max(drain_timeout_s, 0.001)
     runners: list[web.AppRunner] = []
@@ -231,6 +245,18 @@ async def serve(
                 loop.remove_signal_handler(signum)
                 if ignore_late_signals:
                     signal.signal(signum, signal.SIG_IGN)
+
+
+#: seconds beyond ``drain_timeout_s`` a worker whose supervisor died gets to drain and clean up
+LIFELINE_GRACE_S = 10.0
+
+
+def _exit_unfinished(seconds: float) -> None:
+    """The watchdog of a worker whose supervisor died: its drain and clean-up took longer than
+    ``seconds``; exit now (written to stderr directly: a stuck thread may hold the logging lock)."""
+    os.write(2, f"{PROG}: the supervisor is gone and this worker's drain and clean-up did not finish in "
+                f"{seconds:g}s: exiting\n".encode())
+    os._exit(1)
 
 
 def raise_open_files_limit(max_connections: int) -> None:

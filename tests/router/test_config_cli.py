@@ -86,6 +86,21 @@ def drain_app(config: RouterConfig) -> web.Application:
     return app
 
 
+def stuck_cleanup_app(config: RouterConfig) -> web.Application:
+    """``drain_app`` whose clean-up never finishes (a peer gone with the supervisor)."""
+    app = drain_app(config)
+    log = os.environ[RELEASE_ENV] + ".log"
+
+    async def stuck(app: web.Application) -> AsyncIterator[None]:
+        yield
+        with open(log, "a") as fh:
+            fh.write(f"{os.getpid()} cleanup-stuck\n")
+        await asyncio.Event().wait()
+
+    app.cleanup_ctx.append(stuck)
+    return app
+
+
 def broken_app(config: RouterConfig) -> web.Application:
     raise ConfigError("broken on purpose: the fixture app refuses to start")
 
@@ -377,6 +392,33 @@ def test_workers_leave_the_group_and_stop_when_the_supervisor_dies(tmp_path: Pat
     wait_until(lambda: all(gone(pid) for pid in pids), what="orphaned workers to stop")
     assert all(f"{pid} cleanup" in events(tmp_path) for pid in pids)  # they drained, not died
     wait_until(lambda: refused(port), what="the port to close")
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.slow
+def test_an_orphaned_worker_whose_cleanup_hangs_exits_without_spinning(tmp_path: Path, children: list[Child]) -> None:
+    """The supervisor dies outright and the workers' clean-up never finishes: they wait idle (the
+    lifeline, readable for good at EOF, once kept the loop at 100% CPU), and exit once
+    ``drain_timeout_s`` + ``LIFELINE_GRACE_S`` is up instead of living on."""
+    from router.serve import LIFELINE_GRACE_S
+
+    child = start_fixture_router(children, tmp_path, "stuck_cleanup_app", config="workers = 2\ndrain_timeout_s = 0.2\n")
+    port = child.read_port()
+    pids = worker_pids(port)
+    os.kill(child.pid, signal.SIGKILL)
+    child.wait()
+    wait_until(lambda: all(f"{pid} cleanup-stuck" in events(tmp_path) for pid in pids), what="the stuck clean-ups")
+    before = {pid: cpu_seconds(pid) for pid in pids}
+    started = time.monotonic()
+    wait_until(lambda: time.monotonic() - started >= 2.0, what="two seconds")  # a measuring window
+    used = {pid: cpu_seconds(pid) - before[pid] for pid in pids}
+    assert all(seconds < 0.5 for seconds in used.values()), used  # a spinning loop uses ~2 s in 2 s
+    wait_until(lambda: all(gone(pid) for pid in pids), timeout=LIFELINE_GRACE_S + 10, what="the orphans to exit")
 
 
 @pytest.mark.slow
