@@ -253,10 +253,10 @@ LIFELINE_GRACE_S = 10.0
 
 def _exit_unfinished(seconds: float) -> None:
     """The watchdog of a worker whose supervisor died: its drain and clean-up took longer than
-    ``seconds``; exit now (written to stderr directly: a stuck thread may hold the logging lock)."""
+    ``seconds``; end the process now (written to stderr directly: a stuck thread may hold the logging lock)."""
     os.write(2, f"{PROG}: the supervisor is gone and this worker's drain and clean-up did not finish in "
                 f"{seconds:g}s: exiting\n".encode())
-    os._exit(1)
+    os.kill(os.getpid(), signal.SIGKILL)  # no clean-up left to run: it is the one that hung
 
 
 def raise_open_files_limit(max_connections: int) -> None:
