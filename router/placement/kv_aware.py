@@ -319,7 +319,7 @@ class KVAwarePolicy:
             wait += (backend.in_flight + backend.others_at_scrape) * busy
         if backend.kv_usage > self._kv_from:
             wait += self._pressure_s(backend, prompt)
-        if backend.in_flight > 0:  # none of this router's requests there: none of its prefill work either
+        if backend.in_flight > 0:  # ``_ahead_s``, inlined (the hot path)
             ahead = self._ahead.get(backend.url, 0.0) - self._now
             if ahead > 0:
                 wait += ahead
@@ -417,7 +417,8 @@ class KVAwarePolicy:
         return ttft > max(self._factor, SLOW_FACTOR) * (fast - self._ahead_s(target)) + self._margin
 
     def _ahead_s(self, backend: Backend) -> float:
-        """The ``ahead`` term of ``backend``'s prediction (module docstring)."""
+        """The ``ahead`` term of ``backend``'s prediction (module docstring): none while none of this
+        router's requests is in flight there (none of its prefill work either)."""
         if backend.in_flight <= 0:
             return 0.0
         ahead = self._ahead.get(backend.url, 0.0) - self._now
@@ -476,19 +477,17 @@ class KVAwarePolicy:
             for url, tokens in cached_map.items():
                 if url != pinned.url and tokens > other_cached:
                     other_cached = tokens
-        evicted = False
-        if hint is not None:
-            # the pin lost most of the session's last prompt + answer (module docstring, *evicted*)
-            last = hint.last_tokens
-            held = pin_cached if pin_cached > 0 else 0
-            if last - held >= EVICTED_TOKENS and held + held < last:
-                kv = self.kv
-                evicted = kv is not None and kv.has_events(pinned.url)
+        held = pin_cached if pin_cached > 0 else 0  # what the index holds of the session on its pin
+        last = hint.last_tokens if hint is not None else 0
+        lost = last - held >= EVICTED_TOKENS and held + held < last  # most of the last turn (*evicted*)
+        # whether the pin's KV events reach the index: asked only when the answer matters, once
+        kv = self.kv
+        events = (lost or pin_cached < 0) and kv is not None and kv.has_events(pinned.url)
+        evicted = lost and events
         if pin_cached < 0:
             # the index holds none of the session on its pin: none is there when the pin's KV events
             # reach the index (evicted, or the engine restarted); the last prompt + answer otherwise
-            kv = self.kv
-            pin_cached = 0 if (kv is not None and kv.has_events(pinned.url)) or hint is None else hint.last_tokens
+            pin_cached = 0 if events or hint is None else last
         if pin_cached > prompt:
             pin_cached = prompt
         if other_cached > prompt:
