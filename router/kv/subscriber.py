@@ -28,6 +28,12 @@ backend's own host in place of ``*``/``[::]``. Several engines may connect to on
 router binds (the usual "all engines publish to the router" set-up): one socket then serves them,
 told apart by their topics (each must have its own).
 
+Reading costs one loop callback per wake-up, not a future per message: the socket is a plain
+(non-asyncio) ZMQ socket whose file descriptor the event loop watches; a wake-up drains what is
+queued at once. The next batch of a running stream is applied right there; anything that has to
+wait (a replay, a batch of more than ``APPLY_CHUNK`` events) goes to a task, and the socket is
+drained again when it is done, so batches stay in order.
+
 A flood never blocks the event loop: a socket's reader applies what is queued in slices of
 ``SLICE_S`` seconds of work and yields to the loop between them (a huge batch is applied
 ``APPLY_CHUNK`` events at a time).
@@ -37,10 +43,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlsplit
 
 import msgspec
@@ -60,6 +68,10 @@ SLICE_S = 0.002
 APPLY_CHUNK = 64
 #: the socket's receive high-water mark (messages queued before ZMQ drops; the engine's own is 100,000)
 RCVHWM = 100_000
+# plain ints: pyzmq's constants are enum members, whose operators cost microseconds per message
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
+_NOBLOCK = int(zmq.NOBLOCK)
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +165,27 @@ class Stream:
             self.previous = self.last
         self.last = None
 
+    def take(self, seq: int, payload: bytes) -> Coroutine[Any, Any, None] | None:
+        """One live message, applied at once when it is the next batch of a running stream and small
+        (the usual case); otherwise the work that has to wait is returned, for the caller to run as a
+        task before it reads on (a gap or restart: ``receive``; a batch of more than ``APPLY_CHUNK``
+        events: applied in slices)."""
+        if self.closed:
+            return None
+        last = self.last
+        if last is None or seq != last + 1:
+            return self.receive(seq, payload, Slicer())
+        self.disconnected = False
+        batch = self._decode(seq, payload)
+        if batch is None:
+            return None
+        events = batch.events
+        if len(events) > APPLY_CHUNK:
+            return self._apply_batch(batch, Slicer())
+        self.index.apply_events(self.source.backend_url, events)
+        self.metrics.events(self.source.label, len(events))
+        return None
+
     async def receive(self, seq: int, payload: bytes, slicer: Slicer) -> None:
         """One live message: check its seq, fill a gap or reset, then apply it."""
         if self.closed:
@@ -188,18 +221,23 @@ class Stream:
         self.index.reset_backend(self.source.backend_url)
         self.metrics.reset(self.source.label, reason)
 
-    async def _apply(self, seq: int, payload: bytes, slicer: Slicer) -> None:
+    def _decode(self, seq: int, payload: bytes) -> KVEventBatch | None:
+        """Decode batch ``seq`` and count it as the stream's last; None (counted, logged) when it is garbage."""
+        self.last = seq
         try:
             batch = decode_batch(payload)
         except (msgspec.DecodeError, msgspec.ValidationError):
             self.metrics.error(self.source.label, "decode")
             logger.warning("KV events of %s: batch %d does not decode as a KVEventBatch; skipped",
                            self.source.label, seq)
-            self.last = seq
-            return
-        self.last = seq
+            return None
         self.applied += 1
-        await self._apply_batch(batch, slicer)
+        return batch
+
+    async def _apply(self, seq: int, payload: bytes, slicer: Slicer) -> None:
+        batch = self._decode(seq, payload)
+        if batch is not None:
+            await self._apply_batch(batch, slicer)
 
     async def _apply_batch(self, batch: KVEventBatch, slicer: Slicer) -> None:
         events = batch.events
@@ -317,8 +355,13 @@ class SubSocket:
         self.address = address
         self.metrics = metrics
         self.streams: dict[bytes, Stream] = {}
-        self._socket: zmq.asyncio.Socket | None = None
+        self._socket: zmq.Socket[bytes] | None = None
+        self._fd: int | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        #: work of one message that has to wait (a replay, a huge batch); the socket is not read meanwhile
         self._task: asyncio.Task[None] | None = None
+        #: a drain is queued with ``call_soon`` (a slice ran out, or messages were queued at start)
+        self._queued = False
         self._monitor_task: asyncio.Task[None] | None = None
 
     @property
@@ -347,7 +390,8 @@ class SubSocket:
         return not self.streams
 
     def start(self) -> None:
-        socket = self.context.socket(zmq.SUB)
+        # a plain socket (not an asyncio one): the loop watches its FD and calls ``_drain`` itself
+        socket = self.context.socket(zmq.SUB, socket_class=zmq.Socket)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.RCVHWM, RCVHWM)
         for topic in self.streams:
@@ -358,12 +402,18 @@ class SubSocket:
         else:
             socket.connect(self.address)
         self._socket = socket
-        self._task = asyncio.create_task(self._read(socket), name=f"kv-events {self.address}")
+        loop = self._loop = asyncio.get_running_loop()
+        self._fd = socket.getsockopt(zmq.FD)
+        loop.add_reader(self._fd, self._wake)
+        self._queue_drain()  # the FD is edge-triggered: what came before the watch would not wake it
         self._monitor_task = asyncio.create_task(self._watch(monitor), name=f"kv-events monitor {self.address}")
 
     async def close(self) -> None:
         for stream in self.streams.values():
             stream.closed = True
+        if self._loop is not None and self._fd is not None:
+            self._loop.remove_reader(self._fd)
+            self._fd = None
         await _cancel(self._task)
         if self._socket is not None:
             # the monitor stops while its PAIR is still open: libzmq's last monitor events would
@@ -384,29 +434,72 @@ class SubSocket:
         finally:
             monitor.close(linger=0)
 
-    async def _read(self, socket: zmq.asyncio.Socket) -> None:
-        drain = zmq.Socket.shadow(socket.underlying)
+    def _queue_drain(self) -> None:
+        if not self._queued and self._loop is not None:
+            self._queued = True
+            self._loop.call_soon(self._drain_queued)
+
+    def _drain_queued(self) -> None:
+        self._queued = False
+        self._drain()
+
+    def _wake(self) -> None:
+        """The socket's FD is readable. While a message's work is waiting, only clear the signal (the
+        loop watches the FD level-triggered: an unread signal would wake it again at once); the
+        socket is drained when that work is done."""
+        socket = self._socket
+        if socket is None or self._fd is None:
+            return
+        if self._task is not None:
+            socket.getsockopt(_EVENTS)
+            return
+        self._drain()
+
+    def _drain(self) -> None:
+        """Apply what the socket holds, for up to ``SLICE_S`` seconds (then the rest after the loop's
+        next turn). ZMQ's FD is edge-triggered: it wakes the loop again only once the socket's
+        ``EVENTS`` were read with no message left, so a drain either empties the socket or queues
+        the next one."""
+        socket = self._socket
+        if self._task is not None or self._fd is None or socket is None:
+            return  # a message's work is waiting (it drains again when done), or the socket closed
         streams = self.streams
-        while True:
-            await socket.poll(None, zmq.POLLIN)
-            slicer = Slicer()
-            while True:
-                try:
-                    frames = drain.recv_multipart(zmq.NOBLOCK, copy=True)
-                except zmq.Again:
-                    break
-                if len(frames) != 3 or len(frames[1]) != 8:
-                    self.metrics.error(self.address, "frames")
-                    continue
-                topic, seq_raw, payload = frames
-                stream = streams.get(topic)
+        deadline = time.perf_counter() + SLICE_S
+        while socket.getsockopt(_EVENTS) & _POLLIN:
+            try:
+                frames = socket.recv_multipart(_NOBLOCK)
+            except zmq.Again:
+                break
+            if len(frames) != 3 or len(frames[1]) != 8:
+                self.metrics.error(self.address, "frames")
+                continue
+            topic, seq_raw, payload = frames
+            stream = streams.get(topic)
+            if stream is None:
+                stream = streams.get(b"")
                 if stream is None:
-                    stream = streams.get(b"")
-                    if stream is None:
-                        continue  # a topic subscribed by prefix only, or just unsubscribed
-                try:
-                    await stream.receive(seq_from_bytes(seq_raw), payload, slicer)
-                except Exception:  # one bad batch must not end the reader
-                    logger.exception("KV events of %s: batch failed", stream.source.label)
-                    self.metrics.error(stream.source.label, "apply")
-                await slicer.maybe_yield()
+                    continue  # a topic subscribed by prefix only, or just unsubscribed
+            try:
+                waiting = stream.take(seq_from_bytes(seq_raw), payload)
+            except Exception:  # one bad batch must not end the reader
+                logger.exception("KV events of %s: batch failed", stream.source.label)
+                self.metrics.error(stream.source.label, "apply")
+                continue
+            if waiting is not None:
+                task = self._task = asyncio.create_task(waiting, name=f"kv-events {self.address}")
+                task.add_done_callback(functools.partial(self._finished, stream))
+                return
+            if time.perf_counter() >= deadline:
+                self._queue_drain()
+                return
+
+    def _finished(self, stream: Stream, task: asyncio.Task[None]) -> None:
+        """A message's work that had to wait is done: read on (unless the socket closed)."""
+        self._task = None
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:  # one bad batch must not end the reader
+            logger.error("KV events of %s: batch failed", stream.source.label, exc_info=exc)
+            self.metrics.error(stream.source.label, "apply")
+        self._queue_drain()

@@ -54,6 +54,9 @@ class TestPublisher:
         self.seq = 0
         self.buffer: list[tuple[int, bytes]] = []
         self.replay_requests: list[int] = []
+        #: cleared: replay requests are taken but not answered until it is set again
+        self.replay_open = asyncio.Event()
+        self.replay_open.set()
 
     async def subscribed(self, timeout: float = 10.0) -> None:
         """Wait until a subscriber's subscription reached this socket."""
@@ -90,6 +93,7 @@ class TestPublisher:
             client, _, start_raw = frames
             start = seq_from_bytes(start_raw)
             self.replay_requests.append(start)
+            await self.replay_open.wait()
             for seq, payload in list(self.buffer):
                 if seq >= start:
                     await self.router.send_multipart([client, b"", self.topic, seq_to_bytes(seq), payload])

@@ -137,6 +137,45 @@ async def test_a_gap_is_filled_from_the_replay_socket(zctx: zmq.asyncio.Context,
         await publisher.close()
 
 
+async def test_a_socket_awaiting_a_replay_neither_reads_on_nor_spins(zctx: zmq.asyncio.Context,
+                                                                       make_service: Make, tmp_path: Path) -> None:
+    """Two engines publish to one address the router binds. While the reader waits for engine a's
+    replay, what arrives meanwhile (b connecting, batches of both) waits unread, and the loop does
+    not spin on the socket's signal; once the replay answers, everything is applied in order."""
+    endpoint, replay = f"tcp://127.0.0.1:{free_port()}", f"ipc://{tmp_path}/replay.sock"
+    _, index, metrics, _ = await make_service(
+        {URL: BackendConfig(URL, kv_events=endpoint, kv_replay=replay, kv_topic="kv@a"),
+         URL2: BackendConfig(URL2, kv_events=endpoint, kv_topic="kv@b")}, urls=(URL, URL2), replay_timeout_s=30.0)
+    a = TestPublisher(zctx, endpoint, replay, topic="kv@a")
+    b: TestPublisher | None = None
+    try:
+        await a.subscribed()
+        await a.send(stored(T1, "s1"))
+        await eventually(lambda: tokens_of(index, "s1") == {URL: 16}, timeout=5, what="a's first batch")
+        a.replay_open.clear()
+        await a.send(stored(T2, "s2"), live=False)  # lost on the way
+        await a.send(removed(T1, 3))  # the gap shows: a replay is asked for
+        await eventually(lambda: a.replay_requests == [1], timeout=5, what="the replay request")
+        b = TestPublisher(zctx, endpoint, topic="kv@b")  # a new peer: the socket's FD is signalled
+        await b.subscribed()
+        await b.send(stored(T3, "s3"))
+        await a.send(stored(T3, "s3"))
+        cpu, window = time.process_time(), time.perf_counter()
+        await asyncio.sleep(0.4)  # the window measured, not a wait for a condition
+        used, window = time.process_time() - cpu, time.perf_counter() - window
+        assert used < window / 2, f"the process used {used:.2f} s of CPU in {window:.2f} s waiting for the replay"
+        assert tokens_of(index, "s2") == {} and metrics.event_counts == {URL: 1}
+        a.replay_open.set()
+        await eventually(lambda: tokens_of(index, "s3") == {URL: 16, URL2: 16}, timeout=5, what="every batch")
+        assert tokens_of(index, "s2") == {URL: 16} and tokens_of(index, "s1") == {URL: 12}
+        assert metrics.event_counts == {URL: 4, URL2: 1}
+        assert metrics.replays == {(URL, "filled"): 1} and metrics.resets == {}
+    finally:
+        await a.close()
+        if b is not None:
+            await b.close()
+
+
 async def test_a_gap_the_replay_buffer_no_longer_holds_resets_the_backend(
         zctx: zmq.asyncio.Context, make_service: Make, tmp_path: Path) -> None:
     endpoint, replay = f"ipc://{tmp_path}/kv.sock", f"ipc://{tmp_path}/replay.sock"
