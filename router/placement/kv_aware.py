@@ -109,6 +109,10 @@ with a session staying where its KV is until moving is clearly cheaper (DESIGN.m
   ``kv_capacity_tokens`` x (1 - usage), the usage lowered by requests finished since the scrape)
   would be preempted there: it goes to the fastest backend within the bound whose known free KV
   holds it (SPILL, "kv_pressure"); when none does, it is decided as usual.
+- *room at the target*: every move off the pin ("evicted", "cached", "wait", "kv_pressure", "load")
+  goes only where the turn's uncached tokens fit the target's free KV (when its capacity is known):
+  else to the fastest other backend where they fit, else nowhere (the pin keeps the turn). A move
+  recomputes into the target's cache; where that cache is full, it preempts a running request.
 - new session (no pin, or the pin is gone: REPIN_*): its *home* is, when the KV index holds its own
   tokens (another router replica placed it, or this router restarted: replicas subscribe to the same
   engines, so they agree without shared state), the backend holding most of them within the safety
@@ -514,9 +518,12 @@ class KVAwarePolicy:
             # when it is as fast within the margin (no move factor, no hysteresis)
             bound, target, ttft, wait, cached = self._scan(pool, exclude, prompt, cached_map, pinned)
             if target is not pinned and pin_ttft > ttft + self._margin:
-                pins[pool.name] = target.url
-                return Placement(target, Outcome.SPILL, "cached" if cached > pin_cached else "evicted",
-                                 cached, wait, ttft)
+                target, ttft, wait, cached = self._room(pool, exclude, prompt, cached_map, pinned, bound,
+                                                        target, ttft, wait, cached)
+                if target is not pinned and pin_ttft > ttft + self._margin:
+                    pins[pool.name] = target.url
+                    return Placement(target, Outcome.SPILL, "cached" if cached > pin_cached else "evicted",
+                                     cached, wait, ttft)
         elif prompt >= 0 and self._floor_ok:
             # predict only the candidates whose floor is clearly faster than the pin (``_rivals``): the
             # fastest within the bound is among them whenever it matters, i.e. when it is clearly faster
@@ -532,6 +539,9 @@ class KVAwarePolicy:
         else:
             # predict every candidate (and refresh the stats) in one pass
             bound, target, ttft, wait, cached = self._scan(pool, exclude, prompt, cached_map, pinned)
+        if target is not pinned and self._clearly_faster(pin_ttft, ttft):
+            target, ttft, wait, cached = self._room(pool, exclude, prompt, cached_map, pinned, bound,
+                                                    target, ttft, wait, cached)
         if target is not pinned and self._clearly_faster(pin_ttft, ttft) and (
                 cached > pin_cached or self._settled_slower(pinned, prompt, pin_cached, ttft, target)):
             pins[pool.name] = target.url
@@ -544,10 +554,25 @@ class KVAwarePolicy:
         if pinned.in_flight + pinned.others_at_scrape + 1 > bound:
             # the safety net: the fastest backend within the bound (the pin is not: it is over it)
             target, ttft, wait, cached = self._fastest(pool, exclude, prompt, cached_map, None, bound, None)
+            if target is not pinned:
+                target, ttft, wait, cached = self._room(pool, exclude, prompt, cached_map, pinned, bound,
+                                                        target, ttft, wait, cached)
             if target is not pinned and (pinned.busy_s_per_request <= 0 or ttft < pin_ttft):
                 pins[pool.name] = target.url
                 return Placement(target, Outcome.SPILL, "load", cached, wait, ttft)
         return Placement(pinned, Outcome.STICKY, "cached", pin_cached, pin_wait, pin_ttft)
+
+    def _room(self, pool: BackendSet, exclude: frozenset[str], prompt: int, cached_map: Mapping[str, int] | None,
+              pinned: Backend, bound: int, target: Backend, ttft: float, wait: float, cached: int
+              ) -> tuple[Backend, float, float, int]:
+        """A move off ``pinned`` to ``target``, checked against the target's free KV: kept when the
+        turn's uncached tokens fit there (or its KV capacity is unknown); else the fastest other
+        backend whose free KV holds them (``_roomy``); else none (``pinned``, ttft inf): a turn moved
+        where its prompt does not fit preempts there, its own recompute or a running request's."""
+        if target.kv_capacity_tokens <= 0 or self._fits(target, prompt - cached):
+            return target, ttft, wait, cached
+        roomy = self._roomy(pool, exclude, prompt, cached_map, pinned, bound)
+        return roomy if roomy is not None else (pinned, math.inf, 0.0, 0)
 
     def _new(self, pool: BackendSet, session_id: str, pins: dict[str, str], exclude: frozenset[str],
              hint: PlacementHint | None, prompt: int, outcome: Outcome) -> Placement:

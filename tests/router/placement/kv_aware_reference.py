@@ -323,6 +323,10 @@ class ReferenceKVAwarePolicy:
         stats = self._refresh(pool, exclude)
         bound = self._safety_bound(stats.total, stats.count)
         target, ttft, wait, cached = self._fastest(pool, exclude, prompt, cached_map, pinned, bound, None)
+        # added with the room-at-the-target rule: a move goes only where the turn fits
+        if target is not pinned and (pin_ttft > ttft + self._margin if evicted else self._clearly_faster(pin_ttft, ttft)):
+            target, ttft, wait, cached = self._room(pool, exclude, prompt, cached_map, pinned, bound,
+                                                    target, ttft, wait, cached)
         if evicted and target is not pinned and pin_ttft > ttft + self._margin:
             pins[pool.name] = target.url
             return Placement(target, Outcome.SPILL, "cached" if cached > pin_cached else "evicted", cached, wait, ttft)
@@ -338,10 +342,21 @@ class ReferenceKVAwarePolicy:
         if pinned.in_flight + pinned.others_at_scrape + 1 > bound:
             # the safety net: the fastest backend within the bound (the pin is not: it is over it)
             target, ttft, wait, cached = self._fastest(pool, exclude, prompt, cached_map, None, bound, None)
+            if target is not pinned:
+                target, ttft, wait, cached = self._room(pool, exclude, prompt, cached_map, pinned, bound,
+                                                        target, ttft, wait, cached)
             if target is not pinned and (pinned.busy_s_per_request <= 0 or ttft < pin_ttft):
                 pins[pool.name] = target.url
                 return Placement(target, Outcome.SPILL, "load", cached, wait, ttft)
         return Placement(pinned, Outcome.STICKY, "cached", pin_cached, pin_wait, pin_ttft)
+
+    def _room(self, pool: BackendSet, exclude: frozenset[str], prompt: int, cached_map: Mapping[str, int] | None,
+              pinned: Backend, bound: int, target: Backend, ttft: float, wait: float, cached: int
+              ) -> tuple[Backend, float, float, int]:
+        if target.kv_capacity_tokens <= 0 or self._fits(target, prompt - cached):
+            return target, ttft, wait, cached
+        roomy = self._roomy(pool, exclude, prompt, cached_map, pinned, bound)
+        return roomy if roomy is not None else (pinned, math.inf, 0.0, 0)
 
     def _new(self, pool: BackendSet, session_id: str, pins: dict[str, str], exclude: frozenset[str],
              hint: PlacementHint | None, prompt: int, outcome: Outcome) -> Placement:

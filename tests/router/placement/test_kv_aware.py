@@ -580,3 +580,62 @@ def test_a_replica_that_missed_the_last_turns_sizes_the_prompt_by_the_index() ->
     kv.live = {b.url for b in pool.members}
     placement = policy.place(pool, "t", entry, hint=PlacementHint(1000, prompt_ids=list(range(1000))))
     assert placement.cached_tokens == 1000
+
+
+def test_a_move_goes_only_where_the_turn_fits_the_targets_free_kv() -> None:
+    """Every move off the pin recomputes the turn's uncached tokens at the target: where its free KV
+    cannot hold them, the turn would preempt there. The fastest backend whose free KV holds them takes
+    it instead, and when none does, the pin keeps it. Capacity unknown (never scraped): no check."""
+    policy, pool, sessions = apart(), make_pool(3), table()
+    entry, pin = pinned(policy, pool, sessions, "s")
+    fast, roomy = (b for b in pool.members if b is not pin)
+    for backend in pool.members:
+        backend.busy_s_per_request = 0.02
+        backend.kv_capacity_tokens = 4 * PROMPT
+    pin.in_flight, fast.in_flight, roomy.in_flight = 8, 0, 2
+    kv = policy.kv = FakeKV({"s": {pin.url: 320}})
+    kv.live = {b.url for b in pool.members}
+    fast.kv_usage = 1 - (PROMPT - 16) / (4 * PROMPT)  # 16 tokens short of the prompt
+    # evicted (320 of 1,500 left on the pin): the fastest is full, the next one holds the prompt
+    placement = policy.place(pool, "s", entry, hint=hint(last=1500))
+    assert (placement.backend, placement.outcome, placement.reason) == (roomy, Outcome.SPILL, "evicted")
+    # none holds it: the pin keeps the turn (it fits there: usage 0)
+    entry.pins["default"] = pin.url
+    roomy.kv_usage = fast.kv_usage
+    placement = policy.place(pool, "s", entry, hint=hint(last=1500))
+    assert (placement.backend, placement.outcome) == (pin, Outcome.STICKY)
+    # the same for a move for the pin's wait (the session's prefix cached on the pin; a queue of 20
+    # requests there, 0.1 s each, seen over three scrapes)
+    kv.sessions = {"s": {pin.url: PROMPT - 50}}
+    pin.in_flight = pin.in_flight_at_scrape = 4
+    pin.engine_waiting = pin.queued_floor = 20.0
+    pin.queued_request_s = 0.1
+    placement = policy.place(pool, "s", entry, hint=hint())
+    assert (placement.backend, placement.outcome) == (pin, Outcome.STICKY)
+    roomy.kv_usage = 0.0
+    placement = policy.place(pool, "s", entry, hint=hint())
+    assert (placement.backend, placement.outcome, placement.reason) == (roomy, Outcome.SPILL, "wait")
+    # capacity unknown: the fastest, unchecked
+    entry.pins["default"] = pin.url
+    for backend in pool.members:
+        backend.kv_capacity_tokens = 0
+    placement = policy.place(pool, "s", entry, hint=hint())
+    assert (placement.backend, placement.outcome, placement.reason) == (fast, Outcome.SPILL, "wait")
+
+
+def test_the_safety_net_sheds_only_where_the_turn_fits() -> None:
+    """A pin over the in-flight bound (its interference not learned yet) sheds the session to the
+    fastest backend within the bound, but only where the turn's uncached tokens fit the free KV."""
+    policy, pool, sessions = apart(), make_pool(3), table()
+    entry, pin = pinned(policy, pool, sessions, "s")
+    pin.in_flight = 40  # over the bound: max(ceil(2 * 41 / 3), ceil(41 / 3) + 2) = 28
+    for backend in pool.members:
+        backend.kv_capacity_tokens = 4 * PROMPT
+        if backend is not pin:
+            backend.kv_usage = 0.9  # 800 tokens free: the 2,000-token prompt (nothing cached there) does not fit
+    placement = policy.place(pool, "s", entry, hint=hint())
+    assert (placement.backend, placement.outcome) == (pin, Outcome.STICKY)
+    other = next(b for b in pool.members if b is not pin)
+    other.kv_usage = 0.5
+    placement = policy.place(pool, "s", entry, hint=hint())
+    assert (placement.backend, placement.outcome, placement.reason) == (other, Outcome.SPILL, "load")
