@@ -457,15 +457,18 @@ class SubSocket:
 
     def _drain(self) -> None:
         """Apply what the socket holds, for up to ``SLICE_S`` seconds (then the rest after the loop's
-        next turn). ZMQ's FD is edge-triggered: it wakes the loop again only once the socket's
-        ``EVENTS`` were read with no message left, so a drain either empties the socket or queues
-        the next one."""
+        next turn). ZMQ signals its FD only when the socket's state changes: after the socket's
+        ``EVENTS`` were read with no message left, not for each message. So a drain either empties
+        the socket or queues the next drain."""
         socket = self._socket
         if self._task is not None or self._fd is None or socket is None:
             return  # a message's work is waiting (it drains again when done), or the socket closed
         streams = self.streams
         deadline = time.perf_counter() + SLICE_S
         while socket.getsockopt(_EVENTS) & _POLLIN:
+            if time.perf_counter() >= deadline:
+                self._queue_drain()
+                return
             try:
                 frames = socket.recv_multipart(_NOBLOCK)
             except zmq.Again:
@@ -488,9 +491,6 @@ class SubSocket:
             if waiting is not None:
                 task = self._task = asyncio.create_task(waiting, name=f"kv-events {self.address}")
                 task.add_done_callback(functools.partial(self._finished, stream))
-                return
-            if time.perf_counter() >= deadline:
-                self._queue_drain()
                 return
 
     def _finished(self, stream: Stream, task: asyncio.Task[None]) -> None:
