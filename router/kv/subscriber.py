@@ -56,7 +56,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from contract.kv_events import END_SEQ, KVEventBatch, decode_batch, publisher_binds, seq_from_bytes, seq_to_bytes
+from contract.kv_events import END_SEQ, KVEvent, KVEventBatch, decode_batch, publisher_binds, seq_from_bytes, seq_to_bytes
 from router.kv.index import KVIndex
 from router.kv.metrics import KVMetrics
 
@@ -182,8 +182,7 @@ class Stream:
         events = batch.events
         if len(events) > APPLY_CHUNK:
             return self._apply_batch(batch, Slicer())
-        self.index.apply_events(self.source.backend_url, events)
-        self.metrics.events(self.source.label, len(events))
+        self._apply_run(events)
         return None
 
     async def receive(self, seq: int, payload: bytes, slicer: Slicer) -> None:
@@ -239,21 +238,21 @@ class Stream:
         if batch is not None:
             await self._apply_batch(batch, slicer)
 
+    def _apply_run(self, events: list[KVEvent]) -> None:
+        """Apply ``events`` (at most ``APPLY_CHUNK``) to the index and count them."""
+        self.index.apply_events(self.source.backend_url, events)
+        self.metrics.events(self.source.label, len(events))
+
     async def _apply_batch(self, batch: KVEventBatch, slicer: Slicer) -> None:
         events = batch.events
-        url = self.source.backend_url
-        index = self.index
         if len(events) <= APPLY_CHUNK:
-            index.apply_events(url, events)
-            self.metrics.events(self.source.label, len(events))
+            self._apply_run(events)
             await slicer.maybe_yield()
             return
         for start in range(0, len(events), APPLY_CHUNK):
             if self.closed:
                 return
-            run = events[start:start + APPLY_CHUNK]
-            index.apply_events(url, run)
-            self.metrics.events(self.source.label, len(run))
+            self._apply_run(events[start:start + APPLY_CHUNK])
             await slicer.maybe_yield()
 
     async def _fill(self, start: int, stop: int, slicer: Slicer, *, catch_up: bool) -> None:
