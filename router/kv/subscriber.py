@@ -56,7 +56,15 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from contract.kv_events import END_SEQ, KVEvent, KVEventBatch, decode_batch, publisher_binds, seq_from_bytes, seq_to_bytes
+from contract.kv_events import (
+    END_SEQ,
+    KVEvent,
+    KVEventBatch,
+    decode_batch,
+    publisher_binds,
+    seq_from_bytes,
+    seq_to_bytes,
+)
 from router.kv.index import KVIndex
 from router.kv.metrics import KVMetrics
 

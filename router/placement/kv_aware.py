@@ -776,9 +776,9 @@ class KVAwarePolicy:
         ``pin_ttft``, in member order. A candidate's floor is its prediction with ``uncached`` prompt
         tokens (the fewest any backend but the pin may have to prefill) and without its KV-pressure
         and ``ahead`` terms, with ``predict``'s operations in ``predict``'s order: rounding is
-        monotonic, those two terms are not negative (prompt >= 0, ``_floor_ok``), so no floor exceeds its prediction, and a
-        candidate not in the list is not clearly faster than the pin. When ``_settled`` may use it,
-        the pass also leaves what it saw for it (``_Settle``)."""
+        monotonic, those two terms are not negative (prompt >= 0, ``_floor_ok``), so no floor exceeds
+        its prediction, and a candidate not in the list is not clearly faster than the pin. When
+        ``_settled`` may use it, the pass also leaves what it saw for it (``_Settle``)."""
         stats = self._stats.get(pool.key)
         if stats is None:
             stats = self._stats[pool.key] = _PoolStats()
