@@ -40,7 +40,10 @@ prometheus_client's text parser, summed over the label sets an engine exports (d
     what a waiting request waits for (the engine queues only when it is full);
   * interference (``busy_s_per_request``): what one request in flight adds to a new request's
     first step on average: the share of a request's life spent before its first token (Δ TTFT sum
-    / Δ e2e sum) times the mean computed prefill per request, in seconds.
+    / Δ e2e sum) times the mean computed prefill per request, in seconds;
+  * tokens generated per request (``output_tokens``): Δ ITL count / Δ e2e count + 1 (one
+    inter-token interval per token after the first), what the policy reserves in a KV cache for the
+    running requests' growth (``router.placement.kv_aware``).
 
   **Robust to outliers.** Each constant is the median of its last ``WINDOW`` per-interval samples,
   and it replaces the configured value on the ``Backend`` only once ``MIN_SAMPLES`` intervals
@@ -201,9 +204,10 @@ class Estimate:
 class Learned:
     """What ``learn`` has measured of one backend, published onto its ``Backend`` by ``publish``."""
 
-    __slots__ = ("decode_step", "prefill_per_token", "first_step", "queued", "busy")
+    __slots__ = ("decode_step", "prefill_per_token", "first_step", "queued", "busy", "output")
 
     def __init__(self) -> None:
+        self.output = Estimate()
         self.decode_step = Estimate()
         self.prefill_per_token = Estimate()
         self.first_step = Estimate()
@@ -224,6 +228,7 @@ class Learned:
         backend.step_s = self.first_step.value if self.first_step.ready else -1.0
         backend.queued_request_s = self.queued.value if self.queued.ready else -1.0
         backend.busy_s_per_request = self.busy.value if self.busy.ready else -1.0
+        backend.output_tokens = self.output.value if self.output.ready else -1.0
 
 
 def learn(learned: Learned, before: EngineSample, now: EngineSample, *, ratio: float = 0.0) -> None:
@@ -269,6 +274,9 @@ def learn(learned: Learned, before: EngineSample, now: EngineSample, *, ratio: f
         learned.first_step.add(step)
     d_e2e_count = now.e2e_count - before.e2e_count
     d_e2e_sum = now.e2e_sum - before.e2e_sum
+    if d_e2e_count > 0 and d_itl_count >= 0:
+        # tokens generated per finished request: one inter-token interval per token after the first
+        learned.output.add(d_itl_count / d_e2e_count + 1.0)
     if d_e2e_count > 0:
         if elapsed > 0:
             learned.queued.add(min(MAX_STEP_S, elapsed / d_e2e_count))

@@ -122,6 +122,8 @@ class Backend:
     queued_request_s: float = -1.0
     #: seconds one request in flight adds to a new request's first step, on average (its prefill share)
     busy_s_per_request: float = -1.0
+    #: tokens a request generates there, on average (the KV a running request still grows by)
+    output_tokens: float = -1.0
     consecutive_failures: int = 0
     #: monotonic time until which a passively ejected backend is skipped (half-open after)
     ejected_until: float = 0.0

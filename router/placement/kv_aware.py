@@ -105,14 +105,21 @@ with a session staying where its KV is until moving is clearly cheaper (DESIGN.m
   its KV fits: the sessions that lost theirs leave it for one with less work ahead, and stay there.
   The floor of ``EVICTED_TOKENS`` keeps short conversations (a block or two, or an index a step
   behind the engine) on their pins.
-- a pinned turn whose uncached prompt tokens do not fit the pin's free KV (``_fits``: the scraped
-  ``kv_capacity_tokens`` x (1 - usage), the usage lowered by requests finished since the scrape)
-  would be preempted there: it goes to the fastest backend within the bound whose known free KV
-  holds it (SPILL, "kv_pressure"); when none does, it is decided as usual.
+- a pinned turn whose prompt does not fit the pin's free KV (``_fits``, ``_free_tokens``: the scraped
+  ``kv_capacity_tokens`` x (1 - usage), less the prompts this router placed there since the scrape,
+  with the requests finished since giving theirs back) would be preempted there, or preempt a
+  running request. The whole prompt is charged, its cached prefix too: the engine counts cached
+  blocks no running request holds as free (evictable), and the turn takes them back. Room is kept
+  for what the requests will generate (``_growth``: the engine's learned ``output_tokens`` for this
+  turn, half of it for each request there; running requests that grow past the free KV are what the
+  engine preempts). It goes to the fastest backend within the bound whose known free KV holds it
+  (SPILL, "kv_pressure") when its recompute there is no more than what a preemption on the pin
+  recomputes (``_held_per_request``: the KV tokens a request there holds on average); else (a heavy
+  session, whose move costs more than a preemption, or no room elsewhere) it is decided as usual.
 - *room at the target*: every move off the pin ("evicted", "cached", "wait", "kv_pressure", "load")
-  goes only where the turn's uncached tokens fit the target's free KV (when its capacity is known):
-  else to the fastest other backend where they fit, else nowhere (the pin keeps the turn). A move
-  recomputes into the target's cache; where that cache is full, it preempts a running request.
+  goes only where the turn's prompt fits the target's free KV (when its capacity is known): else to
+  the fastest other backend where it fits, else nowhere (the pin keeps the turn). A move recomputes
+  into the target's cache; where that cache is full, it preempts a running request.
 - new session (no pin, or the pin is gone: REPIN_*): its *home* is, when the KV index holds its own
   tokens (another router replica placed it, or this router restarted: replicas subscribe to the same
   engines, so they agree without shared state), the backend holding most of them within the safety
@@ -276,6 +283,13 @@ class KVAwarePolicy:
         #: left the pool leave none behind for long)
         self._ahead: dict[str, float] = {}
         self._prune_at = AHEAD_PRUNE_AT
+        #: backend -> [its ``load_scraped_at``, requests, prompt tokens]: what this router placed there
+        #: since that scrape (``_free_tokens``); once there are ``_sent_prune_at`` entries, those of
+        #: backends gone from their pools are dropped
+        self._sent: dict[Backend, list[float]] = {}
+        self._sent_prune_at = AHEAD_PRUNE_AT
+        #: the prompt tokens of the placement being made (``_place``; sized by the index in ``_sized``)
+        self._prompt = 0
         #: the clock at the current placement
         self._now = 0.0
         #: the router's KV index (None: no KV events; the pins stand in for it). Settable after construction.
@@ -343,22 +357,65 @@ class KVAwarePolicy:
     def _clearly_faster(self, slow: float, fast: float) -> bool:
         return slow > self._factor * fast + self._margin
 
-    @staticmethod
-    def _fits(backend: Backend, tokens: int) -> bool:
-        """Whether ``tokens`` more fit ``backend``'s free KV cache: its capacity (``kv_capacity_tokens``,
-        known: > 0) times the free share at the scrape, the share taken lower as requests finished since
-        (never higher: requests sent since may be short)."""
+    def _fits(self, backend: Backend, tokens: int) -> bool:
+        """Whether a ``tokens``-token prompt fits ``backend``'s free KV cache now (``_free_tokens``),
+        with room for what it and the requests there will generate (``_growth``)."""
         if tokens <= 0:
             return True
+        return tokens + self._growth(backend) <= self._free_tokens(backend)
+
+    @staticmethod
+    def _growth(backend: Backend) -> float:
+        """The KV the requests on ``backend`` will still take as they generate, this one's included:
+        its learned tokens per request (``output_tokens``; 0 until learned) for the new request, half
+        of it for each request there now (they are half-way through on average)."""
+        out = backend.output_tokens
+        if out <= 0:
+            return 0.0
+        return out * (1.0 + 0.5 * (backend.in_flight + backend.others_at_scrape))
+
+    def _free_tokens(self, backend: Backend) -> float:
+        """``backend``'s free KV tokens now (its capacity, ``kv_capacity_tokens``, known: > 0), from the
+        scrape's: the free share then, less the prompts this router placed there since (``_sent``), with
+        the requests that finished since taken oldest first: those in flight at the scrape give their
+        share of the usage back (``usage_now``'s proportion), then those sent since their prompts."""
+        at = backend.in_flight_at_scrape
+        count, charged = self._since_scrape(backend)
         usage = backend.kv_usage
-        if backend.in_flight < backend.in_flight_at_scrape:
-            usage = usage_now(backend)
-        return tokens <= backend.kv_capacity_tokens * (1.0 - usage)
+        finished = at + count - backend.in_flight
+        if finished > 0:
+            done = finished if finished < at else at
+            if done > 0:
+                others = backend.others_at_scrape
+                change = done * (at + others) / at if others > 0 else done
+                then = at + others + 1
+                usage = usage * (then - change) / then
+            done = finished - done
+            if done > 0:
+                charged = charged * (count - done) / count if done < count else 0.0
+        return backend.kv_capacity_tokens * (1.0 - usage) - charged
+
+    def _since_scrape(self, backend: Backend) -> tuple[int, float]:
+        """(requests, prompt tokens) this router placed on ``backend`` since its last scrape."""
+        sent = self._sent.get(backend)
+        if sent is None or sent[0] != backend.load_scraped_at:
+            return 0, 0.0
+        return int(sent[1]), sent[2]
+
+    def _held_per_request(self, backend: Backend) -> float:
+        """The KV tokens one request there holds on average: the scrape's used share and the prompts
+        placed since (``_sent``) over the requests then and since (inf: none). A preemption recomputes
+        about that much; a move off a full pin is worth it while its own recompute is no more."""
+        count, charged = self._since_scrape(backend)
+        requests = backend.in_flight_at_scrape + backend.others_at_scrape + count
+        if requests <= 0:
+            return math.inf
+        return (backend.kv_usage * backend.kv_capacity_tokens + charged) / requests
 
     def _roomy(self, pool: BackendSet, exclude: frozenset[str], prompt: int, cached_map: Mapping[str, int] | None,
                pinned: Backend, bound: int) -> tuple[Backend, float, float, int] | None:
         """The fastest available backend but ``pinned``, within ``bound``, whose KV capacity is known
-        and whose free KV holds the prompt's uncached tokens there (None: none)."""
+        and whose free KV holds the prompt (None: none)."""
         best: Backend | None = None
         best_ttft = math.inf
         best_wait = 0.0
@@ -376,7 +433,7 @@ class KVAwarePolicy:
             cached = cached_map.get(backend.url, 0) if cached_map else 0
             if cached > prompt:
                 cached = prompt
-            if not self._fits(backend, prompt - cached):
+            if not self._fits(backend, prompt):
                 continue
             ttft, wait = self.predict(backend, prompt, cached)
             if ttft < best_ttft:
@@ -443,6 +500,17 @@ class KVAwarePolicy:
         backend = placement.backend
         step = backend.step_s
         work = placement.predicted_ttft_s - placement.wait_s - (step if step >= 0 else self._step)
+        if backend.kv_capacity_tokens > 0:
+            # the prompt's blocks are taken from the free KV there until the next scrape shows them
+            sent = self._sent.get(backend)
+            if sent is None or sent[0] != backend.load_scraped_at:
+                self._sent[backend] = [backend.load_scraped_at, 1.0, float(self._prompt)]
+                if len(self._sent) > self._sent_prune_at:
+                    self._sent = {b: entry for b, entry in self._sent.items() if b.ledger is not None}
+                    self._sent_prune_at = max(AHEAD_PRUNE_AT, 2 * len(self._sent))
+            else:
+                sent[1] += 1
+                sent[2] += self._prompt
         if work > 0:
             ahead = self._ahead.get(backend.url, 0.0)
             self._ahead[backend.url] = (ahead if ahead > now and backend.in_flight > 0 else now) + work
@@ -453,7 +521,7 @@ class KVAwarePolicy:
 
     def _place(self, pool: BackendSet, session_id: str | None, entry: SessionPins | None,
                exclude: frozenset[str], hint: PlacementHint | None) -> Placement:
-        prompt = hint.prompt_tokens_estimate if hint is not None else 0
+        self._prompt = prompt = hint.prompt_tokens_estimate if hint is not None else 0
         if session_id is None or entry is None:
             return self._no_session(pool, exclude, prompt, self._prefix_map(hint))
         pins = entry.pins
@@ -462,7 +530,7 @@ class KVAwarePolicy:
         if pinned is not None and pinned.available:
             if exclude and pin_url in exclude:
                 cached_map = self._cached_map(session_id, hint)
-                prompt = self._sized(prompt, cached_map, hint)
+                self._prompt = prompt = self._sized(prompt, cached_map, hint)
                 target, ttft, wait, cached = self._fastest(pool, exclude, prompt, cached_map, None, 0, None)
                 return Placement(target, Outcome.SPILL, "retry", cached, wait, ttft)
             return self._pinned(pool, session_id, pins, pinned, exclude, hint, prompt)
@@ -473,7 +541,7 @@ class KVAwarePolicy:
     def _pinned(self, pool: BackendSet, session_id: str, pins: dict[str, str], pinned: Backend,
                 exclude: frozenset[str], hint: PlacementHint | None, prompt: int) -> Placement:
         cached_map = self._cached_map(session_id, hint)
-        prompt = self._sized(prompt, cached_map, hint)
+        self._prompt = prompt = self._sized(prompt, cached_map, hint)
         pin_cached = -1
         other_cached = 0
         if cached_map:
@@ -502,14 +570,15 @@ class KVAwarePolicy:
             raise no_available_backend(pool)
         # the sticky fast path: no other backend can be clearly faster, and the pin is within the bound
         floor = stats.min_step + (prompt - other_cached) * stats.min_per_token
-        fits = pinned.kv_capacity_tokens <= 0 or self._fits(pinned, prompt - pin_cached)
+        fits = pinned.kv_capacity_tokens <= 0 or self._fits(pinned, prompt)
         if fits and not evicted and not self._clearly_faster(pin_ttft, floor) and (
                 pinned.in_flight + pinned.others_at_scrape + 1 <= self._safety_bound(stats.total, stats.count)):
             return Placement(pinned, Outcome.STICKY, "cached", pin_cached, pin_wait, pin_ttft)
         if not fits:
             # the turn does not fit the pin's free KV (it would be preempted): the fastest backend it fits
+            # unless its recompute there costs more than a preemption on the pin would (a heavy session)
             roomy = self._roomy(pool, exclude, prompt, cached_map, pinned, self._safety_bound(stats.total, stats.count))
-            if roomy is not None:
+            if roomy is not None and prompt - roomy[3] <= self._held_per_request(pinned):
                 target, ttft, wait, cached = roomy
                 pins[pool.name] = target.url
                 return Placement(target, Outcome.SPILL, "kv_pressure", cached, wait, ttft)
@@ -566,10 +635,10 @@ class KVAwarePolicy:
               pinned: Backend, bound: int, target: Backend, ttft: float, wait: float, cached: int
               ) -> tuple[Backend, float, float, int]:
         """A move off ``pinned`` to ``target``, checked against the target's free KV: kept when the
-        turn's uncached tokens fit there (or its KV capacity is unknown); else the fastest other
-        backend whose free KV holds them (``_roomy``); else none (``pinned``, ttft inf): a turn moved
+        turn's prompt fits there (or its KV capacity is unknown); else the fastest other
+        backend whose free KV holds it (``_roomy``); else none (``pinned``, ttft inf): a turn moved
         where its prompt does not fit preempts there, its own recompute or a running request's."""
-        if target.kv_capacity_tokens <= 0 or self._fits(target, prompt - cached):
+        if target.kv_capacity_tokens <= 0 or self._fits(target, prompt):
             return target, ttft, wait, cached
         roomy = self._roomy(pool, exclude, prompt, cached_map, pinned, bound)
         return roomy if roomy is not None else (pinned, math.inf, 0.0, 0)
@@ -580,7 +649,7 @@ class KVAwarePolicy:
         if stats.count == 0:
             raise no_available_backend(pool)
         cached_map = self._cached_map(session_id, hint)
-        prompt = self._sized(prompt, cached_map, hint)
+        self._prompt = prompt = self._sized(prompt, cached_map, hint)
         home: Backend | None = None
         home_cached = 0
         reason = "hash"

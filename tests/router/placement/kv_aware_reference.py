@@ -101,6 +101,10 @@ class ReferenceKVAwarePolicy:
         #: backend URL -> when the prefill work this router sent there is done, by the prediction's own
         #: prefill cost (``ahead``; one entry per backend URL placed on)
         self._ahead: dict[str, float] = {}
+        #: backend -> (its ``load_scraped_at``, the prompts placed there since, in order)
+        self._sent: dict[Backend, tuple[float, list[int]]] = {}
+        #: the current placement's prompt tokens (as sized by the index)
+        self._prompt = 0
         #: the clock at the current placement
         self._now = 0.0
         #: the router's KV index (None: no KV events; the pins stand in for it). Settable after construction.
@@ -161,17 +165,33 @@ class ReferenceKVAwarePolicy:
     def _clearly_faster(self, slow: float, fast: float) -> bool:
         return slow > self._factor * fast + self._margin
 
-    @staticmethod
-    def _fits(backend: Backend, tokens: int) -> bool:
-        """Whether ``tokens`` more fit ``backend``'s free KV cache: its capacity (``kv_capacity_tokens``,
-        known: > 0) times the free share at the scrape, the share taken lower as requests finished since
-        (never higher: requests sent since may be short)."""
+    def _fits(self, backend: Backend, tokens: int) -> bool:
+        """Whether a ``tokens``-token prompt fits ``backend``'s free KV cache now: the free share at the
+        scrape, less the prompts placed there since; the requests finished since are taken oldest
+        first (those in flight at the scrape lower the usage in ``usage_now``'s proportion, then those
+        placed since return their prompts' average)."""
         if tokens <= 0:
             return True
+        scrape, prompts = self._sent.get(backend, (None, []))
+        if scrape != backend.load_scraped_at:
+            prompts = []
+        at = backend.in_flight_at_scrape
+        finished = max(0, at + len(prompts) - backend.in_flight)
+        old_done = min(finished, at)
+        new_done = finished - old_done
         usage = backend.kv_usage
-        if backend.in_flight < backend.in_flight_at_scrape:
-            usage = usage_now(backend)
-        return tokens <= backend.kv_capacity_tokens * (1.0 - usage)
+        if old_done > 0:
+            others = backend.others_at_scrape
+            change = old_done * (at + others) / at if others > 0 else old_done
+            then = at + others + 1
+            usage = usage * (then - change) / then
+        charged = float(sum(prompts))
+        if new_done > 0:
+            charged = charged * (len(prompts) - new_done) / len(prompts) if new_done < len(prompts) else 0.0
+        growth = 0.0
+        if backend.output_tokens > 0:  # room for what this request and those there will generate
+            growth = backend.output_tokens * (1.0 + 0.5 * (backend.in_flight + backend.others_at_scrape))
+        return tokens + growth <= backend.kv_capacity_tokens * (1.0 - usage) - charged
 
     def _roomy(self, pool: BackendSet, exclude: frozenset[str], prompt: int, cached_map: Mapping[str, int] | None,
                pinned: Backend, bound: int) -> tuple[Backend, float, float, int] | None:
@@ -192,7 +212,7 @@ class ReferenceKVAwarePolicy:
             cached = cached_map.get(backend.url, 0) if cached_map else 0
             if cached > prompt:
                 cached = prompt
-            if not self._fits(backend, prompt - cached):
+            if not self._fits(backend, prompt):
                 continue
             ttft, wait = self.predict(backend, prompt, cached)
             if ttft < best_ttft:
@@ -254,6 +274,11 @@ class ReferenceKVAwarePolicy:
         backend = placement.backend
         step = backend.step_s
         work = placement.predicted_ttft_s - placement.wait_s - (step if step >= 0 else self._step)
+        if backend.kv_capacity_tokens > 0:
+            scrape, prompts = self._sent.get(backend, (None, []))
+            if scrape != backend.load_scraped_at:
+                prompts = []
+            self._sent[backend] = (backend.load_scraped_at, prompts + [self._prompt])
         if work > 0:
             ahead = self._ahead.get(backend.url, 0.0)
             self._ahead[backend.url] = (ahead if ahead > now and backend.in_flight > 0 else now) + work
@@ -261,7 +286,7 @@ class ReferenceKVAwarePolicy:
 
     def _place(self, pool: BackendSet, session_id: str | None, entry: SessionPins | None,
                exclude: frozenset[str], hint: PlacementHint | None) -> Placement:
-        prompt = hint.prompt_tokens_estimate if hint is not None else 0
+        self._prompt = prompt = hint.prompt_tokens_estimate if hint is not None else 0
         if session_id is None or entry is None:
             return self._no_session(pool, exclude, prompt, self._prefix_map(hint))
         pins = entry.pins
@@ -270,7 +295,7 @@ class ReferenceKVAwarePolicy:
         if pinned is not None and pinned.available:
             if exclude and pin_url in exclude:
                 cached_map = self._cached_map(session_id, hint)
-                prompt = self._sized(prompt, cached_map, hint)
+                self._prompt = prompt = self._sized(prompt, cached_map, hint)
                 target, ttft, wait, cached = self._fastest(pool, exclude, prompt, cached_map, None, 0, None)
                 return Placement(target, Outcome.SPILL, "retry", cached, wait, ttft)
             return self._pinned(pool, session_id, pins, pinned, exclude, hint, prompt)
@@ -281,7 +306,7 @@ class ReferenceKVAwarePolicy:
     def _pinned(self, pool: BackendSet, session_id: str, pins: dict[str, str], pinned: Backend,
                 exclude: frozenset[str], hint: PlacementHint | None, prompt: int) -> Placement:
         cached_map = self._cached_map(session_id, hint)
-        prompt = self._sized(prompt, cached_map, hint)
+        self._prompt = prompt = self._sized(prompt, cached_map, hint)
         pin_cached = -1
         other_cached = 0
         if cached_map:
@@ -308,14 +333,19 @@ class ReferenceKVAwarePolicy:
             raise no_available_backend(pool)
         # the sticky fast path: no other backend can be clearly faster, and the pin is within the bound
         floor = stats.min_step + (prompt - other_cached) * stats.min_per_token
-        fits = pinned.kv_capacity_tokens <= 0 or self._fits(pinned, prompt - pin_cached)
+        fits = pinned.kv_capacity_tokens <= 0 or self._fits(pinned, prompt)
         if fits and not evicted and not self._clearly_faster(pin_ttft, floor) and pinned.in_flight + pinned.others_at_scrape + 1 <= self._safety_bound(
                 stats.total, stats.count):
             return Placement(pinned, Outcome.STICKY, "cached", pin_cached, pin_wait, pin_ttft)
         if not fits:
             # the turn does not fit the pin's free KV (it would be preempted): the fastest backend it fits
             roomy = self._roomy(pool, exclude, prompt, cached_map, pinned, self._safety_bound(stats.total, stats.count))
-            if roomy is not None:
+            scrape, prompts = self._sent.get(pinned, (None, []))
+            if scrape != pinned.load_scraped_at:
+                prompts = []
+            requests = pinned.in_flight_at_scrape + pinned.others_at_scrape + len(prompts)
+            held = (pinned.kv_usage * pinned.kv_capacity_tokens + float(sum(prompts))) / requests if requests > 0 else math.inf
+            if roomy is not None and prompt - roomy[3] <= held:
                 target, ttft, wait, cached = roomy
                 pins[pool.name] = target.url
                 return Placement(target, Outcome.SPILL, "kv_pressure", cached, wait, ttft)
@@ -353,7 +383,7 @@ class ReferenceKVAwarePolicy:
     def _room(self, pool: BackendSet, exclude: frozenset[str], prompt: int, cached_map: Mapping[str, int] | None,
               pinned: Backend, bound: int, target: Backend, ttft: float, wait: float, cached: int
               ) -> tuple[Backend, float, float, int]:
-        if target.kv_capacity_tokens <= 0 or self._fits(target, prompt - cached):
+        if target.kv_capacity_tokens <= 0 or self._fits(target, prompt):
             return target, ttft, wait, cached
         roomy = self._roomy(pool, exclude, prompt, cached_map, pinned, bound)
         return roomy if roomy is not None else (pinned, math.inf, 0.0, 0)
@@ -364,7 +394,7 @@ class ReferenceKVAwarePolicy:
         if stats.count == 0:
             raise no_available_backend(pool)
         cached_map = self._cached_map(session_id, hint)
-        prompt = self._sized(prompt, cached_map, hint)
+        self._prompt = prompt = self._sized(prompt, cached_map, hint)
         home: Backend | None = None
         home_cached = 0
         reason = "hash"

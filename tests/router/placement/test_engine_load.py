@@ -62,6 +62,8 @@ def test_learning_from_the_deltas_between_scrapes() -> None:
     assert learned.queued.value == pytest.approx(10.0 / 10)  # 10 requests finished in 10 s
     # interference: 10% of a request's life before its first token, x 360 computed tokens each
     assert learned.busy.value == pytest.approx(0.1 * 360 * learned.prefill_per_token.value)
+    # 100 tokens after the first ones, over 10 finished requests: 11 tokens each
+    assert learned.output.value == pytest.approx(100 / 10 + 1)
     # a mostly cached interval teaches nothing about the prefill rate
     cached = EngineSample(running=4, itl_sum=3.0, itl_count=200, prompt_tokens=5000, prefix_hits=1390,
                           ttft_sum=3.5, ttft_count=30, e2e_sum=30.0, e2e_count=20, at=20.0)
@@ -145,6 +147,7 @@ async def test_constants_learned_from_a_real_backend(tmp_path: Path) -> None:
         for backend in backends:
             assert backend.step_s > 0 and backend.prefill_s_per_token > 0 and backend.queued_request_s > 0
             assert backend.load_scraped_at > 0 and backend.engine_waiting == 0
+            assert backend.output_tokens == pytest.approx(4)  # each answer is its 4 tokens (ignore_eos)
         assert sluggish.step_s > 2 * quick.step_s
         assert sluggish.prefill_s_per_token > 2 * quick.prefill_s_per_token
     finally:

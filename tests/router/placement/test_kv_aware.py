@@ -327,8 +327,8 @@ def test_replicas_judge_the_safety_net_and_the_kv_usage_on_the_engines_whole_loa
     replica.kv_capacity_tokens = lone.kv_capacity_tokens = 4096
     replica.in_flight, lone.in_flight = 1, 3
     tokens = int(4096 * (1 - 0.95 * 4 / 10))
-    assert KVAwarePolicy._fits(replica, tokens) and KVAwarePolicy._fits(lone, tokens)
-    assert not KVAwarePolicy._fits(replica, tokens + 2)
+    assert policy._fits(replica, tokens) and policy._fits(lone, tokens)
+    assert not policy._fits(replica, tokens + 2)
 
 
 def test_a_retry_goes_elsewhere_and_keeps_the_pin() -> None:

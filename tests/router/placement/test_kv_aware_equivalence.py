@@ -48,6 +48,7 @@ def randomize(rng: random.Random, backend: Backend) -> None:
     backend.queued_floor = rng.choice((0.0, 1.0, backend.engine_waiting))
     backend.kv_usage = rng.choice((0.0, 0.3, 0.85, 0.92, 0.97, 1.0))
     backend.kv_capacity_tokens = rng.choice((0, 0, 4096, 65536))
+    backend.output_tokens = rng.choice((-1.0, 100.0, 500.0))
     backend.reported_load = rng.choice((0.0, 1.0, 4.0))
     backend.step_s = rng.choice((-1.0, -1.0, 0.01, 0.02, 0.005))
     backend.prefill_s_per_token = rng.choice((-1.0, -1.0, 0.00025, 0.0005, 0.0001))
@@ -145,7 +146,9 @@ def queueing_alike(rng: random.Random, backend: Backend, waiting: float, odd: fl
     backend.in_flight_at_scrape = backend.in_flight
     backend.others_at_scrape = rng.choice((0.0, 0.0, 1.0, 3.0, 2.5 if rng.random() < odd else 0.0))
     backend.kv_usage = rng.choice((0.0, 0.3, 0.3, 0.3, 0.92, 1.0))
-    backend.kv_capacity_tokens = rng.choice((0, 0, 65536))
+    backend.kv_capacity_tokens = rng.choice((0, 0, 8192, 65536))
+    backend.output_tokens = rng.choice((-1.0, 150.0))
+    backend.load_scraped_at += 1.0  # a new scrape: the prompts placed since the last are in its usage
 
 
 def learned(rng: random.Random, backend: Backend, alike: bool, only: str | None = None) -> None:
