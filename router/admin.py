@@ -58,6 +58,10 @@ class BackendView(msgspec.Struct):
     #: too fast to measure, for the prefill rate)
     step_s: float | None = None
     prefill_tokens_per_s: float | None = None
+    #: tokens a request generates there on average (null: not learned yet); the KV cache's size in
+    #: tokens (0: the engine does not say): what kv_aware's fit check reads
+    output_tokens: float | None = None
+    kv_capacity_tokens: int = 0
 
 
 def _view(backend: Backend) -> BackendView:
@@ -65,7 +69,8 @@ def _view(backend: Backend) -> BackendView:
     return BackendView(backend.name, backend.url, backend.pool, backend.healthy, backend.draining,
                        backend.in_flight, backend.reported_load, backend.engine_waiting, backend.engine_running,
                        backend.kv_usage, backend.step_s if backend.step_s >= 0 else None,
-                       1.0 / per_token if per_token > 0 else None)
+                       1.0 / per_token if per_token > 0 else None,
+                       backend.output_tokens if backend.output_tokens > 0 else None, backend.kv_capacity_tokens)
 
 
 def _authorize(request: web.Request, state: RouterState) -> None:

@@ -92,6 +92,7 @@ async def test_the_engines_load_comes_from_their_metrics_and_moves_sessions(make
         view = {b["name"]: b for b in listing["data"]}
         assert (view["b0"]["engine_running"], view["b0"]["kv_usage"], view["b0"]["engine_waiting"]) == (3, 0.25, 0)
         assert view["b0"]["step_s"] is None  # gauges only: nothing learned, the configured step applies
+        assert view["b0"]["output_tokens"] is None
         body = {"prompt": "word " * 400, "session_id": "heavy"}
         first = await http.post(router.url + "/v1/completions", json=body)
         home = (await first.json())["backend"]
