@@ -199,10 +199,14 @@ def wait_until(condition, timeout: float = PROC_TIMEOUT, what: str = "condition"
 
 
 def refused(port: int) -> bool:
+    """Whether nothing listens on ``port`` any more. A reset is not yet that: the connection was queued
+    on a worker's listening socket (``SO_REUSEPORT``) as the worker closed it, and others may still listen."""
     try:
         socket.create_connection(("127.0.0.1", port), timeout=1.0).close()
     except ConnectionRefusedError:
         return True
+    except ConnectionResetError:
+        pass  # queued on a closing worker's socket: ask again
     return False
 
 
