@@ -1,6 +1,6 @@
 """The ``kv_aware`` policy as it was before its all-candidates path was made faster (commit 4ea8bc5),
-kept verbatim (class renamed ``ReferenceKVAwarePolicy``; since then only the *evicted* rule added, in
-its plainest form) as the reference that
+kept verbatim (class renamed ``ReferenceKVAwarePolicy``; since then only the *evicted* rule, the room
+at a move's target and the KV fit check added, in their plainest forms) as the reference that
 ``test_kv_aware_equivalence`` compares the current policy's decisions against. Not used by the router.
 """
 
