@@ -207,12 +207,12 @@ class Learned:
     __slots__ = ("decode_step", "prefill_per_token", "first_step", "queued", "busy", "output")
 
     def __init__(self) -> None:
-        self.output = Estimate()
         self.decode_step = Estimate()
         self.prefill_per_token = Estimate()
         self.first_step = Estimate()
         self.queued = Estimate()
         self.busy = Estimate()
+        self.output = Estimate()
 
     def publish(self, backend: Backend, *, ratio: float = 0.0) -> None:
         """Set ``backend``'s learned fields: each trusted estimate, else -1.0 (the configured value);
@@ -274,10 +274,10 @@ def learn(learned: Learned, before: EngineSample, now: EngineSample, *, ratio: f
         learned.first_step.add(step)
     d_e2e_count = now.e2e_count - before.e2e_count
     d_e2e_sum = now.e2e_sum - before.e2e_sum
-    if d_e2e_count > 0 and d_itl_count >= 0:
-        # tokens generated per finished request: one inter-token interval per token after the first
-        learned.output.add(d_itl_count / d_e2e_count + 1.0)
     if d_e2e_count > 0:
+        if d_itl_count >= 0:
+            # tokens generated per finished request: one inter-token interval per token after the first
+            learned.output.add(d_itl_count / d_e2e_count + 1.0)
         if elapsed > 0:
             learned.queued.add(min(MAX_STEP_S, elapsed / d_e2e_count))
         if d_e2e_sum > 0 and d_ttft_count > 0 and computed >= 0 and per_token >= 0:

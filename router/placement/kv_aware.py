@@ -176,16 +176,18 @@ AHEAD_PRUNE_AT = 1024
 _EMPTY: Mapping[str, int] = {}
 
 
-def usage_now(backend: Backend) -> float:
+def usage_now(backend: Backend, change: float | None = None) -> float:
     """``backend``'s KV usage now, estimated from the scrape's: scaled by the engine's requests now
     against then. Then: this router's ``in_flight_at_scrape`` + ``others_at_scrape`` (+ 1). Now: then +
-    the change of this router's in-flight count since, which, when other replicas or workers hold
-    requests there too, stands for the engine's whole change in proportion (they serve alike traffic,
-    and their requests finish and arrive as ours do, unseen here until the next scrape). A lone router:
+    the change of this router's in-flight count since (``change``; by default ``in_flight -
+    in_flight_at_scrape``), which, when other replicas or workers hold requests there too, stands for
+    the engine's whole change in proportion (they serve alike traffic, and their requests finish and
+    arrive as ours do, unseen here until the next scrape). A lone router:
     ``(in_flight + 1) / (in_flight_at_scrape + 1)``."""
     at = backend.in_flight_at_scrape
     others = backend.others_at_scrape
-    change = backend.in_flight - at
+    if change is None:
+        change = backend.in_flight - at
     if others > 0 and at > 0:
         change = change * (at + others) / at
     then = at + others + 1
@@ -386,10 +388,7 @@ class KVAwarePolicy:
         if finished > 0:
             done = finished if finished < at else at
             if done > 0:
-                others = backend.others_at_scrape
-                change = done * (at + others) / at if others > 0 else done
-                then = at + others + 1
-                usage = usage * (then - change) / then
+                usage = usage_now(backend, -done)
             done = finished - done
             if done > 0:
                 charged = charged * (count - done) / count if done < count else 0.0
