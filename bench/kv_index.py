@@ -178,6 +178,18 @@ def _kv_full(pool: BackendPool) -> None:
         backend.kv_usage = 1.0
 
 
+def _kv_known(pool: BackendPool) -> None:
+    # every engine idle, its KV cache's size and answer length known (scraped and learned): each placement
+    # checks the fit on its pin (the prompts placed since the scrape, the answers' growth) and records its own
+    # prompt there; every turn fits (a million tokens, 30% used), so no session moves
+    for backend in pool.members:
+        backend.engine_waiting = 0
+        backend.kv_usage = 0.3
+        backend.kv_capacity_tokens = 1_000_000
+        backend.output_tokens = 150.0
+        backend.load_scraped_at = 1.0
+
+
 #: requests in flight in the scenario with traffic: each placement sends one and the oldest finishes
 TRAFFIC_IN_FLIGHT = 16
 
@@ -191,6 +203,8 @@ def scenarios(backends: int) -> list[tuple[str, Callable[[BackendPool], None], b
         ("kv_aware place(), pinned, every engine queueing alike, a request sent and one finished per placement "
          f"({TRAFFIC_IN_FLIGHT} in flight; the in-flight writes included)", _queueing, True),
         (f"kv_aware place(), pinned, every KV cache full (all {backends - 1} others predicted)", _kv_full, False),
+        ("kv_aware place(), pinned, engines idle with their KV capacity known (the fit check on the pin), a "
+         f"request sent and one finished per placement ({TRAFFIC_IN_FLIGHT} in flight)", _kv_known, True),
     ]
 
 
