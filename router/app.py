@@ -202,6 +202,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     shared = app.get(SHARED_STATE)
     if shared is not None:
         shared.start()
+        await shared.joined()  # before the process listens: its first requests read what the others wrote
     try:
         yield
     finally:

@@ -32,6 +32,11 @@ the response (it got the answer before that replica's writer ran), so a missing 
 few times, backing off from 4 ms, within the same ``read_timeout_s`` (result ``late`` when found
 then). A session already known locally costs no Redis work at all.
 
+**Start-up.** A process makes its first connection attempt before it listens (bounded by a PING
+and a SUBSCRIBE of ``write_timeout_s`` each), so a replica or worker that joins a running fleet reads
+what the others wrote from its first request on. A Redis that refuses or does not answer in time is
+logged and the process serves from local state, reconnecting as below.
+
 **Redis down or slow.** A failed or timed-out read or write, or a broken subscription, marks the
 shared state down: reads are skipped (the router decides from local state as without Redis), writes
 queue up to the bound, and a keeper task reconnects with exponential backoff (``backoff_min_s`` ..

@@ -34,6 +34,8 @@ BATCH = 512
 RETRY_FIRST_S = 0.004
 #: a live connection is pinged this often (finds a Redis that went slow or away without traffic)
 PING_EVERY_S = 1.0
+#: start-up waits for the first connection attempt this much longer than its PING and SUBSCRIBE bounds
+JOIN_SLACK_S = 0.5
 _RESPONSES_PREFIX = "/v1/responses/"
 #: what may go wrong talking to Redis: its errors, the socket's, and our own timeouts
 _FAILURES = (RedisError, OSError, asyncio.TimeoutError)
@@ -96,6 +98,8 @@ class SharedState:
         self._wake = asyncio.Event()
         self._up_event = asyncio.Event()
         self._down_event = asyncio.Event()
+        #: the keeper's first connection attempt is over (connected, or failed)
+        self._tried = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._was_up = False
         #: a batch being sent (``stop`` waits for it too)
@@ -123,6 +127,20 @@ class SharedState:
         self._script = self._client.register_script(_REMEMBER_LUA)
         self._tasks = [asyncio.create_task(self._keep(), name="shared-state-keeper"),
                        asyncio.create_task(self._write(), name="shared-state-writer")]
+
+    async def joined(self) -> bool:
+        """Wait for the keeper's first connection attempt, then say whether it connected. Called at
+        start-up before the process listens: a replica or worker that serves before it has joined
+        would skip the reads of its first requests and place them by its own view (a follow-up to
+        another process's Responses id would miss its backend). The attempt is bounded by the
+        client's timeouts (a PING and a SUBSCRIBE of ``write_timeout_s`` each); a Redis that refuses
+        or does not answer in time leaves the process serving from local state, reconnecting."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._tried.wait(), 2 * self.config.write_timeout_s + JOIN_SLACK_S)
+        if not self.up:
+            log.warning("shared state (%s) not reachable at start-up; serving from local state until it "
+                        "connects (check the URL and that Redis runs)", self.config.url)
+        return self.up
 
     async def stop(self, flush_timeout_s: float = 1.0) -> None:
         """Flush what is queued (bounded), then stop the tasks and close the connections."""
@@ -345,6 +363,7 @@ class SharedState:
                         (log.warning if self._was_up else log.info)("shared state (%s) connected", self.config.url)
                         self._was_up = True
                     self._set_up()
+                    self._tried.set()
                     self._wake.set()  # flush what queued meanwhile
                     backoff = self.config.backoff_min_s
                     await self._listen(client, pubsub)
@@ -353,6 +372,7 @@ class SharedState:
                         await asyncio.wait_for(pubsub.aclose(), self.config.write_timeout_s)
             except _FAILURES as exc:
                 self._failed("connect" if not self.up else "subscribe", exc)
+            self._tried.set()
             # whatever the pool holds was connected to the Redis that failed (maybe restarted since):
             # closed, so that the next command connects afresh instead of failing on a dead socket
             with contextlib.suppress(*_FAILURES):

@@ -44,12 +44,13 @@ def backends(tmp_path: Path) -> Iterator[list[Proc]]:
 
 
 def routers_for(tmp_path: Path, backends: list[Proc], redis_url: str | None, count: int, *extra: str,
-                shared_state: str = "") -> list[Proc]:
-    """``count`` routers before ``backends``, each ready (a healthy backend) when this returns; reconnects
-    to Redis are retried within 0.5 s (the test waits for them; the default backoff goes up to 5 s).
-    ``shared_state``: more lines of the ``[shared_state]`` table."""
-    config = tmp_path / "router.toml"
-    config.write_text("[shared_state]\nbackoff_max_s = 0.5\nwrite_timeout_s = 2.0\n" + shared_state)
+                shared_state: str = "", write_timeout_s: float = 2.0) -> list[Proc]:
+    """``count`` routers before ``backends``, each ready (a healthy backend, and with ``--workers`` every
+    worker listening) when this returns; reconnects to Redis are retried within 0.5 s (the test waits
+    for them; the default backoff goes up to 5 s). ``shared_state``: more lines of the
+    ``[shared_state]`` table."""
+    config = tmp_path / f"router-{write_timeout_s}.toml"
+    config.write_text(f"[shared_state]\nbackoff_max_s = 0.5\nwrite_timeout_s = {write_timeout_s}\n" + shared_state)
     args = ["--config", str(config), *(arg for b in backends for arg in ("--backend", b.url))]
     if redis_url is not None:
         args += ["--shared-state", redis_url]
@@ -61,6 +62,8 @@ def routers_for(tmp_path: Path, backends: list[Proc], redis_url: str | None, cou
                                                     TOKEN, *extra], port, str(tmp_path), timeout=60))
         for router in routers:
             wait_until(lambda r=router: http_status(r.url + "/health") == 200, timeout=30, what="a healthy backend")
+            # the line comes once every worker listens (/health answers from the first one)
+            wait_until(lambda r=router: "listening on" in r.log(), timeout=30, what="every worker listening")
     except BaseException:
         kill_alive(*routers)
         raise
@@ -159,6 +162,43 @@ async def test_a_pin_moved_on_one_replica_is_followed_by_the_others_and_response
     text = await metrics(http, c)
     assert metric_sum(text, "session_router_shared_state_reads_total", kind="response", result="hit") + metric_sum(
         text, "session_router_shared_state_reads_total", kind="response", result="late") == 6
+
+
+async def test_a_router_started_while_redis_is_slow_follows_the_others_from_its_first_request(
+        tmp_path: Path, fleet: Fleet, http: aiohttp.ClientSession) -> None:
+    # Responses stored through replica A, their ids written to Redis
+    a = fleet.routers[0]
+    ids = []
+    for i in range(6):
+        body = {"model": MODEL, "input": f"conversation {i}: tell me something", "max_output_tokens": 4}
+        async with http.post(a.url + "/v1/responses", json=body) as r:
+            assert r.status == 200, await r.text()
+            ids.append((await r.json())["id"])
+    await eventually(lambda: _written(http, a, "resp", 6), timeout=10, what="the ids written")
+    # a new replica starts while Redis stalls: it listens only once its first PING is answered, so its
+    # very first requests read the ids (without that wait they were placed blind: half to the wrong backend)
+    stall = fleet.redis.send("DEBUG", "SLEEP", "3")
+    try:
+        (late,) = routers_for(tmp_path, fleet.backends, fleet.redis.url, 1, write_timeout_s=8.0)
+    finally:
+        stall.close()
+    try:
+        statuses = []
+        for response_id in ids:
+            follow_up = {"model": MODEL, "input": "and then?", "previous_response_id": response_id,
+                         "max_output_tokens": 4}
+            async with http.post(late.url + "/v1/responses", json=follow_up) as r:
+                await r.read()
+                statuses.append(r.status)
+        assert statuses == [200] * 6
+        text = await metrics(http, late)
+        assert metric_sum(text, "session_router_shared_state_reads_total", kind="response", result="skipped") == 0
+    finally:
+        kill_alive(late)
+
+
+async def _written(http: aiohttp.ClientSession, router: Proc, kind: str, count: int) -> bool:
+    return metric_sum(await metrics(http, router), "session_router_shared_state_writes_total", kind=kind) >= count
 
 
 async def _pinned(http: aiohttp.ClientSession, router: Proc, session: str, url: str) -> bool:

@@ -4,6 +4,7 @@ bounds, and what happens when Redis is killed, comes back, or goes slow."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -20,7 +21,7 @@ from router.sessions.table import SessionTable
 from router.shared.metrics import SharedMetrics
 from router.shared.store import SharedState
 from tests.router.shared.conftest import RedisServer
-from tests.support import eventually
+from tests.support import eventually, free_port
 
 
 class Replica:
@@ -257,3 +258,53 @@ async def test_a_sessions_first_pin_is_kept_from_the_first_writer_and_not_pushed
     entry = c.sessions.touch("s")
     await c.shared.recall_pins(entry)
     assert entry.pins == {"default": "http://b3"}
+
+
+async def test_joined_waits_for_a_stalled_redis_to_answer_the_first_connection(redis_server: RedisServer) -> None:
+    # the process listens only after ``joined``: a Redis slow to answer its first PING is waited for
+    # (within the PING's and SUBSCRIBE's bounds), so the first requests are not served without it
+    conn = redis_server.send("DEBUG", "SLEEP", "0.6")
+    a = Replica(redis_server.url, write_timeout_s=2.0)
+    try:
+        await asyncio.sleep(0.05)  # the stall has begun (the PING below queues behind it)
+        a.shared.start()
+        started = time.monotonic()
+        assert await a.shared.joined() is True
+        assert 0.3 < time.monotonic() - started < 2 * 2.0
+        assert a.metrics.up == 1
+    finally:
+        conn.close()
+        await a.shared.stop()
+
+
+async def test_joined_gives_up_at_once_on_a_refused_connection_and_says_so(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # nothing listens on this loopback port: the first attempt fails at once, start-up goes on
+    a = Replica(f"redis://127.0.0.3:{free_port()}/0", write_timeout_s=2.0, backoff_min_s=0.05, backoff_max_s=0.1)
+    a.shared.start()
+    try:
+        started = time.monotonic()
+        with caplog.at_level("WARNING", logger="router.shared.store"):
+            assert await a.shared.joined() is False
+        assert time.monotonic() - started < 2.0
+        assert a.metrics.up == 0
+        assert any("not reachable at start-up" in r.getMessage() and "127.0.0.3" in r.getMessage()
+                   for r in caplog.records)
+    finally:
+        await a.shared.stop()
+
+
+async def test_joined_is_bounded_when_redis_never_answers() -> None:
+    # a listener that accepts and never answers: the first PING times out, start-up goes on
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        port = listener.getsockname()[1]
+        a = Replica(f"redis://127.0.0.1:{port}/0", write_timeout_s=0.2, backoff_min_s=0.05, backoff_max_s=0.1)
+        a.shared.start()
+        try:
+            started = time.monotonic()
+            assert await a.shared.joined() is False
+            assert time.monotonic() - started < 2 * 0.2 + 0.5 + 0.5
+        finally:
+            await a.shared.stop()
