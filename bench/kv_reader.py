@@ -8,15 +8,19 @@ nothing else, and its CPU time (all threads: libzmq's I/O thread included) is re
 window, per batch received. Readers, measured in turn, each against a fresh publisher:
 
 - ``router``: the router's own reader (``router.kv.subscriber.SubSocket`` + ``Stream``) applying every
-  batch to a ``KVIndex``;
+  batch to a ``KVIndex``, with the default ``[kv_events] min_read_interval_s`` (a socket just read is
+  read again that long later at the earliest, so under a stream one wake-up takes several batches);
+- ``router-every``: the same reader with ``min_read_interval_s = 0`` (every batch wakes it);
 - ``zmq``: the same kind of SUB socket drained by a loop callback, each message received and dropped
   (no decode, no index): ZMQ's share;
 - ``unix``: a Unix datagram socket read by a loop callback: the floor of waking up for a message
   another process sent.
 
 The batches arrive one at a time (the rate is far below what the reader can take), so each one
-wakes the process: this is the cost per wake-up, which at a proxy's rates is what the index's upkeep
-adds per request when every request stores a block.
+wakes the process (``zmq``, ``unix``, ``router-every``; ``router`` takes the ones that arrive within
+its read interval together): at a proxy's rates this is what the index's upkeep adds per request when
+every request stores a block. libzmq's I/O thread still wakes for each message whatever the reader
+does: the floor of a ZMQ message.
 
     python -m bench.kv_reader [--rate 1000] [--seconds 3] [--rounds 3]
 """
@@ -39,13 +43,14 @@ import zmq
 import zmq.asyncio
 
 from contract.kv_events import BlockStored, KVEventBatch, encode_batch, seq_to_bytes
+from router.config.schema import KVEventsSettings
 from router.kv.index import KVIndex
 from router.kv.metrics import KVMetrics
 from router.kv.subscriber import EventSource, Stream, SubSocket
 
 BLOCK = 16
 TOPIC = b"kv"
-READERS = ("router", "zmq", "unix")
+READERS = ("router", "router-every", "zmq", "unix")
 #: seconds the publisher waits before its first batch (the subscriber connects meanwhile)
 SETTLE_S = 0.5
 
@@ -106,12 +111,12 @@ class Window:
             self.done.set_result((time.process_time() - self.cpu) / (self.seen - self.skip))
 
 
-async def read_router(address: str, window: Window, timeout: float) -> float:
+async def read_router(address: str, window: Window, timeout: float, min_read_interval_s: float) -> float:
     context = zmq.asyncio.Context()
     index = KVIndex(max_blocks=10**6)
     metrics = KVMetrics(index)
     source = EventSource("http://127.0.0.1:1", address, topic=TOPIC.decode(), name="bench")
-    sub = SubSocket(context, False, address, metrics)
+    sub = SubSocket(context, False, address, metrics, min_read_interval_s=min_read_interval_s)
     sub.add(Stream(source, index, metrics, context, replay_timeout_s=1.0))
     real_events = metrics.events
 
@@ -192,7 +197,9 @@ def measure(reader: str, rate: float, seconds: float, tmp: str) -> float:
     async def run() -> float:
         window = Window(skip, count, asyncio.get_running_loop())
         if reader == "router":
-            return await read_router(target, window, timeout)
+            return await read_router(target, window, timeout, KVEventsSettings().min_read_interval_s)
+        if reader == "router-every":
+            return await read_router(target, window, timeout, 0.0)
         if reader == "zmq":
             return await read_zmq(target, window, timeout)
         return await read_unix(target, window, timeout)
@@ -230,7 +237,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for reader in order:
                 us = measure(reader, args.rate, args.seconds, tmp)
                 results[reader].append(us)
-                print(f"round {rnd + 1} {reader:<6} {us:6.1f} µs CPU per batch", file=sys.stderr, flush=True)
+                print(f"round {rnd + 1} {reader:<12} {us:6.1f} µs CPU per batch", file=sys.stderr, flush=True)
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"`python -m bench.kv_reader --rate {args.rate:g} --seconds {args.seconds:g} --rounds {args.rounds}` "
           f"(load average {load}); µs of the process's CPU per batch received, median [range] over rounds:\n")

@@ -297,6 +297,9 @@ class KVEventsSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     block_size: AtLeastOne = 16
     #: how long a replay of missed batches may take before the backend's entries are reset instead
     replay_timeout_s: Seconds = 2.0
+    #: a socket just read is read again this long later at the earliest: under a stream of events one
+    #: wake-up takes several batches (an idle socket's first batch is read at once); 0 = every wake-up
+    min_read_interval_s: SecondsOrZero = 0.005
     #: how often each backend's GET /kv_event_sources is read again (a changed endpoint re-subscribes)
     sources_refresh_s: Seconds = 30.0
 

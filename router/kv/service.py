@@ -282,7 +282,8 @@ class KVEvents:
             socket = self._sockets.get((bind, address))
             fresh = socket is None
             if socket is None:
-                socket = SubSocket(self._context, bind, address, self.metrics)
+                socket = SubSocket(self._context, bind, address, self.metrics,
+                                   min_read_interval_s=self.settings.min_read_interval_s)
             try:
                 socket.add(stream)
                 if fresh:

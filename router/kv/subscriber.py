@@ -30,7 +30,9 @@ told apart by their topics (each must have its own).
 
 Reading costs one loop callback per wake-up, not a future per message: the socket is a plain
 (non-asyncio) ZMQ socket whose file descriptor the event loop watches; a wake-up drains what is
-queued at once. The next batch of a running stream is applied right there; anything that has to
+queued at once. Under a stream of batches (an engine publishes one per step) a socket just read is
+read again ``min_read_interval_s`` later at the earliest: what arrived meanwhile is taken in one
+wake-up, each batch applied at most that late; the first batch after a quiet spell is read at once. The next batch of a running stream is applied right there; anything that has to
 wait (a replay, a batch of more than ``APPLY_CHUNK`` events) goes to a task, and the socket is
 drained again when it is done, so batches stay in order.
 
@@ -45,6 +47,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import math
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -356,8 +359,12 @@ class Slicer:
 class SubSocket:
     """One SUB socket (bound or connected) and the streams it carries, told apart by topic."""
 
-    def __init__(self, context: zmq.asyncio.Context, bind: bool, address: str, metrics: KVMetrics) -> None:
+    def __init__(self, context: zmq.asyncio.Context, bind: bool, address: str, metrics: KVMetrics,
+                 min_read_interval_s: float = 0.0) -> None:
+        """``min_read_interval_s``: after a drain, the socket is read again this long later at the
+        earliest (what arrives meanwhile is drained together); 0 reads at every wake-up."""
         self.context = context
+        self.min_read_interval_s = min_read_interval_s
         self.bind = bind
         self.address = address
         self.metrics = metrics
@@ -369,6 +376,9 @@ class SubSocket:
         self._task: asyncio.Task[None] | None = None
         #: a drain is queued with ``call_soon`` (a slice ran out, or messages were queued at start)
         self._queued = False
+        #: a drain is due at ``_last_drain + min_read_interval_s`` (``call_at``); wake-ups meanwhile wait for it
+        self._deferred = False
+        self._last_drain = -math.inf
         self._monitor_task: asyncio.Task[None] | None = None
 
     @property
@@ -451,15 +461,26 @@ class SubSocket:
         self._drain()
 
     def _wake(self) -> None:
-        """The socket's FD is readable. While a message's work is waiting, only clear the signal (the
-        loop watches the FD level-triggered: an unread signal would wake it again at once); the
-        socket is drained when that work is done."""
+        """The socket's FD is readable. While a message's work is waiting, or the next drain is not due
+        yet, only clear the signal (the loop watches the FD level-triggered: an unread signal would
+        wake it again at once); the socket is drained when that work is done or the drain is due."""
         socket = self._socket
-        if socket is None or self._fd is None:
+        loop = self._loop
+        if socket is None or self._fd is None or loop is None:
             return
-        if self._task is not None:
+        if self._task is not None or self._deferred:
             socket.getsockopt(_EVENTS)
             return
+        due = self._last_drain + self.min_read_interval_s
+        if loop.time() < due:
+            socket.getsockopt(_EVENTS)
+            self._deferred = True
+            loop.call_at(due, self._drain_due)
+            return
+        self._drain()
+
+    def _drain_due(self) -> None:
+        self._deferred = False
         self._drain()
 
     def _drain(self) -> None:
@@ -471,6 +492,9 @@ class SubSocket:
         if self._task is not None or self._fd is None or socket is None:
             return  # a message's work is waiting (it drains again when done), or the socket closed
         streams = self.streams
+        if self._loop is not None:
+            self._last_drain = self._loop.time()
+        self.metrics.reads += 1
         deadline = time.perf_counter() + SLICE_S
         while socket.getsockopt(_EVENTS) & _POLLIN:
             if time.perf_counter() >= deadline:

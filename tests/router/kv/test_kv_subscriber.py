@@ -382,3 +382,34 @@ async def test_an_engine_gone_and_its_backend_down_is_reset_at_once(zctx: zmq.as
 
 def _disconnected(service: KVEvents) -> bool:
     return any(stream.disconnected for stream in service.streams_of(URL))
+
+
+@pytest.mark.parametrize("interval", [0.0, 0.5])
+async def test_batches_arriving_within_the_read_interval_are_read_together(
+        zctx: zmq.asyncio.Context, make_service: Make, tmp_path: Path, interval: float) -> None:
+    """``min_read_interval_s``: a socket just read is read again that long later at the earliest, so a
+    stream of batches costs a few wake-ups, not one each; 0 reads each batch as it comes."""
+    endpoint = f"ipc://{tmp_path}/kv.sock"
+    publisher = TestPublisher(zctx, endpoint)
+    try:
+        _, index, metrics, _ = await make_service({URL: BackendConfig(URL, kv_events=endpoint)},
+                                                  min_read_interval_s=interval)
+        await publisher.subscribed()
+        # a first batch (the socket idle)
+        await publisher.send(stored(T1, "first"))
+        await eventually(lambda: tokens_of(index, "first") == {URL: 16}, timeout=5, what="the first batch")
+        reads = metrics.reads
+        for b in range(20):  # one batch every 10 ms: the loop runs between them (pacing, not a condition)
+            await publisher.send(stored([1000 + 16 * b + i for i in range(16)], f"s{b}"))
+            await asyncio.sleep(0.01)
+        await eventually(lambda: metrics.event_counts.get(URL, 0) == 21, timeout=5, what="every batch applied")
+        assert all(tokens_of(index, f"s{b}") == {URL: 16} for b in range(20))
+        stream_reads = metrics.reads - reads
+        if interval:
+            assert stream_reads <= 3, stream_reads  # ~0.2 s of batches within one or two intervals
+        else:
+            assert stream_reads >= 10, stream_reads  # the same stream read batch by batch
+        families = {m.name: m for m in metrics.collect()}
+        assert families["session_router_kv_event_reads"].samples[0].value == metrics.reads
+    finally:
+        await publisher.close()
