@@ -439,10 +439,20 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = tempfile.mkdtemp(prefix="session-router-demo-")
     procs: list[Proc] = []
 
+    def stopping(signum: int, frame: Any) -> None:
+        """A signal while the demo stops its processes: nothing to do, each stop is bounded (SIGTERM,
+        then SIGKILL after 10 s). A Python handler, not SIG_IGN: a signal already pending when the
+        handler changes would otherwise be reported as "ignored due to race condition"."""
+
     def on_signal(signum: int, frame: Any) -> None:
+        # the first SIGTERM or SIGINT stops the demo; the ones after it (``timeout`` or make forwarding one,
+        # a second Ctrl-C) must not cut that stop short
+        for other in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(other, stopping)
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     port_for = (lambda preferred: free_port()) if args.any_ports else port_or_free
     # the context is always given: session-backend's own default is its model folder's (2,048 tokens for the
     # shipped tiny-llama), and the conversations' budget is half of the context named here
@@ -496,6 +506,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 0
     finally:
+        for signum in (signal.SIGTERM, signal.SIGINT):  # stopping, whatever ended the demo (see on_signal)
+            signal.signal(signum, stopping)
         for proc in reversed(procs):
             with contextlib.suppress(Exception):
                 proc.stop()

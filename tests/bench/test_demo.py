@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import random
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -319,3 +320,41 @@ def test_the_demo_traffic_is_seeded() -> None:
     assert [lane.conv.number for lane in first.lanes] == [lane.conv.number for lane in second.lanes]
     assert [lane.conv.session_id for lane in first.lanes] == ["demo-0-0", None, "demo-2-0", None]
     assert isinstance(first.rng, random.Random)
+
+
+@pytest.mark.slow
+def test_demo_stops_cleanly_when_signalled_twice() -> None:
+    """``timeout -s TERM 100 make demo``: the signal reaches the demo, and another one can follow while
+    it stops its processes (make forwarding it, a second Ctrl-C). The stop goes on: exit 0, no traceback,
+    every process it started gone."""
+    proc = subprocess.Popen([sys.executable, "-u", "-m", "bench.demo", "--speed", "0", "--any-ports"], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:  # bounded by the communicate() timeout below if it never comes
+            lines.append(line)
+            if "round 1;" in line:
+                break
+        started = next(line for line in lines if line.startswith("started: "))
+        ports = [int(p) for p in re.findall(r"http://127\.0\.0\.1:(\d+)", started)]
+        assert len(ports) >= 3, started
+        proc.send_signal(signal.SIGTERM)
+        # the router is stopped first: once its port refuses, the demo is stopping the backends
+        wait_until(lambda: not _listens(ports[-1]), timeout=30, interval=0.002, what="the router stopped")
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    output = "".join(lines) + rest
+    assert proc.returncode == 0, output[-4000:]
+    assert "Traceback" not in output, output[-4000:]
+    assert re.search(rf"stopped {len(ports)} processes", output), output[-2000:]
+    assert not any(_listens(port) for port in ports)  # nothing the demo started still listens
+
+
+def _listens(port: int) -> bool:
+    with socket.socket() as probe:
+        return probe.connect_ex((LOOPBACK, port)) == 0
