@@ -32,9 +32,10 @@ Reading costs one loop callback per wake-up, not a future per message: the socke
 (non-asyncio) ZMQ socket whose file descriptor the event loop watches; a wake-up drains what is
 queued at once. Under a stream of batches (an engine publishes one per step) a socket just read is
 read again ``min_read_interval_s`` later at the earliest: what arrived meanwhile is taken in one
-wake-up, each batch applied at most that late; the first batch after a quiet spell is read at once. The next batch of a running stream is applied right there; anything that has to
-wait (a replay, a batch of more than ``APPLY_CHUNK`` events) goes to a task, and the socket is
-drained again when it is done, so batches stay in order.
+wake-up, each batch applied at most that late; the first batch after a quiet spell is read at once.
+The next batch of a running stream is applied right there; anything that has to wait (a replay, a
+batch of more than ``APPLY_CHUNK`` events) goes to a task, and the socket is drained again when it
+is done, so batches stay in order.
 
 A flood never blocks the event loop: a socket's reader applies what is queued in slices of
 ``SLICE_S`` seconds of work and yields to the loop between them (a huge batch is applied

@@ -12,6 +12,7 @@ import uuid
 from collections import deque
 from collections.abc import Awaitable
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import msgspec
 import redis.asyncio as redis
@@ -67,6 +68,16 @@ _move_encoder = msgspec.json.Encoder()
 _move_decoder = msgspec.json.Decoder(tuple[str, str, str, str, str])
 
 
+def shown_url(url: str) -> str:
+    """``url`` with its password (``redis://user:password@host``) replaced by ``***``, for logs."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
 class SharedState:
     """One process's view of the shared state; ``start``/``stop`` by the app's lifecycle."""
 
@@ -76,6 +87,8 @@ class SharedState:
         learnt from another process is judged against this process's first choice there), or its name
         alone (the reason received is then taken as is)."""
         self.config = config
+        #: the URL as logs show it: without its password
+        self.shown_url = shown_url(config.url)
         self.sessions = sessions
         self.responses = responses
         self.metrics = metrics
@@ -139,7 +152,7 @@ class SharedState:
             await asyncio.wait_for(self._tried.wait(), 2 * self.config.write_timeout_s + JOIN_SLACK_S)
         if not self.up:
             log.warning("shared state (%s) not reachable at start-up; serving from local state until it "
-                        "connects (check the URL and that Redis runs)", self.config.url)
+                        "connects (check the URL and that Redis runs)", self.shown_url)
         return self.up
 
     async def stop(self, flush_timeout_s: float = 1.0) -> None:
@@ -179,7 +192,7 @@ class SharedState:
         self.metrics.error(op)
         if self.up:
             log.warning("shared state (%s) unreachable on %s (%s: %s); going on with local state, reconnecting",
-                        self.config.url, op, type(exc).__name__, exc)
+                        self.shown_url, op, type(exc).__name__, exc)
         self._set_down()
 
     # ------------------------------------------------------------------ writes (never awaited)
@@ -360,7 +373,7 @@ class SharedState:
                 try:
                     await asyncio.wait_for(pubsub.subscribe(self.channel), self.config.write_timeout_s)
                     if not self.up:  # a reconnect is news (it said when it went down); the first one is not
-                        (log.warning if self._was_up else log.info)("shared state (%s) connected", self.config.url)
+                        (log.warning if self._was_up else log.info)("shared state (%s) connected", self.shown_url)
                         self._was_up = True
                     self._set_up()
                     self._tried.set()

@@ -19,7 +19,7 @@ from router.shared.agreement import first_choice
 from router.sessions.responses import ResponseIndex
 from router.sessions.table import SessionTable
 from router.shared.metrics import SharedMetrics
-from router.shared.store import SharedState
+from router.shared.store import SharedState, shown_url
 from tests.router.shared.conftest import RedisServer
 from tests.support import eventually, free_port
 
@@ -279,8 +279,10 @@ async def test_joined_waits_for_a_stalled_redis_to_answer_the_first_connection(r
 
 async def test_joined_gives_up_at_once_on_a_refused_connection_and_says_so(
         caplog: pytest.LogCaptureFixture) -> None:
-    # nothing listens on this loopback port: the first attempt fails at once, start-up goes on
-    a = Replica(f"redis://127.0.0.3:{free_port()}/0", write_timeout_s=2.0, backoff_min_s=0.05, backoff_max_s=0.1)
+    # nothing listens on this loopback port: the first attempt fails at once, start-up goes on; the log
+    # names the URL without its password
+    a = Replica(f"redis://router:s3cret@127.0.0.3:{free_port()}/0", write_timeout_s=2.0, backoff_min_s=0.05,
+                backoff_max_s=0.1)
     a.shared.start()
     try:
         started = time.monotonic()
@@ -288,10 +290,18 @@ async def test_joined_gives_up_at_once_on_a_refused_connection_and_says_so(
             assert await a.shared.joined() is False
         assert time.monotonic() - started < 2.0
         assert a.metrics.up == 0
-        assert any("not reachable at start-up" in r.getMessage() and "127.0.0.3" in r.getMessage()
+        assert any("not reachable at start-up" in r.getMessage() and "redis://router:***@127.0.0.3:" in r.getMessage()
                    for r in caplog.records)
+        assert not any("s3cret" in r.getMessage() for r in caplog.records)
     finally:
         await a.shared.stop()
+
+
+def test_logs_show_a_redis_url_without_its_password() -> None:
+    assert shown_url("redis://:pw@10.0.0.5:6379/0") == "redis://:***@10.0.0.5:6379/0"
+    assert shown_url("rediss://app:p%40ss@[fd00::1]:6380/2") == "rediss://app:***@[fd00::1]:6380/2"
+    assert shown_url("redis://10.0.0.5:6379/0") == "redis://10.0.0.5:6379/0"
+    assert shown_url("unix:///run/redis.sock") == "unix:///run/redis.sock"
 
 
 async def test_joined_is_bounded_when_redis_never_answers() -> None:
