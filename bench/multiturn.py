@@ -129,7 +129,7 @@ class BenchConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def quick_variants(seed: int) -> tuple[Variant, ...]:
-    spec = WorkloadSpec(sessions=24, turns=5, arrival_rate=3.0, think_s=0.6, user_tokens=(20, 60),
+    spec = WorkloadSpec(sessions=24, turns=5, arrival_rate=6.0, think_s=0.3, user_tokens=(20, 60),
                         answer_tokens=(30, 60), system_tokens=150, seed=seed)
     return (Variant("uniform", spec, True, "X-Session-ID sent; uniform sessions"),)
 
