@@ -10,12 +10,14 @@ context instead (the same code decides when a conversation ends).
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
 from typing import Any
 
 import aiohttp
@@ -327,15 +329,22 @@ def test_demo_stops_cleanly_when_signalled_twice() -> None:
     """``timeout -s TERM 100 make demo``: the signal reaches the demo, and another one can follow while
     it stops its processes (make forwarding it, a second Ctrl-C). The stop goes on: exit 0, no traceback,
     every process it started gone."""
+    # its own process group: should the test fail half-way, the demo and what it started are killed together
     proc = subprocess.Popen([sys.executable, "-u", "-m", "bench.demo", "--speed", "0", "--any-ports"], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines: list[str] = []
-    try:
+
+    def read() -> None:
         assert proc.stdout is not None
-        for line in proc.stdout:  # bounded by the communicate() timeout below if it never comes
+        for line in proc.stdout:
             lines.append(line)
-            if "round 1;" in line:
-                break
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        wait_until(lambda: proc.poll() is not None or any("round 1;" in line for line in lines), timeout=90,
+                   what="the demo's first round")
+        assert proc.poll() is None, "".join(lines)[-4000:]
         started = next(line for line in lines if line.startswith("started: "))
         ports = [int(p) for p in re.findall(r"http://127\.0\.0\.1:(\d+)", started)]
         assert len(ports) >= 3, started
@@ -343,12 +352,13 @@ def test_demo_stops_cleanly_when_signalled_twice() -> None:
         # the router is stopped first: once its port refuses, the demo is stopping the backends
         wait_until(lambda: not _listens(ports[-1]), timeout=30, interval=0.002, what="the router stopped")
         proc.send_signal(signal.SIGINT)
-        rest, _ = proc.communicate(timeout=60)
+        proc.wait(60)
+        reader.join(10)
     finally:
         if proc.poll() is None:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
-    output = "".join(lines) + rest
+    output = "".join(lines)
     assert proc.returncode == 0, output[-4000:]
     assert "Traceback" not in output, output[-4000:]
     assert re.search(rf"stopped {len(ports)} processes", output), output[-2000:]
