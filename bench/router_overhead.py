@@ -66,6 +66,8 @@ ACCESS_LOG_SECTION = "router_overhead_access_log"
 ACCESS_LOG_PREFIX = "router(log="
 POLICY_SECTION = "router_overhead_policy"
 POLICY_PREFIX = "router(policy="
+#: a policy row's router that does not subscribe to the backends' KV events (``--unsubscribed``)
+UNSUBSCRIBED = ", unsubscribed"
 
 #: mode -> (stream, max_tokens)
 MODES: dict[str, tuple[bool, int]] = {"non-stream": (False, 8), "stream": (True, 16)}
@@ -196,11 +198,16 @@ def render(cells: dict[tuple[str, int, str], Cell], targets: Sequence[Target], f
                          "per request appended to a file; **router** has the access log off, the default). ")
     policies = [n for n in names if n.startswith(POLICY_PREFIX)]
     if policies:
+        if args.kv_events:
+            events = ("the backends publish KV events (`--kv-events-config`, ipc://); the policy rows' routers "
+                      "subscribe to them, **router** runs `--kv-events off`: the index's upkeep is in their CPU")
+            if any(UNSUBSCRIBED in n for n in policies):
+                events += ("; the rows marked *unsubscribed* run the same policy with `--kv-events off`, so the gap "
+                           "between the two rows is the subscription's cost")
+        else:
+            events = "the backends publish no KV events here, so `kv_aware` has no index"
         workers_note += (f"**{', '.join(policies)}**: the same with `--policy POLICY` (**router** runs `--policy "
-                         "session`; " + ("the backends publish KV events (`--kv-events-config`, ipc://); the policy rows' "
-                                         "routers subscribe to them, **router** runs `--kv-events off`: the index's "
-                                         "upkeep is in their CPU). " if args.kv_events else
-                                         "the backends publish no KV events here, so `kv_aware` has no index). "))
+                         f"session`; {events}). ")
     nginx_note = ("**nginx**: plain reverse proxy, 1 worker, round-robin, keep-alive upstream, `proxy_buffering off`, "
                   "no access log. " if "nginx" in names else "**nginx**: not run. ")
     machine = (f"- Machine: {facts['nproc']} CPUs ({facts['cpu']}), {facts['kernel']}; load average at start "
@@ -476,6 +483,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="the backends publish vLLM's KV events (--kv-events-config on ipc://) and the --policies "
                         "routers subscribe to them (their default [kv_events] enabled = auto; the session-policy "
                         "routers run --kv-events off, as before the index): the index's upkeep in their CPU")
+    p.add_argument("--unsubscribed", action="store_true",
+                   help="with --kv-events: also run each --policies router with --kv-events off (rows "
+                        "router(policy=POLICY, unsubscribed)), on the same event-publishing backends: the policy's "
+                        "own cost apart from reading the events")
     p.add_argument("--section", default=None,
                    help=f"marked section of --out to write (default {SECTION}; {ACCESS_LOG_SECTION} with --access-log)")
     p.add_argument("--out", default=DEFAULT_OUT, help="markdown file to write the report into (default bench/RESULTS.md)")
@@ -489,6 +500,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                                     POLICY_SECTION if args.policies else SECTION)
     if args.rate < 0:
         p.error("--rate must be >= 0 (0: closed loop)")
+    if args.unsubscribed and not (args.kv_events and args.policies):
+        p.error("--unsubscribed needs --kv-events and --policies (it adds a row per policy without the subscription)")
     if args.rounds < 1 or args.seconds <= 0 or args.warmup < 0 or min(args.concurrency) < 1 or args.sessions < 1:
         p.error("--rounds, --seconds, --concurrency and --sessions must be positive")
     return args
@@ -540,6 +553,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 other = start_router(tmp, *route_args, "--policy", policy)
                 started.append(other)
                 targets.append(Target(f"{POLICY_PREFIX}{policy})", [other.url], lambda p=other.pid: process_tree(p)))
+            for policy in args.policies if args.unsubscribed else ():
+                bare = start_router(tmp, *route_args, "--policy", policy, "--kv-events", "off")
+                started.append(bare)
+                targets.append(Target(f"{POLICY_PREFIX}{policy}{UNSUBSCRIBED})", [bare.url],
+                                      lambda p=bare.pid: process_tree(p)))
             for fmt in args.access_log:
                 logged = start_router(tmp, *session_args, "--policy", "session", "--access-log", fmt,
                                       "--access-log-file", os.path.join(tmp, f"access-{fmt}.log"))

@@ -18,7 +18,8 @@ from bench.loadgen import LoadSpec, percentile, run_load
 from bench.nginx import find_nginx, write_conf
 from bench.procs import REPO
 from bench.loadgen import LoadResult
-from bench.router_overhead import BEGIN, END, Cell, Target, bench_backend, checks, parse_args, process_tree, write_section
+from bench.router_overhead import (BEGIN, END, Cell, Target, bench_backend, checks, parse_args, process_tree, render,
+                                   write_section)
 
 SSE_EVENTS = 16
 
@@ -177,6 +178,29 @@ def test_policy_rows_go_to_their_own_section_with_their_cpu_over_the_session_pol
     rows = checks(cells, targets, [16])
     assert "| CPU/req stream c=16 over router (session policy) | — | +8 µs (+10.0%) |" in rows
     assert not any(r.startswith("| access log cost") for r in rows)
+
+
+def test_unsubscribed_rows_need_kv_events_and_policies_and_are_compared_with_the_session_policy() -> None:
+    args = parse_args(["--quick", "--kv-events", "--policies", "kv_aware", "--unsubscribed"])
+    assert args.unsubscribed
+    for missing in (["--kv-events"], ["--policies", "kv_aware"]):
+        with pytest.raises(SystemExit):
+            parse_args(["--quick", "--unsubscribed", *missing])
+
+    def result(cpu: float) -> LoadResult:
+        return LoadResult(requests=100, errors=0, window_s=1.0, rps=100.0, p50_ms=1.0, p99_ms=2.0,
+                          cpu_us_per_req={"proxy": cpu, "backends": 50.0})
+
+    names = (("router", 80.0), ("router(policy=kv_aware)", 100.0), ("router(policy=kv_aware, unsubscribed)", 84.0))
+    targets = [Target(name, []) for name, _ in names]
+    cells = {(mode, 16, name): Cell(mode, 16, name, [result(cpu)]) for mode in ("non-stream", "stream")
+             for name, cpu in names}
+    rows = checks(cells, targets, [16])
+    assert "| CPU/req stream c=16 over router (session policy) | — | +20 µs (+25.0%) | +4 µs (+5.0%) |" in rows
+    text = render(cells, targets, {k: "x" for k in ("nproc", "cpu", "kernel", "loadavg", "python", "aiohttp",
+                                                    "uvloop", "httptools", "msgspec", "nginx", "date", "command")},
+                  args)
+    assert "the gap between the two rows is the subscription's cost" in text
 
 
 def test_kv_events_backends_publish_where_the_routers_find_them(tmp_path: Any) -> None:
