@@ -1,6 +1,7 @@
 """Test helpers: real processes (shared with the demo and benchmarks), metrics, bounded waits."""
 
 import asyncio
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -19,6 +20,18 @@ from bench.procs import (  # noqa: F401
     wait_until,
 )
 from router.config import RouterConfig, sectioned
+
+
+def refused(port: int) -> bool:
+    """Whether nothing listens on ``port`` any more. A reset is not yet that: the connection was queued
+    on a worker's listening socket (``SO_REUSEPORT``) as the worker closed it, and others may still listen."""
+    try:
+        socket.create_connection((LOOPBACK, port), timeout=1.0).close()
+    except ConnectionRefusedError:
+        return True
+    except ConnectionResetError:
+        pass  # queued on a closing worker's socket: ask again
+    return False
 
 
 def cached_of(usage: dict[str, Any]) -> int:

@@ -28,7 +28,7 @@ from backends.engine.config import EngineConfig
 from bench.demo import RED, DemoTraffic, error_banner, port_or_free, ratio_line, render, router_lists_flag
 from bench.traffic import (NEXT_MESSAGE_TOKENS, OPENING_TOKENS, TOPICS, Conversation, Stats, TrafficConfig, Usage,
                            min_context_budget, run)
-from tests.support import LOOPBACK, REPO, wait_until
+from tests.support import LOOPBACK, REPO, refused, wait_until
 
 ROW = re.compile(r"^(conv-|demo-)")
 
@@ -350,7 +350,7 @@ def test_demo_stops_cleanly_when_signalled_twice() -> None:
         assert len(ports) >= 3, started
         proc.send_signal(signal.SIGTERM)
         # the router is stopped first: once its port refuses, the demo is stopping the backends
-        wait_until(lambda: not _listens(ports[-1]), timeout=30, interval=0.002, what="the router stopped")
+        wait_until(lambda: refused(ports[-1]), timeout=30, interval=0.002, what="the router stopped")
         proc.send_signal(signal.SIGINT)
         proc.wait(60)
         reader.join(10)
@@ -362,9 +362,4 @@ def test_demo_stops_cleanly_when_signalled_twice() -> None:
     assert proc.returncode == 0, output[-4000:]
     assert "Traceback" not in output, output[-4000:]
     assert re.search(rf"stopped {len(ports)} processes", output), output[-2000:]
-    assert not any(_listens(port) for port in ports)  # nothing the demo started still listens
-
-
-def _listens(port: int) -> bool:
-    with socket.socket() as probe:
-        return probe.connect_ex((LOOPBACK, port)) == 0
+    assert all(refused(port) for port in ports)  # nothing the demo started still listens

@@ -30,6 +30,7 @@ from contract.errors import ConfigError
 from router.cli import main
 from router.serve import listening_line, run_worker
 from router.config import RouterConfig, build_config
+from tests.support import refused
 
 REPO = Path(__file__).resolve().parents[2]
 RELEASE_ENV = "SESSION_ROUTER_TEST_RELEASE"
@@ -196,18 +197,6 @@ def wait_until(condition, timeout: float = PROC_TIMEOUT, what: str = "condition"
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(0.01)
-
-
-def refused(port: int) -> bool:
-    """Whether nothing listens on ``port`` any more. A reset is not yet that: the connection was queued
-    on a worker's listening socket (``SO_REUSEPORT``) as the worker closed it, and others may still listen."""
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=1.0).close()
-    except ConnectionRefusedError:
-        return True
-    except ConnectionResetError:
-        pass  # queued on a closing worker's socket: ask again
-    return False
 
 
 def get(port: int, path: str) -> tuple[int, str]:
