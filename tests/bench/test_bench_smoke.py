@@ -141,6 +141,12 @@ def test_write_section_replaces_only_its_block(tmp_path: Any) -> None:
     assert "keep me" in text and "also keep me" in text and "third" in text and "second" not in text
 
 
+def _result(cpu: float) -> LoadResult:
+    """A load result whose router used ``cpu`` µs per request (for the tables' checks)."""
+    return LoadResult(requests=100, errors=0, window_s=1.0, rps=100.0, p50_ms=1.0, p99_ms=2.0,
+                      cpu_us_per_req={"proxy": cpu, "backends": 50.0})
+
+
 def test_access_log_cells_go_to_their_own_section_with_their_cost(tmp_path: Any) -> None:
     args = parse_args(["--quick", "--access-log", "text", "json"])
     assert args.access_log == ["text", "json"] and args.section == "router_overhead_access_log"
@@ -151,12 +157,8 @@ def test_access_log_cells_go_to_their_own_section_with_their_cost(tmp_path: Any)
     text = out.read_text()
     assert "main table" in text and "cost" in text and text.count(BEGIN) == 1
 
-    def result(cpu: float) -> LoadResult:
-        return LoadResult(requests=100, errors=0, window_s=1.0, rps=100.0, p50_ms=1.0, p99_ms=2.0,
-                          cpu_us_per_req={"proxy": cpu, "backends": 50.0})
-
     targets = [Target("router", []), Target("router(log=text)", []), Target("router(log=json)", [])]
-    cells = {(mode, 16, name): Cell(mode, 16, name, [result(cpu)])
+    cells = {(mode, 16, name): Cell(mode, 16, name, [_result(cpu)])
              for mode in ("non-stream", "stream") for name, cpu in (("router", 80.0), ("router(log=text)", 95.0),
                                                                     ("router(log=json)", 99.0))}
     rows = checks(cells, targets, [16])
@@ -168,12 +170,8 @@ def test_policy_rows_go_to_their_own_section_with_their_cpu_over_the_session_pol
     args = parse_args(["--quick", "--policies", "kv_aware"])
     assert args.policies == ["kv_aware"] and args.section == "router_overhead_policy"
 
-    def result(cpu: float) -> LoadResult:
-        return LoadResult(requests=100, errors=0, window_s=1.0, rps=100.0, p50_ms=1.0, p99_ms=2.0,
-                          cpu_us_per_req={"proxy": cpu, "backends": 50.0})
-
     targets = [Target("router", []), Target("router(policy=kv_aware)", [])]
-    cells = {(mode, 16, name): Cell(mode, 16, name, [result(cpu)])
+    cells = {(mode, 16, name): Cell(mode, 16, name, [_result(cpu)])
              for mode in ("non-stream", "stream") for name, cpu in (("router", 80.0), ("router(policy=kv_aware)", 88.0))}
     rows = checks(cells, targets, [16])
     assert "| CPU/req stream c=16 over router (session policy) | — | +8 µs (+10.0%) |" in rows
@@ -187,13 +185,9 @@ def test_unsubscribed_rows_need_kv_events_and_policies_and_are_compared_with_the
         with pytest.raises(SystemExit):
             parse_args(["--quick", "--unsubscribed", *missing])
 
-    def result(cpu: float) -> LoadResult:
-        return LoadResult(requests=100, errors=0, window_s=1.0, rps=100.0, p50_ms=1.0, p99_ms=2.0,
-                          cpu_us_per_req={"proxy": cpu, "backends": 50.0})
-
     names = (("router", 80.0), ("router(policy=kv_aware)", 100.0), ("router(policy=kv_aware, unsubscribed)", 84.0))
     targets = [Target(name, []) for name, _ in names]
-    cells = {(mode, 16, name): Cell(mode, 16, name, [result(cpu)]) for mode in ("non-stream", "stream")
+    cells = {(mode, 16, name): Cell(mode, 16, name, [_result(cpu)]) for mode in ("non-stream", "stream")
              for name, cpu in names}
     rows = checks(cells, targets, [16])
     assert "| CPU/req stream c=16 over router (session policy) | — | +20 µs (+25.0%) | +4 µs (+5.0%) |" in rows
