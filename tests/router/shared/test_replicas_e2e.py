@@ -111,15 +111,25 @@ async def responses_round_trips(http: aiohttp.ClientSession, first: list[Proc], 
     ``previous_response_id`` follow-up on ``follow[i % len]``; the follow-ups' statuses."""
     statuses = []
     for i in range(count):
-        body = {"model": MODEL, "input": f"conversation {i}: tell me something", "max_output_tokens": 4}
-        async with http.post(first[i % len(first)].url + "/v1/responses", json=body) as r:
-            assert r.status == 200, await r.text()
-            response_id = (await r.json())["id"]
-        follow_up = {"model": MODEL, "input": "and then?", "previous_response_id": response_id, "max_output_tokens": 4}
-        async with http.post(follow[i % len(follow)].url + "/v1/responses", json=follow_up) as r:
-            await r.read()
-            statuses.append(r.status)
+        response_id = await first_turn(http, first[i % len(first)], i)
+        statuses.append(await follow_up(http, follow[i % len(follow)], response_id))
     return statuses
+
+
+async def first_turn(http: aiohttp.ClientSession, router: Proc, i: int) -> str:
+    """Conversation ``i``'s first Responses turn through ``router`` (stored); its response id."""
+    body = {"model": MODEL, "input": f"conversation {i}: tell me something", "max_output_tokens": 4}
+    async with http.post(router.url + "/v1/responses", json=body) as r:
+        assert r.status == 200, await r.text()
+        return str((await r.json())["id"])
+
+
+async def follow_up(http: aiohttp.ClientSession, router: Proc, response_id: str) -> int:
+    """A ``previous_response_id`` follow-up through ``router``; its status."""
+    body = {"model": MODEL, "input": "and then?", "previous_response_id": response_id, "max_output_tokens": 4}
+    async with http.post(router.url + "/v1/responses", json=body) as r:
+        await r.read()
+        return r.status
 
 
 async def test_a_pin_moved_on_one_replica_is_followed_by_the_others_and_responses_follow_ups_reach_their_backend(
@@ -168,12 +178,7 @@ async def test_a_router_started_while_redis_is_slow_follows_the_others_from_its_
         tmp_path: Path, fleet: Fleet, http: aiohttp.ClientSession) -> None:
     # Responses stored through replica A, their ids written to Redis
     a = fleet.routers[0]
-    ids = []
-    for i in range(6):
-        body = {"model": MODEL, "input": f"conversation {i}: tell me something", "max_output_tokens": 4}
-        async with http.post(a.url + "/v1/responses", json=body) as r:
-            assert r.status == 200, await r.text()
-            ids.append((await r.json())["id"])
+    ids = [await first_turn(http, a, i) for i in range(6)]
     await eventually(lambda: _written(http, a, "resp", 6), timeout=10, what="the ids written")
     # a new replica starts while Redis stalls: it listens only once its first PING is answered, so its
     # very first requests read the ids (without that wait they were placed blind: half to the wrong backend)
@@ -183,13 +188,7 @@ async def test_a_router_started_while_redis_is_slow_follows_the_others_from_its_
     finally:
         stall.close()
     try:
-        statuses = []
-        for response_id in ids:
-            follow_up = {"model": MODEL, "input": "and then?", "previous_response_id": response_id,
-                         "max_output_tokens": 4}
-            async with http.post(late.url + "/v1/responses", json=follow_up) as r:
-                await r.read()
-                statuses.append(r.status)
+        statuses = [await follow_up(http, late, response_id) for response_id in ids]
         assert statuses == [200] * 6
         text = await metrics(http, late)
         assert metric_sum(text, "session_router_shared_state_reads_total", kind="response", result="skipped") == 0
