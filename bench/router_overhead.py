@@ -549,15 +549,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 targets.append(Target("router(aiohttp)", [aio.url], lambda p=aio.pid: process_tree(p)))
             elif args.aiohttp_front:
                 print("router has no --front option: skipping the router(aiohttp) row", file=sys.stderr)
-            for policy in args.policies:
-                other = start_router(tmp, *route_args, "--policy", policy)
+            policy_rows = [(policy, "", ()) for policy in args.policies]
+            if args.unsubscribed:
+                policy_rows += [(policy, UNSUBSCRIBED, ("--kv-events", "off")) for policy in args.policies]
+            for policy, suffix, extra in policy_rows:
+                other = start_router(tmp, *route_args, "--policy", policy, *extra)
                 started.append(other)
-                targets.append(Target(f"{POLICY_PREFIX}{policy})", [other.url], lambda p=other.pid: process_tree(p)))
-            for policy in args.policies if args.unsubscribed else ():
-                bare = start_router(tmp, *route_args, "--policy", policy, "--kv-events", "off")
-                started.append(bare)
-                targets.append(Target(f"{POLICY_PREFIX}{policy}{UNSUBSCRIBED})", [bare.url],
-                                      lambda p=bare.pid: process_tree(p)))
+                targets.append(Target(f"{POLICY_PREFIX}{policy}{suffix})", [other.url],
+                                      lambda p=other.pid: process_tree(p)))
             for fmt in args.access_log:
                 logged = start_router(tmp, *session_args, "--policy", "session", "--access-log", fmt,
                                       "--access-log-file", os.path.join(tmp, f"access-{fmt}.log"))
