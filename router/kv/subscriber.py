@@ -490,11 +490,11 @@ class SubSocket:
         ``EVENTS`` were read with no message left, not for each message. So a drain either empties
         the socket or queues the next drain."""
         socket = self._socket
-        if self._task is not None or self._fd is None or socket is None:
+        loop = self._loop
+        if self._task is not None or self._fd is None or socket is None or loop is None:
             return  # a message's work is waiting (it drains again when done), or the socket closed
         streams = self.streams
-        if self._loop is not None:
-            self._last_drain = self._loop.time()
+        self._last_drain = loop.time()
         self.metrics.reads += 1
         deadline = time.perf_counter() + SLICE_S
         while socket.getsockopt(_EVENTS) & _POLLIN:
