@@ -154,7 +154,7 @@ from typing import Protocol
 from router.membership import Backend, BackendSet, Ledger
 from router.placement.base import Outcome, Placement, PlacementHint, SessionPins
 from router.placement.least_loaded import NOTHING_EXCLUDED, no_available_backend
-from router.placement.session import Ring, load_bound
+from router.placement.session import Ring, load_bound, session_score
 
 #: placements between two refreshes of a pool's load total and fastest constants on the sticky fast path
 STATS_EVERY = 16
@@ -763,20 +763,31 @@ class KVAwarePolicy:
     def _kv_home(self, pool: BackendSet, exclude: frozenset[str], session_id: str,
                  bound: int) -> tuple[Backend | None, int]:
         """The available backend within ``bound`` that the KV index says holds most of the session's
-        own tokens (ties: the lowest URL, so every replica picks the same), and those tokens."""
+        own tokens, and those tokens. Ties go to the session's rendezvous order (``session_score``):
+        every replica picks the same, and sessions held alike on several backends (another router's
+        spills, a prompt every backend has) spread over them instead of all going to one."""
         kv = self.kv
         best: Backend | None = None
         best_tokens = 0
+        best_score = -1  # the rendezvous score of ``best``, computed at the first tie
         if kv is None:
             return best, best_tokens
         for url, tokens in kv.session_tokens(session_id).items():
-            if tokens <= 0 or tokens < best_tokens or (best is not None and tokens == best_tokens and url > best.url):
+            if tokens <= 0 or tokens < best_tokens:
                 continue
             backend = pool.get(url)
             if (backend is None or not backend.available or (exclude and url in exclude)
                     or backend.in_flight + backend.others_at_scrape + 1 > bound):
                 continue
-            best, best_tokens = backend, tokens
+            if best is not None and tokens == best_tokens:
+                if best_score < 0:
+                    best_score = session_score(best.url, session_id)
+                score = session_score(url, session_id)
+                if score < best_score:
+                    continue
+                best, best_score = backend, score
+                continue
+            best, best_tokens, best_score = backend, tokens, -1
         return best, best_tokens
 
     def _parent_home(self, pool: BackendSet, exclude: frozenset[str], parent: str,

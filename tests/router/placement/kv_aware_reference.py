@@ -1,6 +1,7 @@
 """The ``kv_aware`` policy as it was before its all-candidates path was made faster (commit 4ea8bc5),
 kept verbatim (class renamed ``ReferenceKVAwarePolicy``; since then only the *evicted* rule, the room
-at a move's target and the KV fit check added, in their plainest forms) as the reference that
+at a move's target and the KV fit check added, and a KV home's ties broken by rendezvous score, in their
+plainest forms) as the reference that
 ``test_kv_aware_equivalence`` compares the current policy's decisions against. Not used by the router.
 """
 
@@ -16,7 +17,7 @@ from typing import Protocol
 from router.membership import Backend, BackendSet
 from router.placement.base import Outcome, Placement, PlacementHint, SessionPins
 from router.placement.least_loaded import NOTHING_EXCLUDED, no_available_backend
-from router.placement.session import Ring, load_bound
+from router.placement.session import Ring, load_bound, session_score
 
 #: placements between two refreshes of a pool's load total and fastest constants on the sticky fast path
 STATS_EVERY = 16
@@ -507,12 +508,22 @@ class ReferenceKVAwarePolicy:
     def _kv_home(self, pool: BackendSet, exclude: frozenset[str], session_id: str,
                  bound: int) -> tuple[Backend | None, int]:
         """The available backend within ``bound`` that the KV index says holds most of the session's
-        own tokens (ties: the lowest URL, so every replica picks the same), and those tokens."""
+        own tokens (ties: the session's highest rendezvous score), and those tokens."""
         kv = self.kv
         best: Backend | None = None
         best_tokens = 0
         if kv is None:
             return best, best_tokens
+        eligible = []
+        for url, tokens in kv.session_tokens(session_id).items():
+            backend = pool.get(url)
+            if (tokens <= 0 or backend is None or not backend.available or (exclude and url in exclude)
+                    or backend.in_flight + backend.others_at_scrape + 1 > bound):
+                continue
+            eligible.append((tokens, session_score(url, session_id), backend))
+        if eligible:
+            best_tokens, _, best = max(eligible, key=lambda item: item[:2])
+        return best, best_tokens
         for url, tokens in kv.session_tokens(session_id).items():
             if tokens <= 0 or tokens < best_tokens or (best is not None and tokens == best_tokens and url > best.url):
                 continue

@@ -10,6 +10,7 @@ import pytest
 from contract.errors import NoHealthyBackendError
 from router.membership import Backend, BackendPool
 from router.placement import KVAwarePolicy, KVAwareSettings, Outcome, PlacementHint, SessionPolicy, make_policy
+from router.placement.session import session_score
 from router.sessions.table import SessionEntry, SessionTable
 
 PROMPT = 2000  # tokens: 0.5 s to prefill at the default 4,000 tokens/s
@@ -538,19 +539,37 @@ def test_a_session_met_for_the_first_time_goes_where_the_index_holds_its_kv() ->
         placement = policy.place(pool, sid, fresh, hint=hint(last=0))
         assert (placement.backend, placement.outcome, placement.reason) == (holder, Outcome.NEW, "cached")
         assert placement.cached_tokens == 1024 and fresh.pins["default"] == holder.url
-    # most tokens win; ties go to the lowest URL (what every replica picks); over the bound: not there
+    # most tokens win; ties go to the session's rendezvous order (what every replica picks); over the
+    # bound: not there
     policy = apart()
     a, b, c, _ = pool.members
     policy.kv = FakeKV(sessions={"t": {c.url: 512, b.url: 512, a.url: 128}})
-    assert policy.place(pool, "t", table().touch("t"), hint=hint(last=0)).backend is b
-    b.in_flight = 50
+    first, second = sorted((b, c), key=lambda x: session_score(x.url, "t"), reverse=True)
+    assert policy.place(pool, "t", table().touch("t"), hint=hint(last=0)).backend is first
+    first.in_flight = 50
     placement = policy.place(pool, "t", table().touch("t"), hint=hint(last=0))
-    assert placement.backend is c and placement.reason == "cached"
+    assert placement.backend is second and placement.reason == "cached"
     # it is still a prediction: a KV holder that is clearly slower loses the session
-    b.in_flight = 0
+    first.in_flight = 0
     c.step_s = b.step_s = a.step_s = 5.0
     placement = policy.place(pool, "t", table().touch("t"), hint=hint(last=0))
     assert placement.backend is pool.members[3] and placement.reason == "wait"
+
+
+def test_sessions_held_alike_on_every_backend_spread_over_them() -> None:
+    """The index holds each new session's tokens equally on every backend (other routers sent its turns
+    to each, or its prompt is one every backend has): ties follow each session's rendezvous order, so
+    the sessions spread over the backends instead of all going to one, and two replicas agree."""
+    pool = make_pool(4)
+    held = {f"s{i}": {b.url: 256 for b in pool.members} for i in range(400)}
+    chosen: list[list[str]] = []
+    for _ in range(2):  # two replicas, each meeting every session for the first time
+        policy = apart()
+        policy.kv = FakeKV(sessions=held)
+        chosen.append([policy.place(pool, sid, table().touch(sid), hint=hint(last=0)).backend.url for sid in held])
+    assert chosen[0] == chosen[1]
+    counts = {b.url: chosen[0].count(b.url) for b in pool.members}
+    assert all(60 <= n <= 140 for n in counts.values()), counts  # 100 each expected
 
 
 def test_a_replica_that_missed_the_last_turns_sizes_the_prompt_by_the_index() -> None:
