@@ -3,7 +3,8 @@
     python -m bench.router_overhead [--quick] [--rounds 3] [--seconds 3] [--out bench/RESULTS.md]
     python -m bench.router_overhead --access-log text json     # the access log's cost per request
 
-One run starts two session-backends at ``--speed 0`` (instant) on 127.0.0.1 and, in front of the
+One run starts two session-backends at ``--speed 0`` (instant; ``--backend-speed S`` makes them step
+like an engine on a GPU) on 127.0.0.1 and, in front of the
 same two, the router (session policy), the router with ``--workers N`` when its CLI offers it,
 and nginx as a plain round-robin reverse proxy when it is installed. A separate load-generator
 process (``bench.loadgen``) then drives every target in turn, closed loop, with small
@@ -184,6 +185,14 @@ def _signed(value: float) -> str:
     return f"{value:+.2f}"
 
 
+def _speed_note(speed: float) -> str:
+    if speed <= 0:
+        return ""
+    return (f"The backends step like an engine on a GPU (`--speed {speed:g}`: decode steps of {10 * speed:g} ms, every "
+            "request in flight batched into each step, and the KV events of a step published as one batch), so "
+            "the KV-event messages follow the step rate rather than the request rate. ")
+
+
 def render(cells: dict[tuple[str, int, str], Cell], targets: Sequence[Target], facts: dict[str, str],
            args: argparse.Namespace) -> str:
     names = [t.name for t in targets]
@@ -214,7 +223,8 @@ def render(cells: dict[tuple[str, int, str], Cell], targets: Sequence[Target], f
                f"{facts['loadavg']} (shared machine).")
     versions = (f"- Versions: Python {facts['python']}, aiohttp {facts['aiohttp']}, uvloop {facts['uvloop']}, "
                 f"httptools {facts['httptools']}, msgspec {facts['msgspec']}; {facts['nginx']}.")
-    setup = ("- Setup: 2 × `python -m backends --speed 0 --model session-sim` on 127.0.0.1. **direct**: client "
+    setup = (f"- Setup: 2 × `python -m backends --speed {args.backend_speed:g} --model session-sim` on 127.0.0.1. "
+             f"{_speed_note(args.backend_speed)}**direct**: client "
              "connections split over both backends. **router**: `python -m router --backend A --backend B` "
              f"(session policy); clients send `X-Session-ID` from a pool of {args.sessions} sessions (every target "
              f"gets the same requests). {workers_note}{nginx_note}non-stream: `POST /v1/completions` `max_tokens` 8; "
@@ -483,6 +493,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="the backends publish vLLM's KV events (--kv-events-config on ipc://) and the --policies "
                         "routers subscribe to them (their default [kv_events] enabled = auto; the session-policy "
                         "routers run --kv-events off, as before the index): the index's upkeep in their CPU")
+    p.add_argument("--backend-speed", type=float, default=0.0, metavar="S",
+                   help="the backends' --speed (default 0: instant, a step per request). S > 0 makes them step like an "
+                        "engine on a GPU (decode steps of 10*S ms batching every request in flight), so with "
+                        "--kv-events the event messages follow the step rate, as vLLM's do, not the request rate")
     p.add_argument("--unsubscribed", action="store_true",
                    help="with --kv-events: also run each --policies router with --kv-events off (rows "
                         "router(policy=POLICY, unsubscribed)), on the same event-publishing backends: the policy's "
@@ -500,6 +514,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                                     POLICY_SECTION if args.policies else SECTION)
     if args.rate < 0:
         p.error("--rate must be >= 0 (0: closed loop)")
+    if args.backend_speed < 0:
+        p.error("--backend-speed must be >= 0 (0: instant)")
     if args.unsubscribed and not (args.kv_events and args.policies):
         p.error("--unsubscribed needs --kv-events and --policies (it adds a row per policy without the subscription)")
     if args.rounds < 1 or args.seconds <= 0 or args.warmup < 0 or min(args.concurrency) < 1 or args.sessions < 1:
@@ -507,12 +523,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def bench_backend(tmp: str, kv_events: bool) -> Proc:
-    """One ``--speed 0`` backend; with ``kv_events`` it publishes vLLM's KV events on ipc:// sockets in ``tmp``."""
+def bench_backend(tmp: str, kv_events: bool, speed: float = 0.0) -> Proc:
+    """One backend at ``speed`` (0: instant); with ``kv_events`` it publishes vLLM's KV events on ipc://
+    sockets in ``tmp``."""
     if not kv_events:
-        return start_backend(tmp)
+        return start_backend(tmp, speed=f"{speed:g}")
     port = free_port()
-    return start_backend(tmp, "--kv-events-config", kv_events_config(tmp, port), port=port)
+    return start_backend(tmp, "--kv-events-config", kv_events_config(tmp, port), port=port, speed=f"{speed:g}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -525,7 +542,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     cells: dict[tuple[str, int, str], Cell] = {}
     with tempfile.TemporaryDirectory(prefix="bench-router-overhead-") as tmp:
         try:
-            backends = [bench_backend(tmp, args.kv_events), bench_backend(tmp, args.kv_events)]
+            backends = [bench_backend(tmp, args.kv_events, args.backend_speed)
+                        for _ in range(2)]
             started += backends
             backend_urls = [b.url for b in backends]
             backend_pids = [b.pid for b in backends]

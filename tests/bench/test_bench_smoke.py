@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 import urllib.request
 from typing import Any
 
@@ -215,6 +216,35 @@ def test_kv_events_backends_publish_where_the_routers_find_them(tmp_path: Any) -
         plain.stop()
     text = msgspec.json.encode(sources).decode()
     assert f"ipc://{tmp_path}/kv-{with_events.port}.sock" in text, text
+
+
+def test_backend_speed_makes_the_backends_step_like_an_engine(tmp_path: Any) -> None:
+    """``--backend-speed S``: the backends run at ``--speed S`` (each step sleeps its simulated GPU time, a
+    decode step 10*S ms), and the report's set-up says so; 0 (instant) is the default."""
+    assert parse_args(["--quick"]).backend_speed == 0.0
+    args = parse_args(["--quick", "--kv-events", "--policies", "kv_aware", "--backend-speed", "1"])
+    assert args.backend_speed == 1.0
+    with pytest.raises(SystemExit):
+        parse_args(["--quick", "--backend-speed", "-1"])
+    names = ("router", "router(policy=kv_aware)")
+    cells = {("non-stream", 16, name): Cell("non-stream", 16, name, [_result(90.0)]) for name in names}
+    text = render(cells, [Target(name, []) for name in names],
+                  {k: "x" for k in ("nproc", "cpu", "kernel", "loadavg", "python", "aiohttp", "uvloop", "httptools",
+                                    "msgspec", "nginx", "date", "command")}, args)
+    assert "`python -m backends --speed 1 --model session-sim`" in text and "decode steps of 10 ms" in text
+    stepping = bench_backend(str(tmp_path), True, 1.0)
+    try:
+        body = msgspec.json.encode({"model": "session-sim", "prompt": "hello there", "max_tokens": 3})
+        request = urllib.request.Request(stepping.url + "/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        started = time.monotonic()
+        with urllib.request.urlopen(request, timeout=10) as resp:
+            answer = msgspec.json.decode(resp.read())
+        # three tokens take three steps of at least 10 ms each (a lower bound: the steps sleep)
+        assert time.monotonic() - started >= 0.03
+        assert answer["usage"]["completion_tokens"] == 3
+    finally:
+        stepping.stop()
 
 
 def test_process_tree_includes_children() -> None:
