@@ -29,6 +29,10 @@ dearer per request for the same work). ``--kv-events``: the backends publish vLL
 ``--policies`` rows' routers subscribe (the session-policy rows run ``--kv-events off``), so the KV index's
 upkeep is in their CPU.
 
+Each cell also records how the backends shared its requests (their ``vllm:request_success_total`` read
+before and after): the report gives the busiest backend's share per target and cell, so a target that
+piles the sessions on one backend (which then becomes the bottleneck) shows.
+
 Output: a markdown report, printed and written into ``--out`` between the markers
 ``<!-- SECTION:begin -->`` / ``<!-- SECTION:end -->`` (the rest of the file is kept; ``--section``,
 default ``router_overhead``, or ``router_overhead_access_log`` with ``--access-log``), and one JSON
@@ -42,10 +46,12 @@ import importlib.metadata
 import os
 import platform
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -156,6 +162,8 @@ class Cell(msgspec.Struct):
     concurrency: int
     target: str
     rounds: list[LoadResult] = []
+    #: per round, the busiest backend's share of the requests the backends served in the cell (0.5: even)
+    shares: list[float] = []
 
     def best(self, get: Callable[[LoadResult], float], highest: bool = False) -> float:
         values = [get(r) for r in self.rounds]
@@ -164,6 +172,24 @@ class Cell(msgspec.Struct):
     def spread(self, get: Callable[[LoadResult], float]) -> tuple[float, float]:
         values = [get(r) for r in self.rounds]
         return min(values), max(values)
+
+
+def served(backend_urls: Sequence[str]) -> list[float]:
+    """Requests each backend has answered so far (its ``vllm:request_success_total``, summed over labels)."""
+    counts = []
+    for url in backend_urls:
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        counts.append(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                          if line.startswith("vllm:request_success_total")))
+    return counts
+
+
+def busiest_share(before: Sequence[float], after: Sequence[float]) -> float:
+    """The largest backend's share of the requests served between two ``served`` readings (0 when none)."""
+    done = [b - a for a, b in zip(before, after)]
+    total = sum(done)
+    return max(done) / total if total > 0 else 0.0
 
 
 def _proxy_cpu(r: LoadResult) -> float:
@@ -285,8 +311,28 @@ def render(cells: dict[tuple[str, int, str], Cell], targets: Sequence[Target], f
         late = {name: sum(r.late for (_, _, n), cell in cells.items() if n == name for r in cell.rounds) for name in names}
         lines += ["", "Late requests (open loop: due while every connection was busy), all cells and rounds: "
                   + ", ".join(f"{name} {count}" for name, count in late.items()) + "."]
-    lines += ["", *checks(cells, targets, concurrencies), ""]
+    lines += ["", *checks(cells, targets, concurrencies), "", *balance(cells, targets, concurrencies), ""]
     return "\n".join(lines)
+
+
+def balance(cells: dict[tuple[str, int, str], Cell], targets: Sequence[Target], concurrencies: Sequence[int]) -> list[str]:
+    """The busiest backend's share of each cell's requests, median over rounds: how evenly each target
+    spreads the 100 sessions (a proxy that piles them on one backend makes it the bottleneck)."""
+    plan = [(mode, c) for mode in MODES for c in concurrencies]
+    rows = []
+    for target in targets:
+        row = []
+        for mode, c in plan:
+            cell = cells.get((mode, c, target.name))
+            row.append(f"{statistics.median(cell.shares):.2f}" if cell is not None and cell.shares else "—")
+        if any(v != "—" for v in row):
+            rows.append(f"| {target.name} | " + " | ".join(row) + " |")
+    if not rows:
+        return []
+    return ["The busiest backend's share of the requests in each cell (median over rounds; 0.50 is an even split "
+            "over the two backends):", "",
+            "| target | " + " | ".join(f"{mode} c={c}" for mode, c in plan) + " |",
+            "|---|" + "---:|" * len(plan), *rows]
 
 
 def checks(cells: dict[tuple[str, int, str], Cell], targets: Sequence[Target], concurrencies: Sequence[int]) -> list[str]:
@@ -607,12 +653,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                         spec = LoadSpec(urls=target.urls, stream=stream, max_tokens=max_tokens, concurrency=c,
                                         seconds=args.seconds, warmup_s=args.warmup, sessions=args.sessions,
                                         cpu_groups=groups, rate=args.rate)
+                        before = served(backend_urls)
                         result = loadgen.run(spec)
-                        cells.setdefault((mode, c, target.name), Cell(mode, c, target.name)).rounds.append(result)
+                        share = busiest_share(before, served(backend_urls))
+                        cell = cells.setdefault((mode, c, target.name), Cell(mode, c, target.name))
+                        cell.rounds.append(result)
+                        cell.shares.append(share)
                         done += 1
                         print(f"[{done}/{total}] round {rnd + 1} {mode:<10} c={c:<4} {target.name:<10} "
                               f"{result.rps:8.0f} req/s  p50 {result.p50_ms:7.2f} ms  "
-                              f"proxy {_proxy_cpu(result):6.0f} us/req  errors {result.errors}"
+                              f"proxy {_proxy_cpu(result):6.0f} us/req  busiest {share:.2f}  errors {result.errors}"
                               + (f" ({result.first_error})" if result.first_error else ""),
                               file=sys.stderr, flush=True)
             dead = [p for p in started if not p.alive()]

@@ -19,8 +19,8 @@ from bench.loadgen import LoadSpec, percentile, run_load
 from bench.nginx import find_nginx, write_conf
 from bench.procs import REPO
 from bench.loadgen import LoadResult
-from bench.router_overhead import (BEGIN, END, Cell, Target, bench_backend, checks, parse_args, process_tree, render,
-                                   write_section)
+from bench.router_overhead import (BEGIN, END, Cell, Target, balance, bench_backend, busiest_share, checks, parse_args,
+                                   process_tree, render, served, write_section)
 
 SSE_EVENTS = 16
 
@@ -245,6 +245,29 @@ def test_backend_speed_makes_the_backends_step_like_an_engine(tmp_path: Any) -> 
         assert answer["usage"]["completion_tokens"] == 3
     finally:
         stepping.stop()
+
+
+def test_the_report_shows_how_evenly_each_target_spread_the_requests(tmp_path: Any) -> None:
+    """The backends' own success counters, read around a cell, give the busiest backend's share; the
+    report lists it per target and cell (median over rounds)."""
+    assert busiest_share([10, 5], [40, 15]) == 0.75 and busiest_share([3, 3], [3, 3]) == 0.0
+    backend = bench_backend(str(tmp_path), False)
+    try:
+        before = served([backend.url])
+        body = msgspec.json.encode({"model": "session-sim", "prompt": "hello", "max_tokens": 2})
+        for _ in range(3):
+            request = urllib.request.Request(backend.url + "/v1/completions", data=body,
+                                             headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=10) as resp:
+                resp.read()
+        assert [b - a for a, b in zip(before, served([backend.url]))] == [3.0]
+    finally:
+        backend.stop()
+    targets = [Target("direct", [], is_proxy=False), Target("router(policy=kv_aware)", [])]
+    cells = {("non-stream", 16, t.name): Cell("non-stream", 16, t.name, [_result(1.0)] * 3, shares)
+             for t, shares in zip(targets, ([0.5, 0.52, 0.51], [0.8, 0.79, 0.81]))}
+    rows = balance(cells, targets, [16])
+    assert "| router(policy=kv_aware) | 0.80 | — |" in rows and "| direct | 0.51 | — |" in rows
 
 
 def test_process_tree_includes_children() -> None:
