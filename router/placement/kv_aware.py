@@ -123,8 +123,10 @@ with a session staying where its KV is until moving is clearly cheaper (DESIGN.m
 - new session (no pin, or the pin is gone: REPIN_*): its *home* is, when the KV index holds its own
   tokens (another router replica placed it, or this router restarted: replicas subscribe to the same
   engines, so they agree without shared state), the backend holding most of them within the safety
-  bound ("cached"); else the rendezvous-hash choice within
-  the load bound (as the ``session`` policy places new sessions, so sessions spread the same way),
+  bound ("cached"; among backends holding as many, the first in the session's rendezvous order, so
+  sessions every backend holds alike spread as new ones do); else the rendezvous-hash choice within
+  the load bound widened by the pins' headroom (``_hash_choice``; ranked as the ``session`` policy
+  ranks, so sessions spread the same way),
   or for a child agent session (``hint.parent_session``) the backend holding most of its parent's
   KV (else the parent's pin), with the parent's tokens there counted as cached ("parent"). It goes
   home unless another backend is clearly faster ("wait", or "cached" when that one holds more of
@@ -154,7 +156,7 @@ from typing import Protocol
 from router.membership import Backend, BackendSet, Ledger
 from router.placement.base import Outcome, Placement, PlacementHint, SessionPins
 from router.placement.least_loaded import NOTHING_EXCLUDED, no_available_backend
-from router.placement.session import Ring, load_bound, session_score
+from router.placement.session import Ring, load_bound, session_score, sticky_bound
 
 #: placements between two refreshes of a pool's load total and fastest constants on the sticky fast path
 STATS_EVERY = 16
@@ -817,8 +819,13 @@ class KVAwarePolicy:
     def _hash_choice(self, pool: BackendSet, session_id: str, exclude: frozenset[str], stats: _PoolStats) -> Backend:
         """The first candidate in rendezvous order (``session_score``, as the ``session`` policy ranks)
         within the load bound, else the least loaded (the earliest in that order among equals): one
-        pass, no sort."""
-        bound = load_bound(self.settings.load_factor, stats.total, stats.count)
+        pass, no sort. The bound has the pins' headroom (``sticky_bound``): at a few requests in flight
+        the plain bound turns on one request, and the load counts other routers' requests as of the
+        last scrape, which may have ended since; without the headroom one or two of them sent every
+        new session hashed to that backend to the other one, where it then stayed."""
+        settings = self.settings
+        bound = sticky_bound(load_bound(settings.load_factor, stats.total, stats.count), stats.total, stats.count,
+                             settings.sticky_headroom)
         ring = self._rings.get(pool.key)
         if ring is None or ring.version != pool.version:
             ring = self._rings[pool.key] = Ring(pool)

@@ -1,7 +1,7 @@
 """The ``kv_aware`` policy as it was before its all-candidates path was made faster (commit 4ea8bc5),
 kept verbatim (class renamed ``ReferenceKVAwarePolicy``; since then only the *evicted* rule, the room
-at a move's target and the KV fit check added, and a KV home's ties broken by rendezvous score, in their
-plainest forms) as the reference that
+at a move's target and the KV fit check added, a KV home's ties broken by rendezvous score and the
+headroom in the hash choice's bound, in their plainest forms) as the reference that
 ``test_kv_aware_equivalence`` compares the current policy's decisions against. Not used by the router.
 """
 
@@ -17,7 +17,7 @@ from typing import Protocol
 from router.membership import Backend, BackendSet
 from router.placement.base import Outcome, Placement, PlacementHint, SessionPins
 from router.placement.least_loaded import NOTHING_EXCLUDED, no_available_backend
-from router.placement.session import Ring, load_bound, session_score
+from router.placement.session import Ring, load_bound, session_score, sticky_bound
 
 #: placements between two refreshes of a pool's load total and fastest constants on the sticky fast path
 STATS_EVERY = 16
@@ -561,8 +561,13 @@ class ReferenceKVAwarePolicy:
     def _hash_choice(self, pool: BackendSet, session_id: str, exclude: frozenset[str], stats: _PoolStats) -> Backend:
         """The first candidate in rendezvous order (``session_score``, as the ``session`` policy ranks)
         within the load bound, else the least loaded (the earliest in that order among equals): one
-        pass, no sort."""
-        bound = load_bound(self.settings.load_factor, stats.total, stats.count)
+        pass, no sort. The bound has the pins' headroom (``sticky_bound``): at a few requests in flight
+        the plain bound turns on one request, and the load counts other routers' requests as of the
+        last scrape, which may have ended since; without the headroom one or two of them sent every
+        new session hashed to that backend to the other one, where it then stayed."""
+        settings = self.settings
+        bound = sticky_bound(load_bound(settings.load_factor, stats.total, stats.count), stats.total, stats.count,
+                             settings.sticky_headroom)
         ring = self._rings.get(pool.key)
         if ring is None or ring.version != pool.version:
             ring = self._rings[pool.key] = Ring(pool)
