@@ -588,8 +588,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cells: dict[tuple[str, int, str], Cell] = {}
     with tempfile.TemporaryDirectory(prefix="bench-router-overhead-") as tmp:
         try:
-            backends = [bench_backend(tmp, args.kv_events, args.backend_speed)
-                        for _ in range(2)]
+            backends = [bench_backend(tmp, args.kv_events, args.backend_speed) for _ in range(2)]
             started += backends
             backend_urls = [b.url for b in backends]
             backend_pids = [b.pid for b in backends]

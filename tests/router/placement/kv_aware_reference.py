@@ -559,15 +559,10 @@ class ReferenceKVAwarePolicy:
         return None, 0
 
     def _hash_choice(self, pool: BackendSet, session_id: str, exclude: frozenset[str], stats: _PoolStats) -> Backend:
-        """The first candidate in rendezvous order (``session_score``, as the ``session`` policy ranks)
-        within the load bound, else the least loaded (the earliest in that order among equals): one
-        pass, no sort. The bound has the pins' headroom (``sticky_bound``): at a few requests in flight
-        the plain bound turns on one request, and the load counts other routers' requests as of the
-        last scrape, which may have ended since; without the headroom one or two of them sent every
-        new session hashed to that backend to the other one, where it then stayed."""
-        settings = self.settings
-        bound = sticky_bound(load_bound(settings.load_factor, stats.total, stats.count), stats.total, stats.count,
-                             settings.sticky_headroom)
+        """The first candidate in rendezvous order within the load bound widened by the pins' headroom,
+        else the least loaded (the earliest in that order among equals)."""
+        plain = load_bound(self.settings.load_factor, stats.total, stats.count)
+        bound = sticky_bound(plain, stats.total, stats.count, self.settings.sticky_headroom)
         ring = self._rings.get(pool.key)
         if ring is None or ring.version != pool.version:
             ring = self._rings[pool.key] = Ring(pool)
