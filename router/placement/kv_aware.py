@@ -125,8 +125,8 @@ with a session staying where its KV is until moving is clearly cheaper (DESIGN.m
   engines, so they agree without shared state), the backend holding most of them within the safety
   bound ("cached"; among backends holding as many, the first in the session's rendezvous order, so
   sessions every backend holds alike spread as new ones do); else the rendezvous-hash choice within
-  the load bound widened by the pins' headroom (``_hash_choice``; ranked as the ``session`` policy
-  ranks, so sessions spread the same way),
+  the load bound (as the ``session`` policy places new sessions, so sessions spread the same way;
+  other routers' requests seen at the last scrape count only past ``sticky_headroom`` of them),
   or for a child agent session (``hint.parent_session``) the backend holding most of its parent's
   KV (else the parent's pin), with the parent's tokens there counted as cached ("parent"). It goes
   home unless another backend is clearly faster ("wait", or "cached" when that one holds more of
@@ -156,7 +156,7 @@ from typing import Protocol
 from router.membership import Backend, BackendSet, Ledger
 from router.placement.base import Outcome, Placement, PlacementHint, SessionPins
 from router.placement.least_loaded import NOTHING_EXCLUDED, no_available_backend
-from router.placement.session import Ring, load_bound, session_score, sticky_bound
+from router.placement.session import Ring, load_bound, session_score
 
 #: placements between two refreshes of a pool's load total and fastest constants on the sticky fast path
 STATS_EVERY = 16
@@ -819,13 +819,14 @@ class KVAwarePolicy:
     def _hash_choice(self, pool: BackendSet, session_id: str, exclude: frozenset[str], stats: _PoolStats) -> Backend:
         """The first candidate in rendezvous order (``session_score``, as the ``session`` policy ranks)
         within the load bound, else the least loaded (the earliest in that order among equals): one
-        pass, no sort. The bound has the pins' headroom (``sticky_bound``): at a few requests in flight
-        the plain bound turns on one request, and the load counts other routers' requests as of the
-        last scrape, which may have ended since; without the headroom one or two of them sent every
-        new session hashed to that backend to the other one, where it then stayed."""
+        pass, no sort. Other routers' requests seen at the last scrape (``others_at_scrape``) count
+        against the bound only past the first ``sticky_headroom`` of them: they may have ended since,
+        and at a few requests in flight the bound turns on one request, so one or two of them used to
+        send every new session hashed to that backend to the other one, where it then stayed. A lone
+        router (none seen) places exactly as the ``session`` policy does."""
         settings = self.settings
-        bound = sticky_bound(load_bound(settings.load_factor, stats.total, stats.count), stats.total, stats.count,
-                             settings.sticky_headroom)
+        bound = load_bound(settings.load_factor, stats.total, stats.count)
+        headroom = settings.sticky_headroom
         ring = self._rings.get(pool.key)
         if ring is None or ring.version != pool.version:
             ring = self._rings[pool.key] = Ring(pool)
@@ -842,10 +843,11 @@ class KVAwarePolicy:
             h = state.copy()
             h.update(key)
             rank = (int.from_bytes(h.digest(), "little"), backend.url)
-            load = backend.in_flight + backend.others_at_scrape
+            others = backend.others_at_scrape
+            load = backend.in_flight + others
             if weight:
                 load += weight * backend.reported_load
-            if load + 1 <= bound:
+            if load + 1 - (others if others < headroom else headroom) <= bound:
                 if rank > best_rank:
                     best, best_rank = backend, rank
             elif best is None and (least is None or load < least_load or (load == least_load and rank > least_rank)):

@@ -1,7 +1,7 @@
 """The ``kv_aware`` policy as it was before its all-candidates path was made faster (commit 4ea8bc5),
 kept verbatim (class renamed ``ReferenceKVAwarePolicy``; since then only the *evicted* rule, the room
 at a move's target and the KV fit check added, a KV home's ties broken by rendezvous score and the
-headroom in the hash choice's bound, in their plainest forms) as the reference that
+hash choice's allowance for other routers' requests, in their plainest forms) as the reference that
 ``test_kv_aware_equivalence`` compares the current policy's decisions against. Not used by the router.
 """
 
@@ -17,7 +17,7 @@ from typing import Protocol
 from router.membership import Backend, BackendSet
 from router.placement.base import Outcome, Placement, PlacementHint, SessionPins
 from router.placement.least_loaded import NOTHING_EXCLUDED, no_available_backend
-from router.placement.session import Ring, load_bound, session_score, sticky_bound
+from router.placement.session import Ring, load_bound, session_score
 
 #: placements between two refreshes of a pool's load total and fastest constants on the sticky fast path
 STATS_EVERY = 16
@@ -559,10 +559,9 @@ class ReferenceKVAwarePolicy:
         return None, 0
 
     def _hash_choice(self, pool: BackendSet, session_id: str, exclude: frozenset[str], stats: _PoolStats) -> Backend:
-        """The first candidate in rendezvous order within the load bound widened by the pins' headroom,
-        else the least loaded (the earliest in that order among equals)."""
-        plain = load_bound(self.settings.load_factor, stats.total, stats.count)
-        bound = sticky_bound(plain, stats.total, stats.count, self.settings.sticky_headroom)
+        """The first candidate in rendezvous order within the load bound (other routers' requests at
+        the last scrape counted past the first ``sticky_headroom``), else the least loaded."""
+        bound = load_bound(self.settings.load_factor, stats.total, stats.count)
         ring = self._rings.get(pool.key)
         if ring is None or ring.version != pool.version:
             ring = self._rings[pool.key] = Ring(pool)
@@ -580,7 +579,7 @@ class ReferenceKVAwarePolicy:
             h.update(key)
             rank = (int.from_bytes(h.digest(), "little"), backend.url)
             load = backend.in_flight + backend.others_at_scrape + (weight * backend.reported_load if weight else 0.0)
-            if load + 1 <= bound:
+            if load + 1 - min(backend.others_at_scrape, self.settings.sticky_headroom) <= bound:
                 if rank > best_rank:
                     best, best_rank = backend, rank
             elif best is None and (least is None or load < least_load or (load == least_load and rank > least_rank)):
