@@ -569,7 +569,8 @@ def shared_prefix_tokens(backend_url: str, workload: Workload) -> int:
     return n
 
 
-def _scrape(url: str) -> Samples:
+def scrape(url: str) -> Samples:
+    """The exposition at ``url``/metrics, parsed (``parse_metrics``)."""
     with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
         return parse_metrics(resp.read().decode())
 
@@ -656,13 +657,13 @@ def run_cell(config: BenchConfig, variant: Variant, workload: Workload, target: 
                 return CellResult(variant=variant.name, target=label, kind=kind, skipped=reason)
             command = " ".join([os.path.basename(router.args[0]), *router.args[1:]])
         prefix = shared_prefix_tokens(urls[0], workload)
-        before = [_scrape(u) for u in urls]
-        router_before = _scrape(router.url) if peer is None else {}
+        before = [scrape(u) for u in urls]
+        router_before = scrape(router.url) if peer is None else {}
         driver = Driver(workload, router.url, urls, send_header=variant.send_header, router_api=peer is None,
                         sample_s=config.sample_s, request_timeout_s=config.request_timeout_s)
         duration = asyncio.run(driver.run())
-        after = [_scrape(u) for u in urls]
-        router_after = _scrape(router.url) if peer is None else {}
+        after = [scrape(u) for u in urls]
+        router_after = scrape(router.url) if peer is None else {}
     finally:
         if router is not None:
             router.stop()

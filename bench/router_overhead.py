@@ -51,7 +51,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -59,7 +58,7 @@ from typing import Protocol
 import msgspec
 
 from bench.loadgen import LoadResult, LoadSpec
-from bench.multiturn import kv_events_config
+from bench.multiturn import kv_events_config, metric_sum, scrape
 from bench.nginx import Nginx, find_nginx, nginx_version, start_nginx
 from bench.procs import REPO, Proc, free_port, start_backend, start_router
 
@@ -176,13 +175,7 @@ class Cell(msgspec.Struct):
 
 def served(backend_urls: Sequence[str]) -> list[float]:
     """Requests each backend has answered so far (its ``vllm:request_success_total``, summed over labels)."""
-    counts = []
-    for url in backend_urls:
-        with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
-            text = resp.read().decode()
-        counts.append(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                          if line.startswith("vllm:request_success_total")))
-    return counts
+    return [metric_sum(scrape(url), "vllm:request_success_total") for url in backend_urls]
 
 
 def busiest_share(before: Sequence[float], after: Sequence[float]) -> float:

@@ -142,6 +142,19 @@ def test_write_section_replaces_only_its_block(tmp_path: Any) -> None:
     assert "keep me" in text and "also keep me" in text and "third" in text and "second" not in text
 
 
+#: the machine facts ``render`` reads, all "x" (for tests of the report's text)
+_FACTS = {k: "x" for k in ("nproc", "cpu", "kernel", "loadavg", "python", "aiohttp", "uvloop", "httptools", "msgspec",
+                           "nginx", "date", "command")}
+
+
+def _complete(url: str, max_tokens: int) -> dict[str, Any]:
+    """One non-streaming ``/v1/completions`` of ``max_tokens`` tokens from the backend at ``url``; its answer."""
+    body = msgspec.json.encode({"model": "session-sim", "prompt": "hello there", "max_tokens": max_tokens})
+    request = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=10) as resp:
+        return dict(msgspec.json.decode(resp.read()))
+
+
 def _result(cpu: float) -> LoadResult:
     """A load result whose router used ``cpu`` µs per request (for the tables' checks)."""
     return LoadResult(requests=100, errors=0, window_s=1.0, rps=100.0, p50_ms=1.0, p99_ms=2.0,
@@ -192,9 +205,7 @@ def test_unsubscribed_rows_need_kv_events_and_policies_and_are_compared_with_the
              for name, cpu in names}
     rows = checks(cells, targets, [16])
     assert "| CPU/req stream c=16 over router (session policy) | — | +20 µs (+25.0%) | +4 µs (+5.0%) |" in rows
-    text = render(cells, targets, {k: "x" for k in ("nproc", "cpu", "kernel", "loadavg", "python", "aiohttp",
-                                                    "uvloop", "httptools", "msgspec", "nginx", "date", "command")},
-                  args)
+    text = render(cells, targets, _FACTS, args)
     assert "the gap between the two rows is the subscription's cost" in text
 
 
@@ -228,18 +239,12 @@ def test_backend_speed_makes_the_backends_step_like_an_engine(tmp_path: Any) -> 
         parse_args(["--quick", "--backend-speed", "-1"])
     names = ("router", "router(policy=kv_aware)")
     cells = {("non-stream", 16, name): Cell("non-stream", 16, name, [_result(90.0)]) for name in names}
-    text = render(cells, [Target(name, []) for name in names],
-                  {k: "x" for k in ("nproc", "cpu", "kernel", "loadavg", "python", "aiohttp", "uvloop", "httptools",
-                                    "msgspec", "nginx", "date", "command")}, args)
+    text = render(cells, [Target(name, []) for name in names], _FACTS, args)
     assert "`python -m backends --speed 1 --model session-sim`" in text and "decode steps of 10 ms" in text
     stepping = bench_backend(str(tmp_path), True, 1.0)
     try:
-        body = msgspec.json.encode({"model": "session-sim", "prompt": "hello there", "max_tokens": 3})
-        request = urllib.request.Request(stepping.url + "/v1/completions", data=body,
-                                         headers={"Content-Type": "application/json"})
         started = time.monotonic()
-        with urllib.request.urlopen(request, timeout=10) as resp:
-            answer = msgspec.json.decode(resp.read())
+        answer = _complete(stepping.url, 3)
         # three tokens take three steps of at least 10 ms each (a lower bound: the steps sleep)
         assert time.monotonic() - started >= 0.03
         assert answer["usage"]["completion_tokens"] == 3
@@ -254,12 +259,8 @@ def test_the_report_shows_how_evenly_each_target_spread_the_requests(tmp_path: A
     backend = bench_backend(str(tmp_path), False)
     try:
         before = served([backend.url])
-        body = msgspec.json.encode({"model": "session-sim", "prompt": "hello", "max_tokens": 2})
         for _ in range(3):
-            request = urllib.request.Request(backend.url + "/v1/completions", data=body,
-                                             headers={"Content-Type": "application/json"})
-            with urllib.request.urlopen(request, timeout=10) as resp:
-                resp.read()
+            _complete(backend.url, 2)
         assert [b - a for a, b in zip(before, served([backend.url]))] == [3.0]
     finally:
         backend.stop()
