@@ -30,7 +30,7 @@ them from each backend's ``GET /kv_event_sources`` (``[kv_events] enabled = "aut
 index, which the ``kv_aware`` policy (the default) weighs against the engines' load. The peers ignore
 the events. ``--no-kv-events`` starts the backends without them.
 
-    python -m bench.multiturn --quick                  # CI smoke: one variant, three policies, < 2 min
+    python -m bench.multiturn --quick                  # CI smoke: one variant, four policies, < 1 min
     python -m bench.multiturn                          # full: uniform, no-header, skewed; peers if installable
     python -m bench.multiturn --variants skewed --policies session,least_loaded --peers none
     python -m bench.multiturn --records --plots bench/plots   # + every request, and the PNGs (bench.plots)
@@ -129,7 +129,7 @@ class BenchConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def quick_variants(seed: int) -> tuple[Variant, ...]:
-    spec = WorkloadSpec(sessions=24, turns=5, arrival_rate=6.0, think_s=0.3, user_tokens=(20, 60),
+    spec = WorkloadSpec(sessions=24, turns=5, arrival_rate=12.0, think_s=0.15, user_tokens=(20, 60),
                         answer_tokens=(30, 60), system_tokens=150, seed=seed)
     return (Variant("uniform", spec, True, "X-Session-ID sent; uniform sessions"),)
 
@@ -174,6 +174,8 @@ def seeds_of(cells: Sequence[CellResult], variant: str) -> list[str]:
 #: 2,048 tokens per backend: the quick workload (24 sessions of 5 turns, ~600 prompt tokens at the last turn)
 #: fits a few sequences but not the working set
 QUICK_NUM_BLOCKS = 128
+#: the quick run's simulated GPU time (half the full run's): the same workload in about half the wall time
+QUICK_SPEED = "0.5"
 
 # ---------------------------------------------------------------------------------------------
 # Results
@@ -987,7 +989,8 @@ def run(config: BenchConfig, log_dir: str, peer_notes: list[str]) -> list[CellRe
 
 def parse_args(argv: Sequence[str] | None) -> tuple[BenchConfig, argparse.Namespace]:
     p = argparse.ArgumentParser(prog="python -m bench.multiturn", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="CI smoke: uniform variant only, small, no peers (< 2 min)")
+    p.add_argument("--quick", action="store_true",
+                   help="CI smoke: uniform variant only, small, no peers, backends at --speed 0.5 (< 1 min)")
     p.add_argument("--variants", default=None, help=f"comma-separated subset of {','.join(VARIANTS)} (full mode)")
     p.add_argument("--policies", default=None,
                    help="comma-separated policies of our router; session:C runs the session policy with "
@@ -1028,6 +1031,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[BenchConfig, argparse.Namesp
     if args.quick:
         variants = quick_variants(args.seed)
         num_blocks = args.num_blocks or QUICK_NUM_BLOCKS
+        speed = QUICK_SPEED
         peers: tuple[str, ...] = ()
     else:
         table = full_variants(args.seed)
@@ -1042,6 +1046,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[BenchConfig, argparse.Namesp
         if "skewed" in names and repeats > 1:
             variants += skewed_repeats(table["skewed"], repeats)
         num_blocks = args.num_blocks or 768
+        speed = BenchConfig.speed
         peers = tuple(peer_mod.PEERS)
     if args.peers is not None:
         peers = () if args.peers == "none" else tuple(x for x in args.peers.split(",") if x)
@@ -1051,7 +1056,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[BenchConfig, argparse.Namesp
     if args.backends < 1 or num_blocks < 1 or args.sample <= 0:
         p.error("--backends and --num-blocks must be >= 1 and --sample > 0")
     config = BenchConfig(variants=variants, policies=policies, peers=peers, peer_venv=args.peer_venv,
-                         num_backends=args.backends, num_blocks=num_blocks, load_factor=args.load_factor,
+                         num_backends=args.backends, num_blocks=num_blocks, speed=speed,
+                         load_factor=args.load_factor,
                          sample_s=args.sample, keep_records=args.records, explicit_policies=bool(args.policies),
                          explicit_peers=args.peers is not None, kv_events=not args.no_kv_events,
                          router_config=os.path.abspath(args.router_config) if args.router_config else "")
