@@ -336,7 +336,7 @@ class PromptEncoder:
         #: (``rendering.pieces``), else the library's
         self.ids: Callable[[str], list[int]] = self.library_ids
         if rule is not None and rule.pattern is not None:
-            self.ids = PieceEncoder(tokenizer, rule.pattern, rule.added, self.library_ids)
+            self.ids = PieceEncoder(tokenizer, rule.pattern, rule.added, self.library_ids, cuts=rule)
 
     def encode(self, text: str, previous: PromptState | None = None) -> PromptState:
         """``PromptState`` of ``text``: its ids are exactly ``tokenizer.encode(text, add_special_tokens=False).ids``."""

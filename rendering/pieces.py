@@ -17,8 +17,13 @@ own (``findall(text, start, end)``: the segment's end is the string's end for th
 look-ahead, as in the library, and the patterns look behind nothing). A piece's ids come from a
 bounded cache, else from the tokenizer's own model (``tokenizer.model.tokenize`` of the piece mapped
 through ``ByteLevel``'s own table, read from the library at start-up). So the ids are the library's,
-``tokenizer.encode(text, add_special_tokens=False).ids``; any other text (a character outside that
-set) is encoded by the library. ``tests/rendering/test_pieces.py`` checks the equality on random
+``tokenizer.encode(text, add_special_tokens=False).ids``.
+
+Text with other characters (curly quotes, accents, emoji) is cut at *clean cuts*, positions ``p``
+with ``ids(x) == ids(x[:p]) + ids(x[p:])`` that ``rendering.incremental.CutRule`` proves from the
+tokenizer's structure (the incremental render encodes chunk by chunk between the same cuts): from
+the last clean cut before a run of such characters to the first one after it, the library encodes;
+the ASCII stretches between take the pieces. Without a rule the whole text goes to the library. ``tests/rendering/test_pieces.py`` checks the equality on random
 text for every family here.
 
 Which tokenizers qualify is decided by ``rendering.incremental._analyze`` (no normalizer but NFC,
@@ -35,6 +40,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import tokenizers
 from tokenizers import pre_tokenizers
@@ -76,8 +82,13 @@ def _for_ascii(pattern: str) -> str:
 
 #: the pre-tokenizer patterns this module knows, written for ASCII text (``re.ASCII``)
 ASCII_PATTERNS = {pattern: _for_ascii(pattern) for pattern in (GPT2_PATTERN, LLAMA3_PATTERN, QWEN2_PATTERN)}
-#: a character outside printable ASCII, tab, newline and CR: the text goes to the library
+#: a character outside printable ASCII, tab, newline and CR: the library encodes around it
 _OTHER = re.compile(r"[^\t\n\r\x20-\x7e]")
+#: the first character of that set after a run of others
+_ASCII = re.compile(r"[\t\n\r\x20-\x7e]")
+#: how far back from a run of other characters a clean cut is looked for (else the library encodes
+#: from the previous cut on)
+CUT_LOOKBACK = 64
 #: the characters of such text, which ``ByteLevel`` maps one to one
 _ASCII_TEXT = "\t\n\r" + "".join(chr(c) for c in range(0x20, 0x7F))
 #: longer pieces (long words, whitespace or punctuation runs) are tokenized every time, not cached
@@ -88,15 +99,30 @@ MAX_PIECE_IDS = 8
 MAX_ENTRIES = 1 << 15
 
 
+class Cuts(Protocol):
+    """Clean cuts of a text (``rendering.incremental.CutRule``)."""
+
+    def next_cut(self, text: str, start: int) -> int:
+        """The first clean cut at or after ``start``; ``len(text)`` when there is none."""
+        ...
+
+    def prev_cut(self, text: str, end: int, floor: int) -> int:
+        """The last clean cut ``p`` with ``floor < p < end``; ``floor`` when there is none."""
+        ...
+
+
 class PieceEncoder:
     """``text -> ids``, exactly ``tokenizer.encode(text, add_special_tokens=False).ids`` (module
-    docstring); ``fallback`` encodes the text this class leaves to the library."""
+    docstring); ``fallback`` encodes the text this class leaves to the library, ``cuts`` says where
+    text with other characters may be cut (None: such text goes to ``fallback`` whole)."""
 
     def __init__(self, tokenizer: tokenizers.Tokenizer, pattern: str, added: Sequence[str],
-                 fallback: Callable[[str], list[int]], *, max_entries: int = MAX_ENTRIES) -> None:
+                 fallback: Callable[[str], list[int]], *, cuts: Cuts | None = None,
+                 max_entries: int = MAX_ENTRIES) -> None:
         self._split = re.compile(ASCII_PATTERNS[pattern], re.ASCII).findall
         self._other = _OTHER.search
         self._fallback = fallback
+        self._cuts = cuts
         self._model = tokenizer.model
         byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
         self._alphabet = str.maketrans({c: byte_level.pre_tokenize_str(c)[0][0] for c in _ASCII_TEXT})
@@ -113,8 +139,43 @@ class PieceEncoder:
         self._max_entries = max_entries
 
     def __call__(self, text: str) -> list[int]:
-        if self._other(text) is not None:
-            return self._fallback(text)
+        other = self._other(text)
+        if other is not None:
+            if self._cuts is None:
+                return self._fallback(text)
+            return self._mixed(text, other.start())
+        return self._ascii(text)
+
+    def _mixed(self, text: str, other: int) -> list[int]:
+        """The ids of ``text``, whose first character outside the ASCII set is at ``other``: the ASCII
+        stretches between clean cuts by pieces, from the last cut before each run of other characters
+        to the first cut after it by the library."""
+        cuts = self._cuts
+        assert cuts is not None
+        out: list[int] = []
+        n = len(text)
+        pos = 0
+        while True:
+            floor = max(pos, other - CUT_LOOKBACK)
+            cut = cuts.prev_cut(text, other + 1, floor)
+            # ``pos`` is a clean cut (or 0); with no cut close before the run the library starts there
+            start = cut if cut > floor else pos
+            if start > pos:
+                out += self._ascii(text[pos:start])
+            back = _ASCII.search(text, other)
+            end = cuts.next_cut(text, back.start()) if back is not None else n
+            out += self._fallback(text[start:end])
+            if end >= n:
+                return out
+            pos = end
+            found = self._other(text, pos)
+            if found is None:
+                out += self._ascii(text[pos:])
+                return out
+            other = found.start()
+
+    def _ascii(self, text: str) -> list[int]:
+        """The ids of ``text``, every character of which is in the ASCII set."""
         out: list[int] = []
         added = self._added
         if added is None:

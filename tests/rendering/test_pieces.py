@@ -93,21 +93,62 @@ def test_random_text_gets_the_library_ids(name: str, tokenizers_by_name: dict[st
     rule = PromptEncoder(tokenizer).rule
     assert rule is not None and rule.pattern is not None
     # a small cache, so that it is emptied and filled again along the way
-    encoder = PieceEncoder(tokenizer, rule.pattern, rule.added, fallback, max_entries=64)
+    encoder = PieceEncoder(tokenizer, rule.pattern, rule.added, fallback, cuts=rule, max_entries=64)
+    whole_sent: list[str] = []
+
+    def whole_fallback(text: str) -> list[int]:
+        whole_sent.append(text)
+        return library(text)
+
+    whole = PieceEncoder(tokenizer, rule.pattern, rule.added, whole_fallback, max_entries=64)  # no cuts
 
     @settings(max_examples=400, derandomize=True, deadline=None, database=None)
     @given(any_text)
     def check(text: str) -> None:
-        assert encoder(text) == library(text), repr(text)
+        expected = library(text)
+        assert encoder(text) == expected, repr(text)
+        assert whole(text) == expected, repr(text)
 
     check()
     rnd = random.Random(name)
     for size in (1, 5, 50, 400):
         for _ in range(40):
-            text = _text(rnd, size, others=size == 50)
+            text = _text(rnd, size, others=size >= 50)
             assert encoder(text) == library(text), repr(text)
+            whole_sent.clear()
+            assert whole(text) == library(text), repr(text)
+            if re.search(r"[^\t\n\r\x20-\x7e]", text):  # without cuts: to the library whole
+                assert whole_sent == [text]
+            else:
+                assert not whole_sent
     assert 0 < encoder.cached_pieces <= 64
     assert fallbacks and all(re.search(r"[^\t\n\r\x20-\x7e]", t) for t in fallbacks)
+
+
+@pytest.mark.parametrize("name", ["shipped", "llama3"])
+def test_text_with_a_few_other_characters_leaves_only_their_surroundings_to_the_library(
+        name: str, tokenizers_by_name: dict[str, Tokenizer]) -> None:
+    tokenizer = tokenizers_by_name[name]
+    library = _library(tokenizer)
+    sent: list[str] = []
+
+    def fallback(text: str) -> list[int]:
+        sent.append(text)
+        return library(text)
+
+    rule = PromptEncoder(tokenizer).rule
+    assert rule is not None and rule.pattern is not None
+    encoder = PieceEncoder(tokenizer, rule.pattern, rule.added, fallback, cuts=rule)
+    prose = "The router keeps every session where its cache is, and it says why. " * 30
+    text = prose + "Caf\u00e9 \u201cquoted\u201d text \u2014 then " + prose + "a smile \U0001F600.\n" + prose
+    assert encoder(text) == library(text)
+    assert sum(map(len, sent)) < 100, sent  # the words around the three runs, not the 6,000 characters
+    sent.clear()
+    at_start = "\u00e9" + prose
+    assert encoder(at_start) == library(at_start) and sum(map(len, sent)) < 20
+    sent.clear()
+    no_cut = "x" * 500 + "\u00e9" + "y" * 500  # no clean cut near the run: the library from the start
+    assert encoder(no_cut) == library(no_cut) and sent == [no_cut]
 
 
 def test_long_pieces_are_tokenized_not_cached(tokenizers_by_name: dict[str, Tokenizer]) -> None:
