@@ -23,8 +23,8 @@ Text with other characters (curly quotes, accents, emoji) is cut at *clean cuts*
 with ``ids(x) == ids(x[:p]) + ids(x[p:])`` that ``rendering.incremental.CutRule`` proves from the
 tokenizer's structure (the incremental render encodes chunk by chunk between the same cuts): from
 the last clean cut before a run of such characters to the first one after it, the library encodes;
-the ASCII stretches between take the pieces. Without a rule the whole text goes to the library. ``tests/rendering/test_pieces.py`` checks the equality on random
-text for every family here.
+the ASCII stretches between take the pieces. Without a rule the whole text goes to the library.
+``tests/rendering/test_pieces.py`` checks the equality on random text for every family here.
 
 Which tokenizers qualify is decided by ``rendering.incremental._analyze`` (no normalizer but NFC,
 which leaves ASCII as it is; a per-piece model; added tokens matched on the raw text without
