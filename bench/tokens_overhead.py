@@ -123,16 +123,21 @@ class Prompt:
     token_ids: list[int]
 
 
-def rendered_prompts(model_dir: str, bodies: Sequence[str]) -> list[Prompt]:
-    """Each body's prompt as the router renders it (text and ids), with the project's own renderer."""
+def rendered_prompts(model_dir: str, bodies: Sequence[str], *, completions: bool = False) -> list[Prompt]:
+    """Each body's prompt as the router renders it (text and ids), with the project's own renderer
+    (``completions``: the bodies are ``/v1/completions`` ones with one text prompt)."""
     from rendering.model import load_model
     from rendering.render import Renderer
 
     renderer = Renderer(load_model(model_dir))
     out = []
     for body in bodies:
-        rendered = renderer.render_chat(body.encode())
-        out.append(Prompt(rendered.prompt.text, list(rendered.request.token_ids)))
+        if completions:
+            [generate] = renderer.render_completions(body.encode())
+            out.append(Prompt(msgspec.json.decode(body)["prompt"], list(generate.token_ids)))
+        else:
+            rendered = renderer.render_chat(body.encode())
+            out.append(Prompt(rendered.prompt.text, list(rendered.request.token_ids)))
     return out
 
 
@@ -173,18 +178,21 @@ def bare_cost_us(model_dir: str, prompts: Sequence[Prompt], output_tokens: int, 
             return spent / done * 1e6
 
 
-def render_cost_us(model_dir: str, bodies: Sequence[str], *, min_seconds: float = 0.3) -> float:
-    """CPU µs of ``Renderer.render_chat`` per request (template + validation + encode), for reference."""
+def render_cost_us(model_dir: str, bodies: Sequence[str], *, min_seconds: float = 0.3,
+                   completions: bool = False) -> float:
+    """CPU µs of ``Renderer.render_chat`` per request (template + validation + encode), for reference;
+    ``completions``: of ``Renderer.render_completions`` (validation + encode)."""
     from rendering.model import load_model
     from rendering.render import Renderer
 
     renderer = Renderer(load_model(model_dir))
+    render = renderer.render_completions if completions else renderer.render_chat
     raw = [b.encode() for b in bodies]
     done = 0
     start = time.process_time()
     while True:
         for body in raw:
-            renderer.render_chat(body)
+            render(body)
         done += len(raw)
         spent = time.process_time() - start
         if spent >= min_seconds:

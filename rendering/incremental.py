@@ -79,6 +79,7 @@ from typing import Any
 import tokenizers
 
 from rendering.pieces import GPT2_PATTERN, LLAMA3_PATTERN, QWEN2_PATTERN, PieceEncoder
+from rendering.specials import Ends, special_ends
 
 __all__ = ["GPT2_PATTERN", "LLAMA3_PATTERN", "QWEN2_PATTERN", "CutRule", "PromptEncoder", "PromptState",
            "encode_prompt", "ids_encoder"]
@@ -335,8 +336,24 @@ class PromptEncoder:
         #: the same ids, piece by piece with a cache where the rule names a byte-level pattern
         #: (``rendering.pieces``), else the library's
         self.ids: Callable[[str], list[int]] = self.library_ids
+        #: what ``add_special_tokens=True`` puts around the ids, when ``ids`` is the piece encoder and
+        #: the post-processor is one ``rendering.specials`` reads; else None (the library adds them)
+        self.ends: Ends | None = None
         if rule is not None and rule.pattern is not None:
             self.ids = PieceEncoder(tokenizer, rule.pattern, rule.added, self.library_ids, cuts=rule)
+            self.ends = special_ends(tokenizer)
+
+    def encode_ids(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        """``tokenizer.encode(text, add_special_tokens=...).ids``, a stateless encode (completion
+        prompts, ``/tokenize``, chat with special tokens): by the piece encoder where it applies."""
+        if not add_special_tokens:
+            return self.ids(text)
+        ends = self.ends
+        if ends is None:
+            return self.tokenizer.encode(text, add_special_tokens=True).ids
+        head, tail = ends
+        ids = self.ids(text)
+        return [*head, *ids, *tail] if head or tail else ids
 
     def encode(self, text: str, previous: PromptState | None = None) -> PromptState:
         """``PromptState`` of ``text``: its ids are exactly ``tokenizer.encode(text, add_special_tokens=False).ids``."""

@@ -17,7 +17,8 @@ own (``findall(text, start, end)``: the segment's end is the string's end for th
 look-ahead, as in the library, and the patterns look behind nothing). A piece's ids come from a
 bounded cache, else from the tokenizer's own model (``tokenizer.model.tokenize`` of the piece mapped
 through ``ByteLevel``'s own table, read from the library at start-up). So the ids are the library's,
-``tokenizer.encode(text, add_special_tokens=False).ids``.
+``tokenizer.encode(text, add_special_tokens=False).ids``. With special tokens, ``PromptEncoder.encode_ids``
+puts around them what the post-processor adds (``rendering.specials``).
 
 Text with other characters (curly quotes, accents, emoji) is cut at *clean cuts*, positions ``p``
 with ``ids(x) == ids(x[:p]) + ids(x[p:])`` that ``rendering.incremental.CutRule`` proves from the

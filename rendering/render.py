@@ -177,11 +177,13 @@ class Renderer:
                                    documents=chat.documents, reasoning_effort=chat.reasoning_effort,
                                    tools=tool_dicts(chat.tools))
             self._check_text(text, limits)
-            if chat.add_special_tokens or limits.truncate is not None or chat.return_token_offsets:
+            if chat.return_token_offsets:
                 encoding = self._tokenizer.encode(text, add_special_tokens=chat.add_special_tokens)
                 prompt = PromptState(text=text, token_ids=encoding.ids)
-                if chat.return_token_offsets:
-                    offsets = list(encoding.offsets)
+                offsets = list(encoding.offsets)
+            elif chat.add_special_tokens or limits.truncate is not None:
+                prompt = PromptState(text=text, token_ids=self._prompts.encode_ids(
+                    text, add_special_tokens=chat.add_special_tokens))
             else:
                 prompt = self._prompts.encode(text, previous)
             token_ids = self._check_ids(list(prompt.token_ids), limits, offsets=offsets)
@@ -241,10 +243,12 @@ class Renderer:
             offsets: list[tuple[int, int]] | None = None
             if isinstance(prompt, str):
                 self._check_text(prompt, limits)
-                encoding = self._tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens)
                 if req.return_token_offsets:
-                    offsets = list(encoding.offsets)
-                rendered.append(self._check_ids(encoding.ids, limits, offsets=offsets))
+                    encoding = self._tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens)
+                    ids, offsets = encoding.ids, list(encoding.offsets)
+                else:
+                    ids = self._prompts.encode_ids(prompt, add_special_tokens=req.add_special_tokens)
+                rendered.append(self._check_ids(ids, limits, offsets=offsets))
             else:  # client ids have no text to point into
                 rendered.append(self._in_vocabulary(self._check_ids(list(prompt), limits, encoded=False)))
             all_offsets.append(offsets)
@@ -295,10 +299,14 @@ class Renderer:
             special = True if req.add_special_tokens is None else req.add_special_tokens
         else:
             raise field_error("prompt", "Field required")
-        encoding = self._tokenizer.encode(text, add_special_tokens=special)
-        strs = list(encoding.tokens) if req.return_token_strs else None
-        return _encoder.encode(_TokenizeResponse(count=len(encoding.ids), max_model_len=self.model.max_model_len,
-                                                 tokens=encoding.ids, token_strs=strs))
+        strs: list[str] | None = None
+        if req.return_token_strs:
+            encoding = self._tokenizer.encode(text, add_special_tokens=special)
+            ids, strs = encoding.ids, list(encoding.tokens)
+        else:
+            ids = self._prompts.encode_ids(text, add_special_tokens=special)
+        return _encoder.encode(_TokenizeResponse(count=len(ids), max_model_len=self.model.max_model_len,
+                                                 tokens=ids, token_strs=strs))
 
     def detokenize(self, body: bytes) -> bytes:
         """``POST /detokenize`` ``{tokens}`` -> ``{prompt}`` (special tokens kept, as vLLM's)."""

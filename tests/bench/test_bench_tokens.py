@@ -127,7 +127,8 @@ def test_tokens_glue_measures_this_tree_and_a_base_one() -> None:
 
 
 def test_render_report_ratio_and_target() -> None:
-    args = argparse.Namespace(sessions=5, chars=5500, concurrency=[1, 4], warmup=0.5, seconds=3.0, rounds=2)
+    args = argparse.Namespace(sessions=5, chars=5500, concurrency=[1, 4], warmup=0.5, seconds=3.0, rounds=2,
+                              route="chat")
     facts = {"date": "d", "nproc": "2", "cpu": "c", "kernel": "k", "loadavg": "0", "python": "3.11", "tokenizers": "t",
              "jinja2": "j", "vllm": "0.32.0", "command": "cmd", "prompt_tokens": "1000"}
     server = lambda cpu: LoadResult(requests=10, errors=0, window_s=1.0, rps=10.0, p50_ms=3.0, p99_ms=4.0,  # noqa: E731
@@ -142,6 +143,20 @@ def test_render_report_ratio_and_target() -> None:
     assert "| 0.87 [0.83–0.90] | ❌ 0/2 |" in ours
     assert "| 0.30 [0.30–0.30] | ✅ 2/2 |" in vllm
     assert "ours yes, vllm yes" in text
+    assert text.startswith("## Local render vs a render server") and "`POST /v1/chat/completions/render` bodies" in text
+    args.route = "completions"
+    text = render_server.render_report([900.0, 1000.0], cells, {"ours": True, "vllm": True}, facts, args, "",
+                                       [800.0, 850.0])
+    assert text.startswith("## Local completions render vs a render server")
+    assert "`POST /v1/completions/render` bodies (the `/v1/completions` body)" in text
+    assert "| local (`Renderer.render_completions`) | — | 950 [900–1000] |" in text
+    assert "| its floor: `Tokenizer.encode` of the prompt text alone | — | 825 [800–850] |" in text
+
+
+def test_render_server_routes_write_their_own_sections() -> None:
+    assert render_server.parse_args([]).section == "render_server"
+    assert render_server.parse_args(["--route", "completions"]).section == "render_server_completions"
+    assert render_server.parse_args(["--route", "completions", "--section", "x"]).section == "x"
 
 
 # ---------------------------------------------------------------------- end to end (--quick)
@@ -176,12 +191,15 @@ def test_tokens_overhead_quick_run(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_render_server_quick_run(tmp_path: Path) -> None:
-    text, jsonl = _run("bench.render_server", tmp_path, "--vllm-python", "")
-    assert "<!-- render_server:begin -->" in text
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_render_server_quick_run(tmp_path: Path, route: str) -> None:
+    text, jsonl = _run("bench.render_server", tmp_path, "--vllm-python", "", "--route", route)
+    section, call = (("render_server", "render_chat") if route == "chat"
+                     else ("render_server_completions", "render_completions"))
+    assert f"<!-- {section}:begin -->" in text
     assert "ours (`--role render`) yes" in text  # the same token ids as the local render
     assert "The vllm row was not run" in text
-    assert re.search(r"^\| local \(`Renderer.render_chat`\) \| — \| \d+ \|", text, re.M)
+    assert re.search(rf"^\| local \(`Renderer.{call}`\) \| — \| \d+ \|", text, re.M)
     for c in (1, 4):
         assert re.search(rf"^\| ours \(`--role render`\) \| {c} \| \d+ \| \d+ \| \d+\.\d+ \| \d+\.\d+ \| .* \| 0 \|$",
                          text, re.M), text
