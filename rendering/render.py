@@ -49,6 +49,7 @@ from rendering.requests import (
 )
 from rendering.sampling import chat_sampling_params, completion_sampling_params, validation_error
 from rendering.template import ChatTemplate
+from rendering.vocabulary import check_vocabulary
 
 #: names ``apply_chat_template`` takes itself (vLLM lets them through whatever the template reads)
 _APPLY_KWARGS = frozenset({
@@ -381,8 +382,7 @@ class Renderer:
     def _in_vocabulary(self, ids: list[int]) -> list[int]:
         """Client token ids past the vocabulary: the 400 vLLM's engine answers for them (its input
         processor's check), given here so that such a prompt never reaches an engine."""
-        if ids and max(ids) > self.model.max_token_id:
-            raise BadRequestError(f"Token id {max(ids)} is out of vocabulary")
+        check_vocabulary(ids, self.model.max_token_id)
         return ids
 
     def _max_tokens(self, prompt_len: int, requested: int | None) -> int:

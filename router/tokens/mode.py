@@ -66,7 +66,7 @@ def build_tokens_mode(config: RouterConfig, proxy: Proxy, *, render_pool: Backen
     else:
         renderer = RemoteRenderer(render_pool, upstream=upstream, health=health, metrics=metrics.render,
                                   retries=config.upstream.retries, retry_backoff_s=config.upstream.retry_backoff_s,
-                                  total_timeout_s=config.upstream.total_timeout_s)
+                                  total_timeout_s=config.upstream.total_timeout_s, max_token_id=model.max_token_id)
     prompts: PromptCache | None = None
     if local is not None and config.tokens.prompt_cache_bytes > 0:
         prompts = PromptCache(config.tokens.prompt_cache_bytes)

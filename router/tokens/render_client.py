@@ -11,8 +11,10 @@ it beside the engine pools, so the one ``HealthChecker`` checks them (``GET /hea
 API list them as they list backends. What it does per call, with the engines' settings:
 
 - choice: the available render server with the fewest calls in flight, rotating among equals;
-- a render server's 2xx: decoded; its 4xx: the client's error, relayed with its status and body
-  unchanged (``RenderRejected``; vLLM's shape) -- both count as a good answer for health;
+- a render server's 2xx: decoded, and refused with vLLM's 400 when a prompt's token id is past the
+  model's vocabulary (a render server passes a client's ids through unchecked, and such an id crashes
+  a tokens-only vLLM engine); its 4xx: the client's error, relayed with its status and body unchanged
+  (``RenderRejected``; vLLM's shape) -- both count as a good answer for health;
 - no answer (connect error, timeout, broken HTTP) or a 5xx: recorded as a failure on that server
   (a connect error downs it at once, as for backends), then the next render server not tried yet, up
   to ``[upstream] retries`` more, within ``total_timeout_s``;
@@ -39,6 +41,7 @@ from contract.errors import (
     UpstreamConnectError,
     UpstreamError,
 )
+from rendering.vocabulary import check_vocabulary
 from rendering.generate_request import GenerateRequest, decode_generate_request, decode_generate_requests
 from router.exchange import REQUEST_ID_HEADER
 from router.health import HealthChecker
@@ -98,8 +101,12 @@ class RemoteRenderer:
     """Render through the render servers of ``pool`` (see the module docstring)."""
 
     def __init__(self, pool: BackendPool, *, upstream: UpstreamPool, health: HealthChecker,
-                 metrics: RenderMetrics, retries: int, retry_backoff_s: float, total_timeout_s: float) -> None:
+                 metrics: RenderMetrics, retries: int, retry_backoff_s: float, total_timeout_s: float,
+                 max_token_id: int) -> None:
+        """``max_token_id``: the model's largest token id; a render whose ids go past it is refused
+        (``rendering.checks.check_vocabulary``) before any engine sees it."""
         self.pool = pool
+        self.max_token_id = max_token_id
         self.upstream = upstream
         self.health = health
         self.metrics = metrics
@@ -113,6 +120,7 @@ class RemoteRenderer:
         """One ``GenerateRequest`` for a ``/v1/chat/completions`` body; its ``request_id`` is ours."""
         answer = await self.call(CHAT_RENDER_PATH, body, request_id)
         request: GenerateRequest = self._decode(decode_generate_request, answer, CHAT_RENDER_PATH)
+        check_vocabulary(request.token_ids, self.max_token_id)
         return msgspec.structs.replace(request, request_id=request_id)
 
     async def render_completions(self, body: bytes, *, request_id: str) -> list[GenerateRequest]:
@@ -120,6 +128,8 @@ class RemoteRenderer:
         ``{request_id}-{i}`` when there are several (as vLLM numbers them)."""
         answer = await self.call(COMPLETIONS_RENDER_PATH, body, request_id)
         requests: list[GenerateRequest] = self._decode(decode_generate_requests, answer, COMPLETIONS_RENDER_PATH)
+        for request in requests:
+            check_vocabulary(request.token_ids, self.max_token_id)
         if len(requests) == 1:
             return [msgspec.structs.replace(requests[0], request_id=request_id)]
         return [msgspec.structs.replace(request, request_id=f"{request_id}-{i}") for i, request in enumerate(requests)]

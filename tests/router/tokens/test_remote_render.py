@@ -37,6 +37,8 @@ from tests.support import free_port, metric_sum
 
 DATA = Path(__file__).resolve().parents[2] / "rendering" / "data"
 DEAD = "http://127.0.0.9:{port}"
+#: the shipped tiny tokenizer's largest token id
+MAX_TOKEN_ID = 392
 
 
 def golden(name: str) -> list[dict[str, Any]]:
@@ -112,7 +114,7 @@ async def render_setup() -> AsyncIterator[Make]:
         upstream = UpstreamPool(UpstreamTimeouts(connect_s=2, first_byte_s=first_byte_s, total_s=10))
         upstreams.append(upstream)
         renderer = RemoteRenderer(pool, upstream=upstream, health=health, metrics=metrics.render, retries=retries,
-                                  retry_backoff_s=0.001, total_timeout_s=10)
+                                  retry_backoff_s=0.001, total_timeout_s=10, max_token_id=MAX_TOKEN_ID)
         return renderer, fakes, metrics, health
 
     yield make
@@ -264,3 +266,31 @@ async def test_an_answer_that_is_not_a_generate_request_is_a_502(render_setup: M
     with pytest.raises(RenderAnswerError) as caught:
         await renderer.render_chat(json.dumps(first_ok(CHAT)["request"]).encode(), request_id="chatcmpl-1")
     assert caught.value.status == 502 and "not a GenerateRequest" in caught.value.message
+
+
+async def test_ids_past_the_vocabulary_from_a_render_server_are_refused_before_any_engine(render_setup: Make) -> None:
+    """vLLM 0.32's render server passes a client's token ids through unchecked (it answered 200 with
+    ``[1, 99999]``, ``bench/vllm_tokens_live.py``) and a tokens-only engine's core dies on such an id:
+    the router answers vLLM's 400 itself."""
+    renderer, fakes, _, _ = await render_setup(1)
+    answer = first_ok(COMPLETIONS)["response"][0]
+    fakes[0].garbage = json.dumps([{**answer, "token_ids": [1, MAX_TOKEN_ID + 1]}]).encode()
+    body = json.dumps({"model": "tiny-llama", "prompt": [1, MAX_TOKEN_ID + 1]}).encode()
+    with pytest.raises(SessionRouterError) as caught:
+        await renderer.render_completions(body, request_id="cmpl-1")
+    assert caught.value.status == 400
+    assert json.loads(caught.value.body())["error"] == {
+        "message": f"Token id {MAX_TOKEN_ID + 1} is out of vocabulary", "type": "BadRequestError", "param": None,
+        "code": 400}
+    fakes[0].garbage = json.dumps([{**answer, "token_ids": [5, -1]}]).encode()
+    with pytest.raises(SessionRouterError) as caught:
+        await renderer.render_completions(body, request_id="cmpl-1")
+    assert caught.value.status == 400 and b"Token id -1 is out of vocabulary" in caught.value.body()
+    fakes[0].garbage = json.dumps([{**answer, "token_ids": [1, MAX_TOKEN_ID]}]).encode()  # the last id is fine
+    [request] = await renderer.render_completions(body, request_id="cmpl-2")
+    assert request.token_ids == [1, MAX_TOKEN_ID]
+    chat = first_ok(CHAT)["response"]
+    fakes[0].garbage = json.dumps({**chat, "token_ids": [*chat["token_ids"], 5000]}).encode()
+    with pytest.raises(SessionRouterError) as caught:
+        await renderer.render_chat(json.dumps(first_ok(CHAT)["request"]).encode(), request_id="chatcmpl-1")
+    assert caught.value.status == 400 and b"Token id 5000 is out of vocabulary" in caught.value.body()
