@@ -440,7 +440,8 @@ def decode(data: Mapping[str, Any], labels: Mapping[str, str]) -> RouterConfig:
     if isinstance(data.get("log_level"), str):
         data["log_level"] = data["log_level"].lower()
     for path, value in _scalars(data):
-        if isinstance(value, float) and not math.isfinite(value):
+        # a key that names no setting is msgspec's to refuse (unknown key), whatever its value
+        if isinstance(value, float) and not math.isfinite(value) and _field_type(path)[1] is not None:
             raise ConfigError(f"{labels.get(path, path)}: must be a finite number, got {value}")
     try:
         return msgspec.convert(data, RouterConfig)

@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from contract.errors import ConfigError
@@ -347,6 +347,7 @@ _keys = st.sampled_from([f.name for f in msgspec.structs.fields(RouterConfig)] +
 
 @settings(max_examples=300, deadline=None)
 @given(st.dictionaries(_keys, _values, max_size=4))
+@example({"upstream": {"$": float("inf")}})  # once said "upstream.$: must be a finite number"
 def test_any_input_is_a_config_or_a_config_error(data: dict[str, Any]) -> None:
     try:
         config = config_from_mapping(data)
