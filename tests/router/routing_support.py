@@ -44,7 +44,8 @@ class ModelBackend:
         app.router.add_get("/health", self.health)
         if self.models is not None:
             app.router.add_get("/v1/models", self.list_models)
-        for path in ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/tokenize", "/score"):
+        for path in ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/tokenize", "/score",
+                     "/inference/v1/generate"):
             app.router.add_post(path, self.json_route)
         app.router.add_post("/v1/audio/transcriptions", self.transcribe)
         app.router.add_post("/v1/messages", self.stream)

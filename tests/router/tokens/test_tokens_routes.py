@@ -218,6 +218,37 @@ async def test_the_router_answers_tokenize_and_detokenize_with_the_local_rendere
             assert card["id"] == "tiny-llama" and card["root"] == str(DEFAULT_MODEL_DIR)
 
 
+async def test_a_clients_generate_with_ids_outside_the_vocabulary_never_reaches_an_engine(make_router: Any) -> None:
+    """A ``--tokens-only`` vLLM engine has no tokenizer, so it does not check a prompt's ids, and its
+    engine core dies on one past the vocabulary (``bench/vllm_tokens_live.py``): tokens mode answers
+    vLLM's 400 for them and forwards the rest as they came."""
+    import aiohttp
+
+    from tests.router.routing_support import ModelBackend
+
+    router = await make_router("raw", fakes=[ModelBackend("e0", None)], tokens=TOKENS)
+    await eventually(lambda: router.state.health.rounds >= 1, timeout=10, what="a health round")
+    top = MODEL.max_token_id
+    async with aiohttp.ClientSession() as http:
+        for ids, bad in (([1, top + 1], top + 1), ([-3, 5], -3), ([top + 100, 2], top + 100)):
+            async with http.post(router.url + "/inference/v1/generate",
+                                 json={"token_ids": ids, "sampling_params": {"max_tokens": 2}}) as resp:
+                assert resp.status == 400
+                assert json.loads(await resp.read())["error"] == {
+                    "message": f"Token id {bad} is out of vocabulary", "type": "BadRequestError", "param": None,
+                    "code": 400}
+        assert router.fakes[0].hits == []
+        good = json.dumps({"token_ids": [1, top], "sampling_params": {"max_tokens": 2}}).encode()
+        async with http.post(router.url + "/inference/v1/generate", data=good,
+                             headers={"X-Session-ID": "gen-1"}) as resp:
+            assert resp.status == 200
+        (hit,) = router.fakes[0].hits
+        assert hit.path == "/inference/v1/generate" and hit.body == good and hit.headers["x-session-id"] == "gen-1"
+        odd = b'{"token_ids": "not a list"}'  # not ids: the engine's to answer
+        async with http.post(router.url + "/inference/v1/generate", data=odd) as resp:
+            assert resp.status == 200 and router.fakes[0].hits[-1].body == odd
+
+
 async def test_render_servers_are_listed_by_health_metrics_and_admin_as_backends_are(make_router: Any) -> None:
     """The render pool beside the engines': health-checked (a dead one is down), in /health, in
     /metrics with pool="render", in the admin API's backend list; a render server can be added there."""
