@@ -15,6 +15,8 @@ All on 127.0.0.1 (ephemeral ports, ipc sockets under a temporary directory):
      the prompt ids the router sent (``prompt_token_ids``, asked with ``return_token_ids``) equal vLLM's
      render of the same body, and the text equals vLLM's own derender (``/v1/chat/completions/derender``,
      ``/v1/completions/derender``) of the very ids the engine generated;
+   - a Responses request (``store: false``), streamed and not: its prompt as long as vLLM's
+     ``/v1/responses/render`` makes it, and the stream's deltas the completed response's text;
    - a stop string (which the engine itself refuses): the answer ends before it, ``finish_reason`` "stop",
      ``stop_reason`` the string, and the engine stops generating long before ``max_tokens``;
    - a client that hangs up mid-stream: the engine stops generating (the router's abort);
@@ -203,7 +205,8 @@ class Live:
         steps = [lambda: self.chat(label, router, seed), lambda: self.chat_stream(label, client, seed + 10),
                  lambda: self.completion(label, router, client, seed + 20),
                  lambda: self.stop_string(label, router, seed + 30), lambda: self.hang_up(label, router, seed + 40),
-                 lambda: self.derived_session(label, router, seed + 50), lambda: self.errors(label, router),
+                 lambda: self.derived_session(label, router, seed + 50),
+                 lambda: self.responses(label, router, client, seed + 60), lambda: self.errors(label, router),
                  lambda: self.tokenize(label, router)]
         for step in steps:
             try:
@@ -399,6 +402,31 @@ class Live:
         self.check(label, "a client's own generate reaches the engine, with its session",
                    status == 200 and len(answer["choices"][0]["token_ids"]) == 4 and self.tagged(session),
                    f"{status} {str(answer)[:300]}")
+
+    def responses(self, label: str, router: str, client: Any, seed: int) -> None:
+        session = f"live-{label}-responses"
+        body = {"model": MODEL_NAME, "input": prompt_words(seed, 80), "instructions": f"Be brief, {seed}.",
+                "max_output_tokens": 16, "temperature": 0, "store": False}
+        status, rendered, _ = post(self.render + "/v1/responses/render", body)
+        prompt = len((rendered[0] if isinstance(rendered, list) else rendered)["token_ids"]) if status == 200 else -1
+        found = self.answered(label, "responses", router + "/v1/responses", body, {"X-Session-ID": session})
+        if found is None:
+            return
+        answer = found[0]
+        text = "".join(part["text"] for item in answer["output"] if item["type"] == "message"
+                       for part in item["content"] if part["type"] == "output_text")
+        self.check(label, "responses: a response object, its prompt as vLLM's /v1/responses/render makes it",
+                   answer["object"] == "response" and answer["usage"]["input_tokens"] == prompt
+                   and answer["usage"]["output_tokens"] == 16 and bool(text),
+                   f"render {status}, {prompt} prompt tokens; usage {answer.get('usage')}")
+        self.check(label, "responses: the engine's KV events carry the session", self.tagged(session))
+        events = list(client.responses.create(model=MODEL_NAME, input=body["input"], instructions=body["instructions"],
+                                              max_output_tokens=16, temperature=0, store=False, stream=True))
+        deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        done = events[-1] if events else None
+        self.check(label, "responses stream: the deltas make the completed response's text",
+                   done is not None and done.type == "response.completed" and deltas == done.response.output_text,
+                   f"{[e.type for e in events][:3]}...{done.type if done else None}")
 
     def tokenize(self, label: str, router: str) -> None:
         body = {"model": MODEL_NAME, "prompt": "Hello there, naïve café 😀 " + prompt_words(5, 20)}
