@@ -26,6 +26,9 @@ All on 127.0.0.1 (ephemeral ports, ipc sockets under a temporary directory):
      past the vocabulary): the router's status and error equal vLLM's render server's;
    - ``/tokenize`` and ``/detokenize`` equal vLLM's; ``/v1/models`` lists the model.
 
+Before the routers start, a few bad bodies go straight to the engine (``ENGINE_PROBES``), to record what a
+tokens-only vLLM checks itself: the answers and whether the engine still serves are in the output.
+
 Every check is printed and written to ``--out`` (JSON); the exit status is 1 if any failed. The recorded
 run is in ``bench/RESULTS.md``, section "Tokens mode against real vLLM 0.32".
 """
@@ -442,6 +445,32 @@ class Live:
                    and MODEL_NAME in [m["id"] for m in models["data"]], str(models)[:200])
 
 
+#: bodies sent straight to the engine before the routers start: what a tokens-only vLLM checks itself
+#: (the vocabulary of the prompt is what it does not: see the module docstring)
+ENGINE_PROBES = {
+    "prompt over the context": {"token_ids": [5] * 3000, "sampling_params": {"max_tokens": 2}},
+    "empty prompt": {"token_ids": [], "sampling_params": {"max_tokens": 2}},
+    "negative id": {"token_ids": [5, -1], "sampling_params": {"max_tokens": 2}},
+    "stop_token_ids outside the vocabulary": {"token_ids": [5, 6], "sampling_params": {
+        "max_tokens": 2, "stop_token_ids": [99999]}},
+    "logit_bias outside the vocabulary": {"token_ids": [5, 6], "sampling_params": {
+        "max_tokens": 2, "logit_bias": {"99999": 1.0}}},
+    "min_tokens over max_tokens": {"token_ids": [5, 6], "sampling_params": {"max_tokens": 2, "min_tokens": 5}},
+}
+
+
+def engine_direct(url: str) -> dict[str, Any]:
+    """Each probe's status and message, and whether the engine still answered a good request after it."""
+    out: dict[str, Any] = {}
+    for name, body in ENGINE_PROBES.items():
+        status, answer, _ = post(url + "/inference/v1/generate", body)
+        after = post(url + "/inference/v1/generate", {"token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 1}})[0]
+        message = answer.get("error", {}).get("message", "") if isinstance(answer, dict) else str(answer)
+        out[name] = {"status": status, "message": message[:200], "engine_after": after}
+        print(f"  engine, {name}: {status} {message[:100]!r}; a good request after it: {after}", flush=True)
+    return out
+
+
 def start_tokens_engine(args: argparse.Namespace, shim_dir: str, log_dir: str, port: int, endpoint: str) -> Proc:
     config = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "topic": "kv"})
     cmd = [args.vllm, "serve", MODEL_DIR, "--served-model-name", MODEL_NAME, "--tokens-only", "--load-format",
@@ -487,6 +516,7 @@ def main(argv: list[str] | None = None) -> int:
         status, refused, _ = post(engine.url + "/inference/v1/generate", {
             "token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 2, "stop": ["x"]}})
         result["engine_refuses_stop_strings"] = {"status": status, "answer": refused}
+        result["engine_checks_itself"] = engine_direct(engine.url)
         post(engine.url + "/inference/v1/generate", {"token_ids": list(range(3, 90)), "sampling_params": {
             "max_tokens": 4, "temperature": 0}})
         common = ["--upstream-api", "tokens", "--model-dir", MODEL_DIR, "--backend", engine.url]

@@ -40,11 +40,15 @@ def check_vocabulary(ids: Sequence[int], max_token_id: int) -> None:
 
 
 def check_generate_body(body: bytes, max_token_id: int) -> None:
-    """``check_vocabulary`` of the ``token_ids`` of a ``/inference/v1/generate`` body. A body whose
-    ``token_ids`` is not a list of integers is left to the engine, which answers its own 400."""
+    """The ``token_ids`` of a ``/inference/v1/generate`` body past the vocabulary: refused with vLLM's
+    400. Only that: the engine checks the rest itself and answers its own 400 (an empty list, a negative
+    id, a body that is not a ``GenerateRequest``; ``bench/vllm_tokens_live.py`` records those answers)."""
     try:
         prompt = _prompt_decoder.decode(body)
     except msgspec.MsgspecError:
         return
-    if prompt.token_ids is not None:
-        check_vocabulary(prompt.token_ids, max_token_id)
+    ids = prompt.token_ids
+    if ids:
+        top = max(ids)
+        if top > max_token_id:
+            raise BadRequestError(f"Token id {top} is out of vocabulary")
