@@ -32,11 +32,10 @@ def check_vocabulary(ids: Sequence[int], max_token_id: int) -> None:
     on such an id (seen on vLLM 0.32.0, ``bench/vllm_tokens_live.py``): no prompt goes to an engine
     without this check."""
     if ids:
-        low, top = min(ids), max(ids)
+        low = min(ids)
         if low < 0:
-            raise BadRequestError(f"Token id {low} is out of vocabulary")
-        if top > max_token_id:
-            raise BadRequestError(f"Token id {top} is out of vocabulary")
+            raise _outside(low)
+        _check_top(ids, max_token_id)
 
 
 def check_generate_body(body: bytes, max_token_id: int) -> None:
@@ -47,8 +46,15 @@ def check_generate_body(body: bytes, max_token_id: int) -> None:
         prompt = _prompt_decoder.decode(body)
     except msgspec.MsgspecError:
         return
-    ids = prompt.token_ids
-    if ids:
-        top = max(ids)
-        if top > max_token_id:
-            raise BadRequestError(f"Token id {top} is out of vocabulary")
+    if prompt.token_ids:
+        _check_top(prompt.token_ids, max_token_id)
+
+
+def _check_top(ids: Sequence[int], max_token_id: int) -> None:
+    top = max(ids)
+    if top > max_token_id:
+        raise _outside(top)
+
+
+def _outside(token: int) -> BadRequestError:
+    return BadRequestError(f"Token id {token} is out of vocabulary")

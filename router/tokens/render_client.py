@@ -41,8 +41,8 @@ from contract.errors import (
     UpstreamConnectError,
     UpstreamError,
 )
-from rendering.vocabulary import check_vocabulary
 from rendering.generate_request import GenerateRequest, decode_generate_request, decode_generate_requests
+from rendering.vocabulary import check_vocabulary
 from router.exchange import REQUEST_ID_HEADER
 from router.health import HealthChecker
 from router.membership import Backend, BackendPool
