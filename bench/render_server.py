@@ -19,8 +19,9 @@ Bodies: one per session from a pool (``--sessions``), a 4-message chat of ``--ch
 (default 5,500: about 1,000 prompt tokens with the tiny tokenizer, the size vLLM's render server was
 timed at). ``--route completions`` renders ``/v1/completions`` bodies instead (the same conversations'
 contents as one text prompt; ``Renderer.render_completions``, ``POST /v1/completions/render``).
-Before measuring, one body is rendered by each and the token ids compared with the local render's. Rounds are interleaved (local, then each server, order rotating); figures are medians over
-rounds ``[lo–hi]``, and the ratio local / server is taken within each round.
+Before measuring, one body is rendered by each and the token ids compared with the local render's.
+Rounds are interleaved (local, then each server, order rotating); figures are medians over rounds
+``[lo–hi]``, and the ratio local / server is taken within each round.
 
 Output: a markdown section ``render_server`` in ``--out`` and one JSON line per run in
 ``bench/out/render_server.jsonl``.

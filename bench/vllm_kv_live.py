@@ -288,18 +288,21 @@ class Observer(threading.Thread):
 
 # ---- HTTP ---------------------------------------------------------------------------------------------
 
-def http_json(method: str, url: str, body: Any = None, timeout: float = 120.0) -> tuple[int, Any, dict[str, str]]:
+def http_json(method: str, url: str, body: Any = None, timeout: float = 120.0,
+              headers: dict[str, str] | None = None) -> tuple[int, Any, dict[str, str]]:
+    """``body`` as JSON (with ``headers``); (status, the answer decoded from JSON, else its text, its headers)."""
     data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
-            raw, status, headers = resp.read(), resp.status, dict(resp.headers)
+            raw, status, got = resp.read(), resp.status, dict(resp.headers)
     except urllib.error.HTTPError as exc:
-        raw, status, headers = exc.read(), exc.code, dict(exc.headers)
+        raw, status, got = exc.read(), exc.code, dict(exc.headers)
     try:
-        return status, json.loads(raw), headers
+        return status, json.loads(raw), got
     except ValueError:
-        return status, raw.decode(errors="replace"), headers
+        return status, raw.decode(errors="replace"), got
 
 
 def http_text(url: str) -> str:

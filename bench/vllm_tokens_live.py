@@ -137,18 +137,10 @@ def completion_body(index: int, **extra: Any) -> dict[str, Any]:
             "prompt": f"Story {index}: " + prompt_words(index, 90), **extra}
 
 
-def post(url: str, body: Any, headers: dict[str, str] | None = None,
-         timeout: float = 120.0) -> tuple[int, Any, dict[str, str]]:
-    """POST JSON; (status, decoded body, headers)."""
-    conn = http.client.HTTPConnection(url.split("//", 1)[1].split("/", 1)[0], timeout=timeout)
-    path = "/" + url.split("//", 1)[1].split("/", 1)[1]
-    try:
-        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json", **(headers or {})})
-        resp = conn.getresponse()
-        raw = resp.read()
-        return resp.status, json.loads(raw) if raw else None, {k.lower(): v for k, v in resp.getheaders()}
-    finally:
-        conn.close()
+def post(url: str, body: Any, headers: dict[str, str] | None = None) -> tuple[int, Any, dict[str, str]]:
+    """``http_json``'s POST, with the answer's header names in lower case."""
+    status, answer, got = http_json("POST", url, body, headers=headers)
+    return status, answer, {k.lower(): v for k, v in got.items()}
 
 
 def generate_response(prompt: int, ids: list[int], finish: str) -> dict[str, Any]:
