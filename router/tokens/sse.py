@@ -23,24 +23,23 @@ class SSEEvents:
 
     def feed(self, chunk: bytes) -> list[bytes]:
         """The data of each event completed by ``chunk`` (events without data are skipped)."""
-        if not self._buffer and chunk[:6] == b"data: " and chunk.find(b"\n", 6) == len(chunk) - 2 \
-                and chunk[-1:] == b"\n":
-            return [chunk[6:-2]]  # the usual case: one chunk, one single-line event
+        if not self._buffer and chunk.startswith(b"data: ") and chunk.endswith(b"\n\n"):
+            # the usual case: whole single-line data events, one or more, and nothing else (every
+            # newline is in a blank line before "data: ", or in the last one)
+            between = chunk.count(b"\n\ndata: ")
+            if chunk.count(b"\n") == 2 * between + 2:
+                return chunk[6:-2].split(b"\n\ndata: ") if between else [chunk[6:-2]]
         buffer = self._buffer + chunk if self._buffer else chunk
+        parts = buffer.split(b"\n\n")
+        self._buffer = parts.pop()  # what follows the last blank line: an event not complete yet
         events: list[bytes] = []
-        start = 0
-        while True:
-            end = buffer.find(b"\n\n", start)
-            if end < 0:
-                break
-            if buffer.startswith(b"data: ", start) and buffer.find(b"\n", start, end) < 0:
-                events.append(buffer[start + 6:end])  # a single-line data event
+        for part in parts:
+            if part[:6] == b"data: " and b"\n" not in part:
+                events.append(part[6:])  # a single-line data event
             else:
-                data = _event_data(buffer[start:end])
+                data = _event_data(part)
                 if data is not None:
                     events.append(data)
-            start = end + 2
-        self._buffer = buffer[start:]
         return events
 
     @property
