@@ -85,11 +85,35 @@ def byte_level_decoder(tokenizer: tokenizers.Tokenizer) -> bool:
     return isinstance(spec, dict) and spec.get("type") == "ByteLevel"
 
 
+def clean_step_texts(tokenizer: tokenizers.Tokenizer) -> tuple[str | None, ...] | None:
+    """For a tokenizer whose decoder is ``ByteLevel`` alone (else None): per token id, what a decode
+    stream that skips special tokens emits for that id when it steps from a *clean* state (its last
+    step emitted text), or None where the stream must step itself.
+
+    Such a decoder's text of some ids is the UTF-8 text of their bytes put end to end (invalid
+    sequences as U+FFFD). After a step that emitted text, the stream's text so far ends with a whole
+    character that is not U+FFFD, and its window holds the ids since its previous emission. Then the
+    next id's bytes decode on their own, so when they are whole UTF-8 (no U+FFFD in the id's own
+    text) and not empty, the stream emits exactly that text, and is clean again, with a window of
+    that one id. The other ids (a part of a character, a skipped special token, U+FFFD itself) are
+    None."""
+    if not byte_level_decoder(tokenizer):
+        return None
+    size = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+    texts = tokenizer.decode_batch([[token_id] for token_id in range(size)], skip_special_tokens=True)
+    return tuple(text if text and _REPLACEMENT not in text else None for text in texts)
+
+
 class IncrementalDetokenizer:
-    """One output sequence's text, one token at a time (one instance per choice)."""
+    """One output sequence's text, one token at a time (one instance per choice).
+
+    With ``clean_texts`` (``clean_step_texts``; special tokens skipped), a step from a clean state
+    whose id has a clean text is answered from that table without the decode stream. The stream is
+    then behind: before its next step it is opened again on the last such id, which puts it in the
+    state it would have reached (its window is that one id, its prefix that id's text)."""
 
     __slots__ = ("_tokenizer", "_stream", "_skip", "_added", "_last_special", "_prime", "_prime_text",
-                 "_one_shot")
+                 "_one_shot", "_clean_texts", "_clean", "_behind")
 
     def __init__(
         self,
@@ -99,9 +123,11 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         spaces_between_special_tokens: bool = True,
         one_shot: bool = False,
+        clean_texts: Sequence[str | None] | None = None,
     ) -> None:
         """``one_shot``: the tokenizer's decoder is byte-level (``byte_level_decoder``), so that
-        ``push_final`` may decode a whole answer in one call."""
+        ``push_final`` may decode a whole answer in one call; ``clean_texts``: that tokenizer's
+        ``clean_step_texts`` (used only when special tokens are skipped)."""
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
         self._prime: list[int]
@@ -120,8 +146,18 @@ class IncrementalDetokenizer:
             added = {tid: tok.content for tid, tok in tokenizer.get_added_tokens_decoder().items()}
             self._added = added or None
         self._one_shot = one_shot and self._added is None
+        self._clean_texts = clean_texts if skip_special_tokens else None
+        #: the last step emitted text: the next may come from ``_clean_texts``
+        self._clean = False
+        #: the id of the last step answered from the table while the stream was not stepped (else -1)
+        self._behind = -1
 
     def _open(self) -> DecodeStream:
+        """The stream to step: made at the first step, made again after steps answered from the table."""
+        if self._behind >= 0:
+            stream = self._stream = DecodeStream(ids=[self._behind], skip_special_tokens=self._skip)
+            self._behind = -1
+            return stream
         stream = self._stream = _stream(self._tokenizer, self._prime, self._skip)
         return stream
 
@@ -136,13 +172,21 @@ class IncrementalDetokenizer:
 
     def push_one(self, token_id: int) -> str:
         """The text ``token_id`` completes ("" while a character is still incomplete)."""
+        clean = self._clean_texts
+        if clean is not None and self._clean and 0 <= token_id < len(clean):
+            text = clean[token_id]
+            if text is not None:
+                self._behind = token_id
+                return text
         stream = self._stream
-        if stream is None:
+        if stream is None or self._behind >= 0:
             stream = self._open()
         try:
             text = stream.step(self._tokenizer, token_id)
         except Exception as exc:
             text = self._recover(token_id, exc)
+        if clean is not None:
+            self._clean = bool(text)
         if self._added is not None:
             special = self._added.get(token_id)
             if special is not None and self._last_special:
@@ -150,10 +194,29 @@ class IncrementalDetokenizer:
             self._last_special = special is not None
         return text or ""
 
+    def push_steps(self, steps: Iterable[list[int]]) -> list[str]:
+        """``[push(ids) for ids in steps]``: the text of each step in turn (one engine step's ids each)."""
+        clean = self._clean_texts
+        if clean is None:
+            return [self.push(ids) for ids in steps]
+        size = len(clean)
+        texts: list[str] = []
+        for ids in steps:
+            if self._clean and len(ids) == 1:
+                token_id = ids[0]
+                if 0 <= token_id < size:
+                    text = clean[token_id]
+                    if text is not None:
+                        self._behind = token_id
+                        texts.append(text)
+                        continue
+            texts.append(self.push(ids))
+        return texts
+
     def push(self, token_ids: Iterable[int]) -> str:
         """The new text for ``token_ids``; never ends inside a multi-byte UTF-8 character."""
         step = self.push_one
-        if self._added is None:
+        if self._added is None and self._clean_texts is None:
             stream = self._stream
             if stream is None:
                 stream = self._open()

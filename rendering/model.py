@@ -20,7 +20,7 @@ from typing import Any
 import tokenizers
 
 from contract.errors import ConfigError
-from rendering.detokenize import byte_level_decoder
+from rendering.detokenize import byte_level_decoder, clean_step_texts
 
 #: the shipped model (tiny-llama's tokenizer files), found from this package's own location; the
 #: package is installed editable, so this is the repository's ``models/tiny-llama``
@@ -71,6 +71,9 @@ class RenderModel:
     #: the tokenizer's decoder is byte-level (``rendering.detokenize.byte_level_decoder``): a whole
     #: answer can be detokenized in one ``decode`` instead of a stream step per id
     byte_level_decoder: bool = False
+    #: per token id, the text a decode stream emits for it from a clean state, with a byte-level
+    #: decoder (``rendering.detokenize.clean_step_texts``); None for other decoders
+    clean_step_texts: tuple[str | None, ...] | None = field(default=None, repr=False)
 
 
 def load_model(
@@ -132,6 +135,7 @@ def load_model(
         special_tokens=specials,
         truncation_side="left" if tok_config.get("truncation_side") == "left" else "right",
         byte_level_decoder=byte_level_decoder(tokenizer),
+        clean_step_texts=clean_step_texts(tokenizer),
     )
 
 
