@@ -49,6 +49,7 @@ from rendering.generate_response import (
     GenerateResponse,
     GenerateStreamChunk,
     StreamError,
+    running_steps,
 )
 from rendering.model import RenderModel
 from rendering.openai_objects import (
@@ -191,6 +192,7 @@ class ChoiceText:
             skip_special_tokens=options.skip_special_tokens,
             spaces_between_special_tokens=options.spaces_between_special_tokens,
             one_shot=model.byte_level_decoder,
+            clean_texts=model.clean_step_texts,
         )
         self._stops = (
             StopStrings(options.stop, include_stop_str_in_output=options.include_stop_str_in_output)
@@ -243,11 +245,7 @@ class ChoiceText:
             ids = []
         stops = self._stops
         if finish_reason is None and stops is None:  # the common step: no end, no stop strings
-            self.tokens += len(ids)
-            text = self._detok.push(ids)
-            if self.parts is not None and text:
-                self.parts.append(text)
-            return text, ids
+            return self.take_running(ids), ids
         decode = len(ids)
         if (finish_reason == "stop" and ids and not self._include
                 and self._is_stop_token(ids[-1], stop_reason)):
@@ -289,6 +287,27 @@ class ChoiceText:
         if self.parts is not None and text:
             self.parts.append(text)
         return text, consumed
+
+    def take_running(self, ids: list[int]) -> str:
+        """``take`` of a step that ends nothing, when the choice has no stop strings (``plain``): the text."""
+        self.tokens += len(ids)
+        text = self._detok.push_one(ids[0]) if len(ids) == 1 else self._detok.push(ids)
+        if self.parts is not None and text:
+            self.parts.append(text)
+        return text
+
+    def take_running_steps(self, steps: list[list[int]]) -> list[str]:
+        """``take_running`` of several steps in turn: their texts."""
+        self.tokens += sum(map(len, steps))
+        texts = self._detok.push_steps(steps)
+        if self.parts is not None:
+            self.parts.extend(text for text in texts if text)
+        return texts
+
+    @property
+    def plain(self) -> bool:
+        """No stop strings watch this choice: a step that ends nothing may be ``take_running``."""
+        return self._stops is None
 
     def _is_stop_token(self, last: int, stop_reason: Any) -> bool:
         if isinstance(stop_reason, int) and not isinstance(stop_reason, bool):
@@ -534,6 +553,28 @@ class ChatDerender(_Base):
                 out.append(event)
         return out[0] if len(out) == 1 else b"".join(out)
 
+    def running(self, datas: list[bytes]) -> tuple[bytes, int]:
+        """``chunk`` of the leading events of ``datas`` (their JSON, in order) that are the bulk of a
+        stream: running steps, with only new token ids, of choices already under way and without stop
+        strings, on a stream whose running events hold nothing but the text. Decoded lean and written
+        around the text, byte for byte as ``chunk`` writes them: their SSE bytes, and how many events
+        that was. The caller decodes the others in full (``decode_stream_chunk``) for ``chunk``."""
+        if not self._plain or not self._role_sent or self.failed:
+            return b"", 0
+        steps = running_steps(datas)
+        if not steps:
+            return b"", 0
+        index = steps[0].index
+        choice = self._choices.get(index)
+        head = self._heads.get(index)
+        if choice is None or head is None or choice.done or not choice.plain:
+            return b"", 0
+        same = 1  # the leading steps of this one choice (all of them when n = 1) are taken together
+        while same < len(steps) and steps[same].index == index:
+            same += 1
+        texts = choice.take_running_steps([step.token_ids for step in steps[:same]])
+        return b"".join([head + encode(text) + _RUNNING_TAIL for text in texts]), same
+
     def step(self, index: int, token_ids: list[int], finish_reason: str | None = None,
              stop_reason: Any = _UNSET_MARK) -> bytes:
         """``chunk`` for one choice's step (no logprobs), without a ``GenerateStreamChunk``: for an engine in
@@ -759,6 +800,25 @@ class CompletionDerender(_Base):
             if event:
                 out.append(event)
         return b"".join(out)
+
+    def running(self, datas: list[bytes]) -> tuple[bytes, int]:
+        """``chunk(event, prompt=0)`` of the leading events of ``datas`` that are the bulk of a stream, as
+        ``ChatDerender.running`` says: their SSE bytes, and how many events that was."""
+        if not self._plain or self.failed:
+            return b"", 0
+        steps = running_steps(datas)
+        if not steps:
+            return b"", 0
+        index = steps[0].index
+        choice = self._choices.get(index)
+        if choice is None or choice.done or not choice.plain or index >= self.options.n:
+            return b"", 0
+        same = 1  # the leading steps of this one choice, taken together
+        while same < len(steps) and steps[same].index == index:
+            same += 1
+        texts = choice.take_running_steps([step.token_ids for step in steps[:same]])
+        head = self._head + str(index).encode() + b',"text":'
+        return b"".join([head + encode(text) + _RUNNING_COMPLETION_TAIL for text in texts]), same
 
     def step(self, index: int, token_ids: list[int], finish_reason: str | None = None,
              stop_reason: Any = _UNSET_MARK, prompt: int = 0) -> bytes:

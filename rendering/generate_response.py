@@ -137,8 +137,26 @@ class GenerateStreamChunk(Struct, kw_only=True):
 #: the payload of the stream's last event, ``data: [DONE]``
 STREAM_DONE = b"[DONE]"
 
+
+class RunningStep(Struct):
+    """The one choice of a stream event that only carries new token ids (``running_step``)."""
+
+    index: int
+    token_ids: list[int]
+    finish_reason: str | None = None
+    logprobs: Any = None
+
+
+class _RunningEvent(Struct):
+    """The fields that tell a running step from the other events; the rest is skipped unread."""
+
+    choices: list[RunningStep] = []
+    usage: Any = None
+    error: Any = UNSET
+
 _response_decoder = msgspec.json.Decoder(GenerateResponse)
 _chunk_decoder = msgspec.json.Decoder(GenerateStreamChunk)
+_running_decoder = msgspec.json.Decoder(_RunningEvent)
 _encoder = msgspec.json.Encoder()
 
 
@@ -156,6 +174,28 @@ def decode_stream_chunk(data: bytes | bytearray | memoryview) -> GenerateStreamC
         return _chunk_decoder.decode(data)
     except msgspec.DecodeError as exc:
         raise UpstreamProtocolError(f"the engine's generate stream event is not valid: {exc}") from None
+
+
+def running_steps(datas: list[bytes]) -> list[RunningStep]:
+    """The choices of the leading events of ``datas`` (SSE ``data`` payloads, in order) that are each one
+    running step of one choice with new token ids and nothing else (no end, no logprobs, no usage, no
+    error): the bulk of a stream, decoded lean. Stops at the first other event, and at one that does
+    not decode here (``decode_stream_chunk`` then reads it in full, or reports it)."""
+    steps: list[RunningStep] = []
+    decode = _running_decoder.decode
+    for data in datas:
+        try:
+            event = decode(data)
+        except msgspec.DecodeError:  # [DONE] too
+            break
+        choices = event.choices
+        if len(choices) != 1 or event.usage is not None or event.error is not UNSET:
+            break
+        step = choices[0]
+        if step.finish_reason is not None or step.logprobs is not None or not step.token_ids:
+            break
+        steps.append(step)
+    return steps
 
 
 def encode_generate_response(response: GenerateResponse) -> bytes:

@@ -103,6 +103,9 @@ class CompletionAnswer:
     def chunk(self, chunk: GenerateStreamChunk, prompt: int = 0) -> bytes:
         return self.derender.chunk(chunk, prompt)
 
+    def running(self, datas: list[bytes]) -> tuple[bytes, int]:
+        return self.derender.running(datas)
+
     def finish(self) -> bytes:
         return self.derender.finish()
 

@@ -81,6 +81,11 @@ class Derenderer(Protocol):
 
     def chunk(self, chunk: GenerateStreamChunk) -> bytes: ...
 
+    def running(self, datas: list[bytes]) -> tuple[bytes, int]:
+        """``chunk`` of the leading events of ``datas`` that are a stream's bulk, straight from their JSON:
+        the bytes, and how many events (the rest: decode each and call ``chunk``)."""
+        ...
+
     def finish(self) -> bytes: ...
 
     def collect(self, chunk: GenerateStreamChunk) -> None: ...
@@ -193,10 +198,17 @@ class EngineCall:
         if stream:
             await writer.start(200, self.client_headers(SSE_CONTENT_TYPE))
         attempt.status = 200
+        running = derender.running if stream else None
         try:
             async for raw in upstream:
                 outs: list[bytes] = []  # what the events of this read add up to: one write
-                for data in events.feed(raw):
+                datas = events.feed(raw)
+                if running is not None and datas:  # the bulk of a stream: running steps, decoded lean
+                    out, taken = running(datas)
+                    if taken:
+                        outs.append(out)
+                        datas = datas[taken:]
+                for data in datas:
                     if data == STREAM_DONE:
                         ended = True
                         break

@@ -9,10 +9,12 @@ import json
 from collections.abc import Callable
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from msgspec import UNSET
 
 from rendering.derender import ChatDerender, CompletionDerender, DerenderOptions
-from rendering.generate_response import GenerateStreamChoice, GenerateStreamChunk
+from rendering.generate_response import STREAM_DONE, GenerateStreamChoice, GenerateStreamChunk, decode_stream_chunk
 from rendering.model import DEFAULT_MODEL_DIR, load_model
 from rendering.openai_objects import CompletionChunk, CompletionStreamChoice, sse_event
 
@@ -65,3 +67,99 @@ def test_step_equals_chunk(make: Callable[[DerenderOptions], ChatDerender | Comp
     assert stepped == chunked and by_step.stopped == by_chunk.stopped
     assert stepped.count(b"data: ") >= 2 * 2  # at least one event per choice and step kind
     assert by_step.finish() == by_chunk.finish()
+
+
+def _events(draw: st.DrawFn, n: int, *, finish: bool) -> list[bytes]:
+    """An engine's stream as SSE data payloads: running steps of the ``n`` choices (one or more new ids,
+    the odd one with logprobs, an id beyond the vocabulary or a special token), then each choice's last
+    step, maybe a usage-only event, maybe an error, and ``[DONE]``."""
+    words = MODEL.tokenizer.encode(" the quick fox jumps, é € 你好 stop here now", add_special_tokens=False).ids
+    ids = st.one_of(st.sampled_from(words), st.sampled_from(words), st.sampled_from([0, 2, 1000, 300, 130]))
+    events: list[bytes] = []
+    for _ in range(draw(st.integers(min_value=0, max_value=30))):
+        index = draw(st.integers(min_value=0, max_value=n - 1))
+        step = draw(st.lists(ids, min_size=1, max_size=3))
+        extra = draw(st.sampled_from(["", "", "", "logprobs", "empty", "stop_reason", "request_id", "usage"]))
+        choice: dict[str, object] = {"index": index, "token_ids": step, "finish_reason": None, "logprobs": None}
+        event: dict[str, object] = {"request_id": "generate-tokens-x", "choices": [choice]}
+        if extra == "logprobs":
+            choice["logprobs"] = {"content": [{"token_id": i, "logprob": -0.5, "top_logprobs": []}
+                                              for i in step]}
+        elif extra == "empty":
+            choice["token_ids"] = []
+        elif extra == "stop_reason":
+            choice["stop_reason"] = None
+            choice["routed_experts"] = None
+        elif extra == "request_id":
+            del event["request_id"]
+        elif extra == "usage":
+            event["usage"] = {"prompt_tokens": 7, "completion_tokens": len(events), "total_tokens": 7 + len(events)}
+        events.append(json.dumps(event, separators=(",", ":")).encode())
+    if finish:
+        for index in range(n):  # anywhere: an engine may go on with a choice that ended
+            reason = draw(st.sampled_from(["length", "stop"]))
+            last = {"index": index, "token_ids": [2] if reason == "stop" else [words[0]], "finish_reason": reason,
+                    "stop_reason": None}
+            events.insert(draw(st.integers(min_value=0, max_value=len(events))), json.dumps({"choices": [last]}).encode())
+        if draw(st.booleans()):
+            events.append(json.dumps({"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 9,
+                                                               "total_tokens": 11}}).encode())
+    if draw(st.booleans()):
+        events.insert(draw(st.integers(min_value=0, max_value=len(events))),
+                      b'{"error":{"message":"engine down","type":"InternalServerError","code":500}}')
+    events.append(STREAM_DONE)
+    return events
+
+
+def _derender(make: Callable[[DerenderOptions], ChatDerender | CompletionDerender], opts: DerenderOptions,
+              batches: list[list[bytes]], *, lean: bool) -> list[bytes]:
+    """What the engine leg writes for each read (a batch of events), with or without ``running``."""
+    derender = make(opts)
+    writes = []
+    for datas in batches:
+        out = b""
+        if lean:
+            got, taken = derender.running(datas)
+            out += got
+            datas = datas[taken:]
+        for data in datas:
+            if data == STREAM_DONE:
+                break
+            out += derender.chunk(decode_stream_chunk(data))
+        writes.append(out)
+    writes.append(derender.finish())
+    writes.append(repr((derender.completion_tokens, derender.prompt_tokens, derender.stopped,
+                        derender.failed)).encode())
+    return writes
+
+
+@pytest.mark.parametrize("make", [chat, completion])
+@pytest.mark.parametrize("opts", [
+    DerenderOptions(), DerenderOptions(n=2), DerenderOptions(n=2, stop=("jumps",)),
+    DerenderOptions(n=2, include_usage=True), DerenderOptions(include_usage=True, continuous_usage=True),
+    DerenderOptions(return_token_ids=True), DerenderOptions(logprobs=1), DerenderOptions(echo=True),
+    DerenderOptions(n=2, skip_special_tokens=False), DerenderOptions(stop=("€",), include_stop_str_in_output=True)])
+def test_running_then_chunk_writes_what_chunk_alone_writes(
+        make: Callable[[DerenderOptions], ChatDerender | CompletionDerender], opts: DerenderOptions) -> None:
+    lean_events = 0
+
+    @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(data=st.data())
+    def check(data: st.DataObject) -> None:
+        nonlocal lean_events
+        events = _events(data.draw, opts.n, finish=data.draw(st.booleans()))
+        cuts = sorted(set(data.draw(st.lists(st.integers(min_value=0, max_value=len(events)), max_size=8))))
+        bounds = [0, *cuts, len(events)]
+        batches = [events[a:b] for a, b in zip(bounds, bounds[1:]) if a < b]
+        assert _derender(make, opts, batches, lean=True) == _derender(make, opts, batches, lean=False)
+        derender = make(opts)
+        for datas in batches:
+            lean_events += derender.running(datas)[1]
+            for data in datas[derender.running(datas)[1]:]:
+                if data != STREAM_DONE:
+                    derender.chunk(decode_stream_chunk(data))
+
+    check()
+    plain = not (opts.return_token_ids or opts.continuous_usage or opts.logprobs or opts.stop
+                 or opts.echo and make is completion)
+    assert (lean_events > 0) == plain
