@@ -109,6 +109,7 @@ class ResponseWriter(Protocol):
         """Send one piece of the stream; waits while the client is not reading (back-pressure)."""
         ...
 
-    async def end(self) -> None:
-        """Finish the stream."""
+    async def end(self, last: bytes = b"") -> None:
+        """Finish the stream; ``last``: its final piece, sent with the end (``write(last)`` then ``end()``
+        in one send)."""
         ...

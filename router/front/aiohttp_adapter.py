@@ -126,9 +126,9 @@ class AiohttpWriter:
         assert self.response is not None
         await self.response.write(chunk)
 
-    async def end(self) -> None:
+    async def end(self, last: bytes = b"") -> None:
         assert self.response is not None
-        await self.response.write_eof()
+        await self.response.write_eof(last)
 
 
 def proxy_handler(proxy: "Proxy", route: "Route") -> Callable[[web.Request], Awaitable[web.StreamResponse]]:

@@ -214,11 +214,16 @@ class Exchange:
         if conn.write_paused:
             await conn.drained()
 
-    async def end(self) -> None:
+    async def end(self, last: bytes = b"") -> None:
         if self.finished:
             return
         self.finished = True
-        tail = LAST_CHUNK if self._chunked else b""
+        if self.head_only:
+            last = b""
+        if self._chunked:
+            tail = chunk(last) + LAST_CHUNK if last else LAST_CHUNK
+        else:
+            tail = last
         if self._pending or tail:
             self.conn.write(self._pending + tail)
             self._pending = b""

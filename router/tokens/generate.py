@@ -195,6 +195,7 @@ class EngineCall:
         ended = False  # the engine sent [DONE] (or an error event): nothing to abort
         broke = False  # the engine's stream broke off: nothing to abort either
         tail = b"\n\n"
+        last = b""  # what the last read added, held for the stream's end
         if stream:
             await writer.start(200, self.client_headers(SSE_CONTENT_TYPE))
         attempt.status = 200
@@ -229,7 +230,10 @@ class EngineCall:
                         break
                 if outs:
                     tail = outs[0] if len(outs) == 1 else b"".join(outs)
-                    await writer.write(tail)
+                    if ended or stopped:
+                        last = tail  # the stream's last events: sent with its end, in one write
+                    else:
+                        await writer.write(tail)
                 if ended or stopped:
                     break
             else:
@@ -242,7 +246,7 @@ class EngineCall:
             if not ended and not broke:
                 # stop strings ended every choice, or the client went away (cancelled)
                 self.aborts.abort(backend, [engine_request_id(attempt.request_id)], self.headers)
-        await self._end(stream)
+        await self._end(stream, last)
 
     async def _broke_off(self, exc: UpstreamError, backend: Backend, stream: bool, tail: bytes) -> None:
         """The engine's stream broke off with ``exc``: raised again while nothing reached the client (the
@@ -252,12 +256,12 @@ class EngineCall:
             raise exc
         self.attempt.status = exc.status
         self.proxy.account_error(self.attempt)
-        await self.writer.write(event_boundary(tail) + b"data: " + exc.body() + b"\n\ndata: [DONE]\n\n")
-        await self.writer.end()
+        await self.writer.end(event_boundary(tail) + b"data: " + exc.body() + b"\n\ndata: [DONE]\n\n")
 
-    async def _end(self, stream: bool) -> None:
+    async def _end(self, stream: bool, last: bytes = b"") -> None:
         """The engine's stream is read: its usage accounted (an engine error event: counted as an error),
-        then the collected answer, or the client stream's last events."""
+        then the collected answer, or the client stream's last events (``last``, what the last read added,
+        goes first) and its end, in one write."""
         derender = self.derender
         if derender.failed:
             self.attempt.status = 502
@@ -268,8 +272,7 @@ class EngineCall:
             body = derender.collected()  # an engine error event: UpstreamProtocolError, answered by the proxy
             self.writer.respond(200, self.client_headers(JSON_CONTENT_TYPE), body)
             return
-        await self.writer.write(derender.finish())
-        await self.writer.end()
+        await self.writer.end(last + derender.finish())
 
     # ------------------------------------------------------------------ usage
     def _cached(self, answer: GenerateResponse | GenerateStreamChunk) -> None:

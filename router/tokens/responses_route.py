@@ -217,7 +217,7 @@ class _Capture:
     async def write(self, chunk: bytes) -> None:
         raise AssertionError("a non-streaming /v1/responses turn runs its chat request without streaming")
 
-    async def end(self) -> None:
+    async def end(self, last: bytes = b"") -> None:
         raise AssertionError("a non-streaming /v1/responses turn runs its chat request without streaming")
 
 
@@ -254,6 +254,22 @@ class ResponsesStream:
         await self.writer.write(self.events.started(self._response("in_progress", [], None)))
 
     async def write(self, chunk: bytes) -> None:
+        out = self._take(chunk)
+        if out:
+            await self.writer.write(out)
+
+    async def end(self, last: bytes = b"") -> None:
+        out = self._take(last) if last else b""
+        if not self.failed:
+            text = "".join(self.text)
+            status = "incomplete" if self.finish_reason == "length" else "completed"
+            final = self._response(status, [message_item(self.item_id, text)], _usage(self.usage or _Usage()))
+            out += self.events.end(text, final)
+        await self.writer.end(out)
+
+    # -- helpers
+    def _take(self, chunk: bytes) -> bytes:
+        """The Responses events for the chat events ``chunk`` completes."""
         self.buffer += chunk
         out = b""
         while not self.failed:
@@ -262,18 +278,8 @@ class ResponsesStream:
                 break
             event, self.buffer = self.buffer[:end], self.buffer[end + 2:]
             out += self._chat_event(event)
-        if out:
-            await self.writer.write(out)
+        return out
 
-    async def end(self) -> None:
-        if not self.failed:
-            text = "".join(self.text)
-            status = "incomplete" if self.finish_reason == "length" else "completed"
-            final = self._response(status, [message_item(self.item_id, text)], _usage(self.usage or _Usage()))
-            await self.writer.write(self.events.end(text, final))
-        await self.writer.end()
-
-    # -- helpers
     def _chat_event(self, event: bytes) -> bytes:
         """Responses events for one chat SSE event (its ``data:`` lines)."""
         data = b"\n".join(line[5:].lstrip(b" ") for line in event.split(b"\n") if line.startswith(b"data:"))

@@ -336,7 +336,8 @@ class RecordingWriter:
     async def write(self, chunk: bytes) -> None:
         self.data += chunk
 
-    async def end(self) -> None:
+    async def end(self, last: bytes = b"") -> None:
+        self.data += last
         self.ended = True
 
 
