@@ -569,11 +569,8 @@ class ChatDerender(_Base):
         head = self._heads.get(index)
         if choice is None or head is None or choice.done or not choice.plain:
             return b"", 0
-        same = 1  # the leading steps of this one choice (all of them when n = 1) are taken together
-        while same < len(steps) and steps[same].index == index:
-            same += 1
-        texts = choice.take_running_steps([step.token_ids for step in steps[:same]])
-        return b"".join([head + encode(text) + _RUNNING_TAIL for text in texts]), same
+        texts = choice.take_running_steps([step.token_ids for step in steps])
+        return b"".join([head + encode(text) + _RUNNING_TAIL for text in texts]), len(steps)
 
     def step(self, index: int, token_ids: list[int], finish_reason: str | None = None,
              stop_reason: Any = _UNSET_MARK) -> bytes:
@@ -813,12 +810,9 @@ class CompletionDerender(_Base):
         choice = self._choices.get(index)
         if choice is None or choice.done or not choice.plain or index >= self.options.n:
             return b"", 0
-        same = 1  # the leading steps of this one choice, taken together
-        while same < len(steps) and steps[same].index == index:
-            same += 1
-        texts = choice.take_running_steps([step.token_ids for step in steps[:same]])
+        texts = choice.take_running_steps([step.token_ids for step in steps])
         head = self._head + str(index).encode() + b',"text":'
-        return b"".join([head + encode(text) + _RUNNING_COMPLETION_TAIL for text in texts]), same
+        return b"".join([head + encode(text) + _RUNNING_COMPLETION_TAIL for text in texts]), len(steps)
 
     def step(self, index: int, token_ids: list[int], finish_reason: str | None = None,
              stop_reason: Any = _UNSET_MARK, prompt: int = 0) -> bytes:

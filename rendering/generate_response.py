@@ -139,7 +139,7 @@ STREAM_DONE = b"[DONE]"
 
 
 class RunningStep(Struct):
-    """The one choice of a stream event that only carries new token ids (``running_step``)."""
+    """The one choice of a stream event that only carries new token ids (``running_steps``)."""
 
     index: int
     token_ids: list[int]
@@ -153,6 +153,7 @@ class _RunningEvent(Struct):
     choices: list[RunningStep] = []
     usage: Any = None
     error: Any = UNSET
+
 
 _response_decoder = msgspec.json.Decoder(GenerateResponse)
 _chunk_decoder = msgspec.json.Decoder(GenerateStreamChunk)
@@ -178,9 +179,10 @@ def decode_stream_chunk(data: bytes | bytearray | memoryview) -> GenerateStreamC
 
 def running_steps(datas: list[bytes]) -> list[RunningStep]:
     """The choices of the leading events of ``datas`` (SSE ``data`` payloads, in order) that are each one
-    running step of one choice with new token ids and nothing else (no end, no logprobs, no usage, no
-    error): the bulk of a stream, decoded lean. Stops at the first other event, and at one that does
-    not decode here (``decode_stream_chunk`` then reads it in full, or reports it)."""
+    running step of the same choice with new token ids and nothing else (no end, no logprobs, no usage,
+    no error): the bulk of a stream, decoded lean. Stops at the first other event (another choice's
+    step too), and at one that does not decode here (``decode_stream_chunk`` then reads it in full, or
+    reports it)."""
     steps: list[RunningStep] = []
     decode = _running_decoder.decode
     for data in datas:
@@ -193,6 +195,8 @@ def running_steps(datas: list[bytes]) -> list[RunningStep]:
             break
         step = choices[0]
         if step.finish_reason is not None or step.logprobs is not None or not step.token_ids:
+            break
+        if steps and step.index != steps[0].index:
             break
         steps.append(step)
     return steps

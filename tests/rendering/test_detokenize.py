@@ -13,6 +13,7 @@ from tokenizers.decoders import DecodeStream
 
 from rendering.detokenize import IncrementalDetokenizer, detokenize, prime_ids
 from tests.rendering.byte_level import CHAR_BYTES
+from tests.rendering.vllm_stream import vllm_032_steps
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKENIZER = Tokenizer.from_file(str(ROOT / "models" / "tiny-llama" / "tokenizer.json"))
@@ -112,19 +113,7 @@ def test_priming_with_the_prompt_keeps_the_first_token_as_vllm_does() -> None:
 
 def _vllm_032(ids: list[int], prompt: list[int], skip: bool = True) -> str:
     """vLLM 0.32's detokenizer, plainly: the stream prefilled with the whole prompt."""
-    stream = DecodeStream(ids=prompt, skip_special_tokens=skip) if prompt else DecodeStream(skip_special_tokens=skip)
-    out = ""
-    for token_id in ids:
-        try:
-            text = stream.step(TOKENIZER, token_id)
-        except (TypeError, OverflowError):
-            text = None
-        except Exception as exc:
-            assert str(exc).startswith("Invalid prefix")
-            stream = DecodeStream(skip_special_tokens=skip)
-            text = stream.step(TOKENIZER, token_id)
-        out += text or ""
-    return out
+    return "".join(vllm_032_steps(TOKENIZER, prompt, [ids], skip))
 
 
 def test_prime_ids_are_the_tail_unless_the_prompt_ends_inside_a_character() -> None:
