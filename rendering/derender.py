@@ -48,6 +48,7 @@ from rendering.generate_response import (
     GenerateLogProbsContent,
     GenerateResponse,
     GenerateStreamChunk,
+    RunningStep,
     StreamError,
     running_steps,
 )
@@ -339,11 +340,26 @@ class _Base:
         #: the engine's error event, when one arrived
         self.error: StreamError | None = None
         self._choices: dict[int, ChoiceText] = {}
+        #: running stream events carry nothing but the text (each kind sets it after this)
+        self._plain = False
 
     # -- shared state ----------------------------------------------------------------------------
 
     def _new_choice(self, prompt_ids: Sequence[int] | None, keep_text: bool) -> ChoiceText:
         return ChoiceText(self.model, self.options, prompt_ids, keep_text)
+
+    def _lean_steps(self, datas: list[bytes]) -> tuple[ChoiceText, list[RunningStep]] | None:
+        """For ``running``: the leading running steps of ``datas`` (``running_steps``) and their choice, when
+        the stream is plain and that choice is under way without stop strings; None otherwise."""
+        if not self._plain or self.failed:
+            return None
+        steps = running_steps(datas)
+        if not steps:
+            return None
+        choice = self._choices.get(steps[0].index)
+        if choice is None or choice.done or not choice.plain:
+            return None
+        return choice, steps
 
     @property
     def completion_tokens(self) -> int:
@@ -559,16 +575,11 @@ class ChatDerender(_Base):
         strings, on a stream whose running events hold nothing but the text. Decoded lean and written
         around the text, byte for byte as ``chunk`` writes them: their SSE bytes, and how many events
         that was. The caller decodes the others in full (``decode_stream_chunk``) for ``chunk``."""
-        if not self._plain or not self._role_sent or self.failed:
+        lean = self._lean_steps(datas) if self._role_sent else None
+        head = self._heads.get(lean[1][0].index) if lean is not None else None
+        if lean is None or head is None:  # no head: the choice has not sent content yet
             return b"", 0
-        steps = running_steps(datas)
-        if not steps:
-            return b"", 0
-        index = steps[0].index
-        choice = self._choices.get(index)
-        head = self._heads.get(index)
-        if choice is None or head is None or choice.done or not choice.plain:
-            return b"", 0
+        choice, steps = lean
         texts = choice.take_running_steps([step.token_ids for step in steps])
         return b"".join([head + encode(text) + _RUNNING_TAIL for text in texts]), len(steps)
 
@@ -801,17 +812,12 @@ class CompletionDerender(_Base):
     def running(self, datas: list[bytes]) -> tuple[bytes, int]:
         """``chunk(event, prompt=0)`` of the leading events of ``datas`` that are the bulk of a stream, as
         ``ChatDerender.running`` says: their SSE bytes, and how many events that was."""
-        if not self._plain or self.failed:
+        lean = self._lean_steps(datas)
+        if lean is None or lean[1][0].index >= self.options.n:  # an index past n: not prompt 0's choice
             return b"", 0
-        steps = running_steps(datas)
-        if not steps:
-            return b"", 0
-        index = steps[0].index
-        choice = self._choices.get(index)
-        if choice is None or choice.done or not choice.plain or index >= self.options.n:
-            return b"", 0
+        choice, steps = lean
         texts = choice.take_running_steps([step.token_ids for step in steps])
-        head = self._head + str(index).encode() + b',"text":'
+        head = self._head + str(steps[0].index).encode() + b',"text":'
         return b"".join([head + encode(text) + _RUNNING_COMPLETION_TAIL for text in texts]), len(steps)
 
     def step(self, index: int, token_ids: list[int], finish_reason: str | None = None,
