@@ -196,22 +196,8 @@ class IncrementalDetokenizer:
 
     def push_steps(self, steps: Iterable[list[int]]) -> list[str]:
         """``[push(ids) for ids in steps]``: the text of each step in turn (one engine step's ids each)."""
-        clean = self._clean_texts
-        if clean is None:
-            return [self.push(ids) for ids in steps]
-        size = len(clean)
-        texts: list[str] = []
-        for ids in steps:
-            if self._clean and len(ids) == 1:
-                token_id = ids[0]
-                if 0 <= token_id < size:
-                    text = clean[token_id]
-                    if text is not None:
-                        self._behind = token_id
-                        texts.append(text)
-                        continue
-            texts.append(self.push(ids))
-        return texts
+        one, push = self.push_one, self.push
+        return [one(ids[0]) if len(ids) == 1 else push(ids) for ids in steps]
 
     def push(self, token_ids: Iterable[int]) -> str:
         """The new text for ``token_ids``; never ends inside a multi-byte UTF-8 character."""
