@@ -149,7 +149,11 @@ async def get_session(request: web.Request) -> web.Response:
 
 def _kv_of(state: RouterState, session_id: str) -> Mapping[str, int] | None:
     """The session's resident tokens per backend in the KV index (None when the index is off)."""
-    return state.kv.session_tokens(session_id) if state.kv is not None else None
+    kv = state.kv
+    if kv is None:
+        return None
+    kv.catch_up()
+    return kv.session_tokens(session_id)
 
 
 async def delete_session(request: web.Request) -> web.Response:

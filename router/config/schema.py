@@ -297,9 +297,12 @@ class KVEventsSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     block_size: AtLeastOne = 16
     #: how long a replay of missed batches may take before the backend's entries are reset instead
     replay_timeout_s: Seconds = 2.0
-    #: a socket just read is read again this long later at the earliest: under a stream of events one
-    #: wake-up takes several batches (an idle socket's first batch is read at once); 0 = every wake-up
+    #: placement drains the KV-event sockets before it reads the index, unless they were drained less
+    #: than this long ago: a placement sees every batch that arrived this long before it; 0 = at every
+    #: placement (nothing wakes the router for a batch: router.kv.service)
     min_read_interval_s: SecondsOrZero = 0.005
+    #: while no placement drains them, the sockets are drained this often (replays, resets, /v1/sessions)
+    idle_read_interval_s: Seconds = 0.1
     #: how often each backend's GET /kv_event_sources is read again (a changed endpoint re-subscribes)
     sources_refresh_s: Seconds = 30.0
 

@@ -76,7 +76,7 @@ built as backends drop out, O(prompt blocks + backends in the answer). ``reset_b
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from hashlib import blake2b
 from types import MappingProxyType
 from typing import Final
@@ -209,8 +209,21 @@ class KVIndex:
         self._version = 0
         #: blocks dropped to stay within max_blocks (a counter, for metrics)
         self.evicted = 0
+        self._catch_up: Callable[[], None] | None = None
 
     # ------------------------------------------------------------------ reads (placement)
+
+    def set_catch_up(self, catch_up: Callable[[], None] | None) -> None:
+        """What ``catch_up`` runs: the feeder's ``router.kv.service.KVEvents.catch_up`` (None: nothing)."""
+        self._catch_up = catch_up
+
+    def catch_up(self) -> None:
+        """Apply the events that reached the router since they were last read (when a read is due): a
+        reader of the index calls this once before its reads, since the feeder reads its sockets
+        only when asked or on a slow timer (``router.kv.subscriber``)."""
+        catch_up = self._catch_up
+        if catch_up is not None:
+            catch_up()
 
     @property
     def version(self) -> int:

@@ -32,7 +32,7 @@ class KVMetrics(Collector):
         self.replays: dict[tuple[str, str], int] = {}
         self.resets: dict[tuple[str, str], int] = {}
         self.errors: dict[tuple[str, str], int] = {}
-        #: reads of the KV-event sockets (one wake-up's drain: what arrived since the last one)
+        #: drains of the KV-event sockets that found batches (each takes what arrived since the last)
         self.reads = 0
         #: backend -> streams subscribed now (a callable so the service's live view is read at scrape time)
         self.sources: Callable[[], dict[str, int]] = dict
@@ -70,8 +70,8 @@ class KVMetrics(Collector):
                        "KV-event messages or batches that could not be used, by reason", ["backend", "reason"],
                        self.errors.items())
         yield CounterMetricFamily(PREFIX + "kv_event_reads",
-                                  "Reads of the KV-event sockets (each takes the batches that arrived since the "
-                                  "last; see [kv_events] min_read_interval_s)", value=self.reads)
+                                  "Drains of the KV-event sockets that found batches (each takes what arrived since "
+                                  "the last; see [kv_events] min_read_interval_s)", value=self.reads)
         yield labelled(GaugeMetricFamily, PREFIX + "kv_event_sources", "KV-event streams subscribed, by backend",
                        ["backend"], self.sources().items())
         index = self.index

@@ -18,6 +18,13 @@ Where a backend publishes (its ``EventSource`` list):
 
 Several data-parallel ranks of one backend feed the same index entries; a reset caused by one rank
 (its restart, a gap it could not fill) drops the whole backend's entries.
+
+When the sockets are read: nothing wakes the router for a batch. Placement calls the index's
+``catch_up`` (this service's ``catch_up``) before it reads the index, and the sockets are drained
+then when they were last read ``min_read_interval_s`` ago or more: a placement sees every batch that
+arrived up to that long before it. While no request comes, a timer drains them every
+``idle_read_interval_s`` (so replays, resets and the index's view on ``/v1/sessions`` stay current,
+and ZMQ's queue stays short).
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -78,7 +86,11 @@ class KVEvents:
         self._context: zmq.asyncio.Context | None = None
         self._http: aiohttp.ClientSession | None = None
         self._follow_task: asyncio.Task[None] | None = None
+        self._idle_task: asyncio.Task[None] | None = None
         self._closing: set[asyncio.Task[None]] = set()
+        #: ``time.monotonic()`` of the last drain of every socket, and when ``catch_up`` drains next
+        self._read_at = 0.0
+        self._read_due = 0.0
         metrics.sources = self.sources_by_backend
 
     # ------------------------------------------------------------------ lifecycle
@@ -89,9 +101,12 @@ class KVEvents:
         self._context = zmq.asyncio.Context()
         self._sync_members()
         self._follow_task = asyncio.create_task(self._follow(), name="kv-events follow")
+        self._idle_task = asyncio.create_task(self._read_idle(), name="kv-events idle reads")
+        self.index.set_catch_up(self.catch_up)
 
     async def stop(self) -> None:
-        tasks = [t for t in (self._follow_task, *(tr.reading for tr in self._tracked.values())) if t is not None]
+        self.index.set_catch_up(None)
+        tasks = [t for t in (self._follow_task, self._idle_task, *(tr.reading for tr in self._tracked.values())) if t is not None]
         for task in tasks:
             task.cancel()
         for task in tasks:
@@ -138,6 +153,33 @@ class KVEvents:
         self._read_sources(tracked)
         if tracked.reading is not None:
             await asyncio.shield(tracked.reading)
+
+    # ------------------------------------------------------------------ reading the sockets
+
+    def catch_up(self) -> None:
+        """Drain every socket unless they were drained less than ``min_read_interval_s`` ago (module
+        docstring): one clock read when not due."""
+        now = time.monotonic()
+        if now >= self._read_due:
+            self._read(now)
+
+    def _read(self, now: float) -> None:
+        self._read_at = now
+        self._read_due = now + self.settings.min_read_interval_s
+        for socket in self._sockets.values():
+            socket.drain()
+
+    async def _read_idle(self) -> None:
+        """Drain the sockets when ``idle_read_interval_s`` passed without a drain."""
+        idle = self.settings.idle_read_interval_s
+        wait = idle
+        while True:
+            await asyncio.sleep(wait)
+            now = time.monotonic()
+            wait = self._read_at + idle - now
+            if wait <= 0:
+                self._read(now)
+                wait = idle
 
     # ------------------------------------------------------------------ views
 
@@ -282,8 +324,7 @@ class KVEvents:
             socket = self._sockets.get((bind, address))
             fresh = socket is None
             if socket is None:
-                socket = SubSocket(self._context, bind, address, self.metrics,
-                                   min_read_interval_s=self.settings.min_read_interval_s)
+                socket = SubSocket(self._context, bind, address, self.metrics)
             try:
                 socket.add(stream)
                 if fresh:

@@ -28,14 +28,13 @@ backend's own host in place of ``*``/``[::]``. Several engines may connect to on
 router binds (the usual "all engines publish to the router" set-up): one socket then serves them,
 told apart by their topics (each must have its own).
 
-Reading costs one loop callback per wake-up, not a future per message: the socket is a plain
-(non-asyncio) ZMQ socket whose file descriptor the event loop watches; a wake-up drains what is
-queued at once. Under a stream of batches (an engine publishes one per step) a socket just read is
-read again ``min_read_interval_s`` later at the earliest: what arrived meanwhile is taken in one
-wake-up, each batch applied at most that late; the first batch after a quiet spell is read at once.
-The next batch of a running stream is applied right there; anything that has to wait (a replay, a
-batch of more than ``APPLY_CHUNK`` events) goes to a task, and the socket is drained again when it
-is done, so batches stay in order.
+Reading costs no wake-up of its own: the socket is a plain (non-asyncio) ZMQ socket that nobody
+watches. Its batches wait in ZMQ's queue until ``SubSocket.drain`` takes them all at once; the owner
+(``router.kv.service``) drains before placement reads the index and on a slow timer while no request
+comes. On this machine a wake-up of the router's main thread for each message cost about as much
+as everything else the events cost together (bench/RESULTS.md). The next batch of a running stream is
+applied right there; anything that has to wait (a replay, a batch of more than ``APPLY_CHUNK``
+events) goes to a task, and the socket is drained again when it is done, so batches stay in order.
 
 A flood never blocks the event loop: a socket's reader applies what is queued in slices of
 ``SLICE_S`` seconds of work and yields to the loop between them (a huge batch is applied
@@ -48,7 +47,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-import math
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -360,26 +358,18 @@ class Slicer:
 class SubSocket:
     """One SUB socket (bound or connected) and the streams it carries, told apart by topic."""
 
-    def __init__(self, context: zmq.asyncio.Context, bind: bool, address: str, metrics: KVMetrics,
-                 min_read_interval_s: float = 0.0) -> None:
-        """``min_read_interval_s``: after a drain, the socket is read again this long later at the
-        earliest (what arrives meanwhile is drained together); 0 reads at every wake-up."""
+    def __init__(self, context: zmq.asyncio.Context, bind: bool, address: str, metrics: KVMetrics) -> None:
         self.context = context
-        self.min_read_interval_s = min_read_interval_s
         self.bind = bind
         self.address = address
         self.metrics = metrics
         self.streams: dict[bytes, Stream] = {}
         self._socket: zmq.Socket[bytes] | None = None
-        self._fd: int | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         #: work of one message that has to wait (a replay, a huge batch); the socket is not read meanwhile
         self._task: asyncio.Task[None] | None = None
-        #: a drain is queued with ``call_soon`` (a slice ran out, or messages were queued at start)
+        #: a drain is queued with ``call_soon`` (a slice ran out, or a waiting message's work is done)
         self._queued = False
-        #: a drain is due at ``_last_drain + min_read_interval_s`` (``call_at``); wake-ups meanwhile wait for it
-        self._deferred = False
-        self._last_drain = -math.inf
         self._monitor_task: asyncio.Task[None] | None = None
 
     @property
@@ -408,7 +398,7 @@ class SubSocket:
         return not self.streams
 
     def start(self) -> None:
-        # a plain socket (not an asyncio one): the loop watches its FD and calls ``_drain`` itself
+        # a plain socket (not an asyncio one), read by ``drain`` only
         socket = self.context.socket(zmq.SUB, socket_class=zmq.Socket)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.RCVHWM, RCVHWM)
@@ -420,18 +410,12 @@ class SubSocket:
         else:
             socket.connect(self.address)
         self._socket = socket
-        loop = self._loop = asyncio.get_running_loop()
-        self._fd = socket.getsockopt(zmq.FD)
-        loop.add_reader(self._fd, self._wake)
-        self._queue_drain()  # the FD is edge-triggered: what came before the watch would not wake it
+        self._loop = asyncio.get_running_loop()
         self._monitor_task = asyncio.create_task(self._watch(monitor), name=f"kv-events monitor {self.address}")
 
     async def close(self) -> None:
         for stream in self.streams.values():
             stream.closed = True
-        if self._loop is not None and self._fd is not None:
-            self._loop.remove_reader(self._fd)
-            self._fd = None
         await _cancel(self._task)
         if self._socket is not None:
             # the monitor stops while its PAIR is still open: libzmq's last monitor events would
@@ -459,42 +443,20 @@ class SubSocket:
 
     def _drain_queued(self) -> None:
         self._queued = False
-        self._drain()
+        self.drain()
 
-    def _wake(self) -> None:
-        """The socket's FD is readable. While a message's work is waiting, or the next drain is not due
-        yet, only clear the signal (the loop watches the FD level-triggered: an unread signal would
-        wake it again at once); the socket is drained when that work is done or the drain is due."""
-        socket = self._socket
-        loop = self._loop
-        if socket is None or self._fd is None or loop is None:
-            return
-        if self._task is not None or self._deferred:
-            socket.getsockopt(_EVENTS)
-            return
-        due = self._last_drain + self.min_read_interval_s
-        if loop.time() < due:
-            socket.getsockopt(_EVENTS)
-            self._deferred = True
-            loop.call_at(due, self._drain_due)
-            return
-        self._drain()
-
-    def _drain_due(self) -> None:
-        self._deferred = False
-        self._drain()
-
-    def _drain(self) -> None:
+    def drain(self) -> None:
         """Apply what the socket holds, for up to ``SLICE_S`` seconds (then the rest after the loop's
-        next turn). ZMQ signals its FD only when the socket's state changes: after the socket's
-        ``EVENTS`` were read with no message left, not for each message. So a drain either empties
-        the socket or queues the next drain."""
+        next turn, ``_queue_drain``). Reads nothing while a message's work is waiting (it drains
+        again when done) or once the socket is closed."""
         socket = self._socket
-        loop = self._loop
-        if self._task is not None or self._fd is None or socket is None or loop is None:
-            return  # a message's work is waiting (it drains again when done), or the socket closed
+        if socket is None or socket.closed or self._loop is None:
+            return
+        # reading EVENTS also runs ZMQ's pending commands (a new peer's pipe: the subscription goes out),
+        # which must happen while a message's work waits too
+        if not socket.getsockopt(_EVENTS) & _POLLIN or self._task is not None:
+            return
         streams = self.streams
-        self._last_drain = loop.time()
         self.metrics.reads += 1
         deadline = time.perf_counter() + SLICE_S
         while socket.getsockopt(_EVENTS) & _POLLIN:

@@ -199,6 +199,8 @@ def usage_now(backend: Backend, change: float | None = None) -> float:
 class KVView(Protocol):
     """What the policy reads of the router's KV index (``router.kv.index.KVIndex``)."""
 
+    def catch_up(self) -> None: ...
+
     def session_tokens(self, session_id: str) -> Mapping[str, int]: ...
 
     def prefix_tokens(self, prompt_ids: Sequence[int]) -> Mapping[str, int]: ...
@@ -496,6 +498,9 @@ class KVAwarePolicy:
         hint: PlacementHint | None = None,
     ) -> Placement:
         now = self._now = self._clock()
+        kv = self.kv
+        if kv is not None:
+            kv.catch_up()  # the events that arrived since the index was last read (router.kv.service)
         placement = self._place(pool, session_id, entry, exclude, hint)
         # the chosen backend's prefill of this request is ahead of the next ones sent there (``ahead``)
         backend = placement.backend

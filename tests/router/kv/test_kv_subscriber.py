@@ -156,7 +156,7 @@ async def test_a_socket_awaiting_a_replay_neither_reads_on_nor_spins(zctx: zmq.a
         await a.send(stored(T2, "s2"), live=False)  # lost on the way
         await a.send(removed(T1, 3))  # the gap shows: a replay is asked for
         await eventually(lambda: a.replay_requests == [1], timeout=5, what="the replay request")
-        b = TestPublisher(zctx, endpoint, topic="kv@b")  # a new peer: the socket's FD is signalled
+        b = TestPublisher(zctx, endpoint, topic="kv@b")  # a new peer: its subscription goes out meanwhile
         await b.subscribed()
         await b.send(stored(T3, "s3"))
         await a.send(stored(T3, "s3"))
@@ -384,32 +384,61 @@ def _disconnected(service: KVEvents) -> bool:
     return any(stream.disconnected for stream in service.streams_of(URL))
 
 
-@pytest.mark.parametrize("interval", [0.0, 0.5])
-async def test_batches_arriving_within_the_read_interval_are_read_together(
-        zctx: zmq.asyncio.Context, make_service: Make, tmp_path: Path, interval: float) -> None:
-    """``min_read_interval_s``: a socket just read is read again that long later at the earliest, so a
-    stream of batches costs a few wake-ups, not one each; 0 reads each batch as it comes."""
+async def test_batches_wait_for_a_reader_of_the_index_or_the_idle_timer(
+        zctx: zmq.asyncio.Context, make_service: Make, tmp_path: Path) -> None:
+    """Nothing wakes the router for a batch: a stream of batches waits in ZMQ's queue until the index's
+    ``catch_up`` (placement calls it) or the idle timer drains it, all in one read."""
     endpoint = f"ipc://{tmp_path}/kv.sock"
     publisher = TestPublisher(zctx, endpoint)
     try:
         _, index, metrics, _ = await make_service({URL: BackendConfig(URL, kv_events=endpoint)},
-                                                  min_read_interval_s=interval)
+                                                  idle_read_interval_s=0.05)
         await publisher.subscribed()
-        # a first batch (the socket idle)
+        # with nobody reading the index, the idle timer applies a batch
         await publisher.send(stored(T1, "first"))
-        await eventually(lambda: tokens_of(index, "first") == {URL: 16}, timeout=5, what="the first batch")
+        await eventually(lambda: tokens_of(index, "first") == {URL: 16}, timeout=5, what="the idle timer's read")
+    finally:
+        await publisher.close()
+    publisher = TestPublisher(zctx, f"ipc://{tmp_path}/kv2.sock")
+    try:
+        _, index, metrics, _ = await make_service(
+            {URL: BackendConfig(URL, kv_events=f"ipc://{tmp_path}/kv2.sock")}, idle_read_interval_s=60.0)
+        await publisher.subscribed()
         reads = metrics.reads
         for b in range(20):  # one batch every 10 ms: the loop runs between them (pacing, not a condition)
             await publisher.send(stored([1000 + 16 * b + i for i in range(16)], f"s{b}"))
             await asyncio.sleep(0.01)
-        await eventually(lambda: metrics.event_counts.get(URL, 0) == 21, timeout=5, what="every batch applied")
+        # the I/O thread has them, the loop ran 20 times, and no read took them: nobody asked
+        assert metrics.event_counts.get(URL, 0) == 0 and metrics.reads == reads
+
+        def caught_up() -> bool:
+            index.catch_up()
+            return metrics.event_counts.get(URL, 0) == 20
+
+        await eventually(caught_up, timeout=5, what="every batch applied by catch_up")
         assert all(tokens_of(index, f"s{b}") == {URL: 16} for b in range(20))
-        stream_reads = metrics.reads - reads
-        if interval:
-            assert stream_reads <= 3, stream_reads  # ~0.2 s of batches within one or two intervals
-        else:
-            assert stream_reads >= 10, stream_reads  # the same stream read batch by batch
+        assert metrics.reads - reads <= 2, metrics.reads - reads  # one read took them (two if one came late)
         families = {m.name: m for m in metrics.collect()}
         assert families["session_router_kv_event_reads"].samples[0].value == metrics.reads
+    finally:
+        await publisher.close()
+    # min_read_interval_s: a catch_up within it of the last read reads nothing
+    publisher = TestPublisher(zctx, f"ipc://{tmp_path}/kv3.sock")
+    try:
+        _, index, metrics, _ = await make_service(
+            {URL: BackendConfig(URL, kv_events=f"ipc://{tmp_path}/kv3.sock")}, idle_read_interval_s=60.0,
+            min_read_interval_s=0.3)
+        await publisher.subscribed()
+
+        def applied(session: str) -> bool:
+            index.catch_up()
+            return tokens_of(index, session) == {URL: 16}
+
+        await publisher.send(stored(T1, "a"))
+        await eventually(lambda: applied("a"), timeout=5, what="the first batch")
+        read_a = time.monotonic()  # just after the read that applied it
+        await publisher.send(stored(T2, "b"))
+        await eventually(lambda: applied("b"), timeout=5, what="the second batch")
+        assert time.monotonic() - read_a >= 0.29
     finally:
         await publisher.close()

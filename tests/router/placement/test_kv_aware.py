@@ -46,8 +46,17 @@ class FakeKV:
         #: backends whose KV events reach the index (``has_events``)
         self.live: set[str] = set()
         self.prefix_calls = 0
+        #: reads of the index since the last ``catch_up`` (None: none yet), and the catch-ups
+        self.reads_since_catch_up: int | None = None
+        self.catch_ups = 0
+
+    def catch_up(self) -> None:
+        self.catch_ups += 1
+        self.reads_since_catch_up = 0
 
     def session_tokens(self, session_id: str) -> Mapping[str, int]:
+        if self.reads_since_catch_up is not None:
+            self.reads_since_catch_up += 1
         return self.sessions.get(session_id, {})
 
     def has_events(self, backend_url: str) -> bool:
@@ -238,6 +247,8 @@ def test_the_kv_index_says_what_is_cached_where() -> None:
     index = policy.kv = FakeKV(sessions={"s": {holder.url: PROMPT}}, prefixes={ids: {pin.url: PROMPT - 16}})
     placement = policy.place(pool, "s", entry, hint=PlacementHint(PROMPT, ids))
     assert (placement.backend, placement.cached_tokens, index.prefix_calls) == (holder, PROMPT, 0)
+    # each placement brings the index up to date once, before it reads it (router.kv.service)
+    assert index.catch_ups == 1 and index.reads_since_catch_up is not None and index.reads_since_catch_up >= 1
 
 
 def test_the_safety_net_bounds_the_spread() -> None:

@@ -27,6 +27,9 @@ class FakeKV:
         self.prefixes: dict[tuple[int, ...], dict[str, int]] = {}
         self.live: set[str] = set()
 
+    def catch_up(self) -> None:
+        """Nothing to apply: this fake's answers are set by the test, never late."""
+
     def session_tokens(self, session_id: str) -> Mapping[str, int]:
         return self.sessions.get(session_id, {})
 
