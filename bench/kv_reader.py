@@ -8,19 +8,19 @@ nothing else, and its CPU time (all threads: libzmq's I/O thread included) is re
 window, per batch received. Readers, measured in turn, each against a fresh publisher:
 
 - ``router``: the router's own reader (``router.kv.subscriber.SubSocket`` + ``Stream``) applying every
-  batch to a ``KVIndex``, with the default ``[kv_events] min_read_interval_s`` (a socket just read is
-  read again that long later at the earliest, so under a stream one wake-up takes several batches);
-- ``router-every``: the same reader with ``min_read_interval_s = 0`` (every batch wakes it);
-- ``zmq``: the same kind of SUB socket drained by a loop callback, each message received and dropped
-  (no decode, no index): ZMQ's share;
+  batch to a ``KVIndex``, drained as an idle router drains it: every ``[kv_events]
+  idle_read_interval_s`` (nothing wakes it for a batch; ``router.kv.service``);
+- ``router-busy``: the same, drained every ``min_read_interval_s`` by a timer of its own, as a router
+  placing requests at least that often drains it (here the timer's own wake-ups are counted too,
+  which a busy router's placements do not add);
+- ``zmq``: a bare SUB socket whose FD the loop watches, each message received and dropped as it
+  comes (no decode, no index): a ZMQ reader woken for every message, as the router's was before;
 - ``unix``: a Unix datagram socket read by a loop callback: the floor of waking up for a message
   another process sent.
 
 The batches arrive one at a time (the rate is far below what the reader can take), so each one
-wakes the process (``zmq``, ``unix``, ``router-every``; ``router`` takes the ones that arrive within
-its read interval together): at a proxy's rates this is what the index's upkeep adds per request when
-every request stores a block. libzmq's I/O thread still wakes for each message whatever the reader
-does: the floor of a ZMQ message.
+wakes ``zmq`` and ``unix``; the ``router`` rows take what arrived since their last drain together.
+libzmq's I/O thread still wakes for each message whatever the reader does: the floor of a ZMQ message.
 
     python -m bench.kv_reader [--rate 1000] [--seconds 3] [--rounds 3]
 """
@@ -50,7 +50,7 @@ from router.kv.subscriber import EventSource, Stream, SubSocket
 
 BLOCK = 16
 TOPIC = b"kv"
-READERS = ("router", "router-every", "zmq", "unix")
+READERS = ("router", "router-busy", "zmq", "unix")
 #: seconds the publisher waits before its first batch (the subscriber connects meanwhile)
 SETTLE_S = 0.5
 
@@ -111,12 +111,13 @@ class Window:
             self.done.set_result((time.process_time() - self.cpu) / (self.seen - self.skip))
 
 
-async def read_router(address: str, window: Window, timeout: float, min_read_interval_s: float) -> float:
+async def read_router(address: str, window: Window, timeout: float, interval_s: float) -> float:
+    """The router's reader, drained every ``interval_s``."""
     context = zmq.asyncio.Context()
     index = KVIndex(max_blocks=10**6)
     metrics = KVMetrics(index)
     source = EventSource("http://127.0.0.1:1", address, topic=TOPIC.decode(), name="bench")
-    sub = SubSocket(context, False, address, metrics, min_read_interval_s=min_read_interval_s)
+    sub = SubSocket(context, False, address, metrics)
     sub.add(Stream(source, index, metrics, context, replay_timeout_s=1.0))
     real_events = metrics.events
 
@@ -126,9 +127,17 @@ async def read_router(address: str, window: Window, timeout: float, min_read_int
 
     metrics.events = counted  # type: ignore[method-assign]
     sub.start()
+    loop = asyncio.get_running_loop()
+
+    def drain() -> None:
+        sub.drain()
+        timer[0] = loop.call_later(interval_s, drain)
+
+    timer = [loop.call_later(interval_s, drain)]
     try:
         return await asyncio.wait_for(window.done, timeout)
     finally:
+        timer[0].cancel()
         await sub.close()
         context.destroy(linger=0)
 
@@ -197,9 +206,9 @@ def measure(reader: str, rate: float, seconds: float, tmp: str) -> float:
     async def run() -> float:
         window = Window(skip, count, asyncio.get_running_loop())
         if reader == "router":
+            return await read_router(target, window, timeout, KVEventsSettings().idle_read_interval_s)
+        if reader == "router-busy":
             return await read_router(target, window, timeout, KVEventsSettings().min_read_interval_s)
-        if reader == "router-every":
-            return await read_router(target, window, timeout, 0.0)
         if reader == "zmq":
             return await read_zmq(target, window, timeout)
         return await read_unix(target, window, timeout)
