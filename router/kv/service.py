@@ -88,9 +88,8 @@ class KVEvents:
         self._follow_task: asyncio.Task[None] | None = None
         self._idle_task: asyncio.Task[None] | None = None
         self._closing: set[asyncio.Task[None]] = set()
-        #: ``time.monotonic()`` of the last drain of every socket, and when ``catch_up`` drains next
+        #: ``time.monotonic()`` of the last drain of every socket
         self._read_at = 0.0
-        self._read_due = 0.0
         metrics.sources = self.sources_by_backend
 
     # ------------------------------------------------------------------ lifecycle
@@ -106,7 +105,8 @@ class KVEvents:
 
     async def stop(self) -> None:
         self.index.set_catch_up(None)
-        tasks = [t for t in (self._follow_task, self._idle_task, *(tr.reading for tr in self._tracked.values())) if t is not None]
+        tasks = [t for t in (self._follow_task, self._idle_task, *(tr.reading for tr in self._tracked.values()))
+                 if t is not None]
         for task in tasks:
             task.cancel()
         for task in tasks:
@@ -160,12 +160,11 @@ class KVEvents:
         """Drain every socket unless they were drained less than ``min_read_interval_s`` ago (module
         docstring): one clock read when not due."""
         now = time.monotonic()
-        if now >= self._read_due:
+        if now - self._read_at >= self.settings.min_read_interval_s:
             self._read(now)
 
     def _read(self, now: float) -> None:
         self._read_at = now
-        self._read_due = now + self.settings.min_read_interval_s
         for socket in self._sockets.values():
             socket.drain()
 
