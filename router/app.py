@@ -95,7 +95,8 @@ def build_state(config: RouterConfig, registry: CollectorRegistry | None = None)
     state = RouterState(
         config=config,
         pools=pools,
-        policy=build_policy(config.placement, kv=kv),
+        policy=build_policy(config.placement, kv=kv, pin_counts=sessions.pin_counts,
+                            pins_shared=bool(config.shared_state.url)),
         sessions=sessions,
         responses=ResponseIndex(config.sessions.max_response_ids),
         metrics=metrics,

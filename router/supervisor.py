@@ -57,6 +57,16 @@ class _Worker:
     signalled: bool = False
 
 
+def config_of_worker(config: RouterConfig, port: int) -> RouterConfig:
+    """What each worker runs: one process on the reserved ``port``. Without shared pins each worker keeps
+    its own session table; balanced by its own pin counts, workers would place some new sessions apart,
+    so they place them by the hash alone, alike (``session_balance`` 0; README "Placement")."""
+    worker = msgspec.structs.replace(config, port=port, workers=1)
+    if config.shared_state.url:
+        return worker
+    return msgspec.structs.replace(worker, placement=msgspec.structs.replace(config.placement, session_balance=0.0))
+
+
 def supervise(
     config: RouterConfig,
     *,
@@ -70,7 +80,7 @@ def supervise(
         complain(f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}")
         return 1
     port = reservation.getsockname()[1]
-    worker_config = msgspec.structs.replace(config, port=port, workers=1)
+    worker_config = config_of_worker(config, port)
     ctx = multiprocessing.get_context("spawn")
 
     def start(index: int) -> _Worker:

@@ -148,6 +148,9 @@ def validate_config(config: RouterConfig, *, labels: Mapping[str, str] | None = 
         f"(with {key('admin.token')})",
     )
     _validate_admin(config.admin, key)
+    balance = config.placement.session_balance
+    check(balance == 0 or balance >= 1, "placement.session_balance",
+          f"must be 0 (off) or at least 1 (1 = no backend over the mean pinned sessions), got {balance:g}")
     for index, path in enumerate(config.front.proxy_deny):
         check(path.startswith("/"), "front.proxy_deny", f"entry {index} ({path!r}) must be a path starting with '/'")
     header = config.sessions.header

@@ -9,6 +9,7 @@ from router.placement.base import REASONS, Outcome, Placement, PlacementHint, Po
 from router.placement.kv_aware import KVAwarePolicy, KVAwareSettings, KVView
 from router.placement.least_loaded import LeastLoadedPolicy
 from router.placement.round_robin import RoundRobinPolicy
+from router.placement.spread import PinCounts
 from router.placement.session import (
     DEFAULT_STICKY_HEADROOM,
     SessionPolicy,
@@ -31,6 +32,7 @@ __all__ = [
     "LeastLoadedPolicy",
     "Outcome",
     "Placement",
+    "PinCounts",
     "PlacementHint",
     "Policy",
     "RoundRobinPolicy",
@@ -47,18 +49,19 @@ __all__ = [
 
 def make_policy(name: str, *, load_factor: float, reported_load_weight: float,
                 sticky_headroom: int = DEFAULT_STICKY_HEADROOM, kv_aware: KVAwareSettings | None = None,
-                kv: KVView | None = None) -> Policy:
+                kv: KVView | None = None, pin_counts: PinCounts | None = None, pins_shared: bool = False) -> Policy:
     """The policy called ``name`` (``kv_aware``, ``session``, ``round_robin`` or ``least_loaded``).
 
-    ``kv_aware``: its settings (default ``KVAwareSettings`` with the load numbers given here) and the
-    router's KV index (None: no KV events). Raises ``ConfigError`` for an unknown name. The numbers'
+    ``kv_aware``: its settings (default ``KVAwareSettings`` with the load numbers given here), the
+    router's KV index (None: no KV events), the session table's pin counts (None: new sessions are
+    not balanced by them) and whether pins are shared between router processes. Raises ``ConfigError`` for an unknown name. The numbers'
     ranges are the configuration schema's (``router.config.PlacementConfig``), checked once when the
     configuration loads.
     """
     if name == "kv_aware":
         settings = kv_aware if kv_aware is not None else KVAwareSettings(
             load_factor=load_factor, sticky_headroom=sticky_headroom, reported_load_weight=reported_load_weight)
-        return KVAwarePolicy(settings, kv=kv)
+        return KVAwarePolicy(settings, kv=kv, pin_counts=pin_counts, pins_shared=pins_shared)
     if name == "session":
         return SessionPolicy(load_factor=load_factor, reported_load_weight=reported_load_weight,
                              sticky_headroom=sticky_headroom)
@@ -76,11 +79,15 @@ def kv_aware_settings(placement: PlacementConfig) -> KVAwareSettings:
         queued_request_s=placement.queued_request_s, move_factor=placement.move_factor,
         move_margin_s=placement.move_margin_s, kv_pressure_from=placement.kv_pressure_from,
         max_load_factor=placement.max_load_factor, load_factor=placement.load_factor,
-        sticky_headroom=placement.sticky_headroom, reported_load_weight=placement.reported_load_weight)
+        sticky_headroom=placement.sticky_headroom, reported_load_weight=placement.reported_load_weight,
+        session_balance=placement.session_balance)
 
 
-def build_policy(placement: PlacementConfig, *, kv: KVView | None = None) -> Policy:
-    """The policy a ``[placement]`` section names, with its settings (and the KV index, for kv_aware)."""
+def build_policy(placement: PlacementConfig, *, kv: KVView | None = None, pin_counts: PinCounts | None = None,
+                 pins_shared: bool = False) -> Policy:
+    """The policy a ``[placement]`` section names, with its settings (and for kv_aware the KV index, the
+    session table's pin counts and whether pins are shared)."""
     return make_policy(placement.policy, load_factor=placement.load_factor,
                        reported_load_weight=placement.reported_load_weight,
-                       sticky_headroom=placement.sticky_headroom, kv_aware=kv_aware_settings(placement), kv=kv)
+                       sticky_headroom=placement.sticky_headroom, kv_aware=kv_aware_settings(placement), kv=kv,
+                       pin_counts=pin_counts, pins_shared=pins_shared)

@@ -26,6 +26,7 @@ class Outcome(enum.Enum):
 REASONS = (
     "cached",  # where the session's (or prompt's) KV is: predicted fastest, or not clearly slower
     "hash",  # a new session's rendezvous-hash choice (within the load bound)
+    "balance",  # a new session whose hash choice held more than its share of pinned sessions: the next one
     "parent",  # a child session's first request, where its parent's KV (or pin) is
     "wait",  # moved: the pin's (or hash choice's) predicted wait made another backend clearly faster
     "kv_pressure",  # moved: the pin's KV cache is nearly full (eviction / preemption risk)

@@ -126,7 +126,9 @@ with a session staying where its KV is until moving is clearly cheaper (DESIGN.m
   bound ("cached"; among backends holding as many, the first in the session's rendezvous order, so
   sessions every backend holds alike spread as new ones do); else the rendezvous-hash choice within
   the load bound (as the ``session`` policy places new sessions, so sessions spread the same way;
-  other routers' requests seen at the last scrape count only past ``sticky_headroom`` of them),
+  other routers' requests seen at the last scrape count only past ``sticky_headroom`` of them) and
+  within ``session_balance`` x the mean of the sessions pinned per backend ("balance" when that moves
+  it down the rendezvous order; ``_hash_choice``, ``router.placement.spread``),
   or for a child agent session (``hint.parent_session``) the backend holding most of its parent's
   KV (else the parent's pin), with the parent's tokens there counted as cached ("parent"). It goes
   home unless another backend is clearly faster ("wait", or "cached" when that one holds more of
@@ -157,6 +159,7 @@ from router.membership import Backend, BackendSet, Ledger
 from router.placement.base import Outcome, Placement, PlacementHint, SessionPins
 from router.placement.least_loaded import NOTHING_EXCLUDED, no_available_backend
 from router.placement.session import Ring, load_bound, session_score
+from router.placement.spread import PinCounts, balance_bound
 
 #: placements between two refreshes of a pool's load total and fastest constants on the sticky fast path
 STATS_EVERY = 16
@@ -222,6 +225,8 @@ class KVAwareSettings:
     load_factor: float = 1.25
     sticky_headroom: int = 2
     reported_load_weight: float = 0.0
+    #: new sessions skip a hash choice holding more than this x the mean pinned sessions (0: off)
+    session_balance: float = 1.05
 
 
 class _PoolStats:
@@ -281,9 +286,17 @@ class KVAwarePolicy:
     name = "kv_aware"
 
     def __init__(self, settings: KVAwareSettings = KVAwareSettings(), *, kv: KVView | None = None,
+                 pin_counts: PinCounts | None = None, pins_shared: bool = False,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.settings = settings
         self._clock = clock
+        #: live sessions pinned per backend (the session table's), for ``session_balance``; None: new
+        #: sessions go by the hash and the load bound only. Settable after construction.
+        self.pin_counts = pin_counts
+        #: pins are shared between router processes (``[shared_state]``): the first pin of a session
+        #: wins for all, so the balance holds even while other routers' requests are seen at the engines
+        self.pins_shared = pins_shared
+        self._balance = settings.session_balance
         #: backend URL -> when the prefill work this router sent there is done, by the prediction's own
         #: prefill cost (``ahead``); entries done are dropped once there are ``_prune_at`` (backends that
         #: left the pool leave none behind for long)
@@ -674,7 +687,7 @@ class KVAwarePolicy:
             else:  # no parent known here, or its backend is over the safety bound
                 home, home_cached = None, 0
         if home is None:
-            home = self._hash_choice(pool, session_id, exclude, stats)
+            home, reason = self._hash_choice(pool, session_id, exclude, stats)
         if cached_map:
             home_cached = max(home_cached, cached_map.get(home.url, 0))
         if home_cached > prompt:
@@ -821,14 +834,24 @@ class KVAwarePolicy:
                 return backend, hint.prompt_tokens_estimate if hint is not None else 0
         return None, 0
 
-    def _hash_choice(self, pool: BackendSet, session_id: str, exclude: frozenset[str], stats: _PoolStats) -> Backend:
+    def _hash_choice(self, pool: BackendSet, session_id: str, exclude: frozenset[str],
+                     stats: _PoolStats) -> tuple[Backend, str]:
         """The first candidate in rendezvous order (``session_score``, as the ``session`` policy ranks)
         within the load bound, else the least loaded (the earliest in that order among equals): one
-        pass, no sort. Other routers' requests seen at the last scrape (``others_at_scrape``) count
-        against the bound only past the first ``sticky_headroom`` of them: they may have ended since,
-        and at a few requests in flight the bound turns on one request, so one or two of them used to
-        send every new session hashed to that backend to the other one, where it then stayed. A lone
-        router (none seen) places exactly as the ``session`` policy does."""
+        pass, no sort; with its reason ("hash", or "balance" below). Other routers' requests seen at the
+        last scrape (``others_at_scrape``) count against the bound only past the first ``sticky_headroom``
+        of them: they may have ended since, and at a few requests in flight the bound turns on one
+        request, so one or two of them used to send every new session hashed to that backend to the
+        other one, where it then stayed. A lone router (none seen) places exactly as the ``session``
+        policy does, but for the balance.
+
+        *Balance* (``session_balance`` f, with the session table's ``pin_counts``): when that choice holds
+        more than ``balance_bound(f, T, n)`` - 1 of the ``T`` sessions pinned on the ``n`` candidates, the
+        next candidate in rendezvous order within both bounds takes the session ("balance"; when none
+        within the load bound has room, the hash choice does). Sessions stay where they are placed, so without
+        it a hash's uneven draw stays for their lives. Skipped when another router's requests were seen
+        at a candidate's last scrape and pins are not shared (``pins_shared``): replicas that keep their
+        own tables then place new sessions by the hash alone, alike."""
         settings = self.settings
         bound = load_bound(settings.load_factor, stats.total, stats.count)
         headroom = settings.sticky_headroom
@@ -837,6 +860,10 @@ class KVAwarePolicy:
             ring = self._rings[pool.key] = Ring(pool)
         key = session_id.encode()
         weight = self._weight
+        counts = self.pin_counts.of(pool.name) if self.pin_counts is not None and self._balance else None
+        within: list[tuple[tuple[int, str], Backend]] = []
+        pinned = candidates = 0
+        others_seen = False
         best: Backend | None = None
         best_rank = (-1, "")
         least: Backend | None = None
@@ -852,16 +879,30 @@ class KVAwarePolicy:
             load = backend.in_flight + others
             if weight:
                 load += weight * backend.reported_load
+            if counts is not None:
+                candidates += 1
+                pinned += counts.get(backend.url, 0)
+                others_seen = others_seen or others > 0
             if load + 1 - (others if others < headroom else headroom) <= bound:
                 if rank > best_rank:
                     best, best_rank = backend, rank
+                if counts is not None:
+                    within.append((rank, backend))
             elif best is None and (least is None or load < least_load or (load == least_load and rank > least_rank)):
                 least, least_load, least_rank = backend, load, rank
         if best is not None:
-            return best
+            if counts is None or (others_seen and not self.pins_shared):
+                return best, "hash"
+            cap = balance_bound(self._balance, pinned, candidates)
+            if counts.get(best.url, 0) < cap:
+                return best, "hash"
+            roomy = [(rank, backend) for rank, backend in within if counts.get(backend.url, 0) < cap]
+            if roomy:
+                return max(roomy, key=lambda item: item[0])[1], "balance"
+            return best, "hash"
         if least is None:
             raise no_available_backend(pool)
-        return least
+        return least, "hash"
 
     def _rivals(self, pool: BackendSet, exclude: frozenset[str], uncached: int, pin_ttft: float,
                 pinned: Backend) -> tuple[_PoolStats, list[Backend]]:

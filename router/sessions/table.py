@@ -9,6 +9,9 @@ display only.
 Every entry that leaves the table goes through ``on_evict(entry, reason)`` with reason
 ``"ttl"`` (idle past ``ttl_s``), ``"capacity"`` (pushed out by a new session over
 ``max_sessions``) or ``"deleted"`` (``delete``), so metrics can follow the table exactly.
+
+Each entry's pins are a ``router.placement.spread.CountedPins`` over the table's ``pin_counts``: how many
+live sessions each backend holds pinned, current on every pin write and every eviction.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import msgspec
 
 from contract.errors import BadRequestError, ConfigError
 from contract.ids import session_hash
+from router.placement.spread import CountedPins, PinCounts
 
 EvictReason = Literal["ttl", "capacity", "deleted"]
 EvictHook = Callable[["SessionEntry", EvictReason], None]
@@ -147,6 +151,8 @@ class SessionTable:
         #: called for every entry that leaves the table; may be set after construction
         self.on_evict: EvictHook | None = on_evict
         self._entries: OrderedDict[str, SessionEntry] = OrderedDict()
+        #: live sessions pinned per pool and backend: every entry's pins are a ``CountedPins`` of these
+        self.pin_counts = PinCounts()
 
     def add_evict_hook(self, hook: EvictHook) -> None:
         """Call ``hook`` too for every entry that leaves, after the hooks set before (``on_evict``
@@ -193,7 +199,8 @@ class SessionTable:
             oldest = next(iter(entries.values()))
             self._remove(oldest, "ttl" if now - oldest.last_seen > self.ttl_s else "capacity")
         wall = self._wall_clock()
-        entry = SessionEntry(session_id, created=wall, last_active=wall, last_seen=now)
+        entry = SessionEntry(session_id, created=wall, last_active=wall, last_seen=now,
+                             pins=CountedPins(self.pin_counts))
         entries[session_id] = entry
         return entry
 
@@ -238,3 +245,6 @@ class SessionTable:
         del self._entries[entry.session_id]
         if self.on_evict is not None:
             self.on_evict(entry, reason)
+        pins = entry.pins
+        if isinstance(pins, CountedPins):
+            pins.release()

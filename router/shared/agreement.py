@@ -10,7 +10,8 @@ request costs two dict reads and a compare. A request that went elsewhere than i
 Responses follow-up at the backend that stored its response) is compared with the first choice then.
 
 Reasons (``session_router_off_first_choice_total{reason}``): the placement's reason for new sessions
-and spills (``load``, ``wait``, ``kv_pressure``, ``cached``, ``parent``; a new session's rendezvous
+and spills (``load``, ``wait``, ``kv_pressure``, ``cached``, ``parent``, ``balance``: a new session
+whose first choice held more than its share of the pinned sessions; a new session's rendezvous
 choice pushed off its first choice by the load bound is ``load``), ``repin`` (the pin was unhealthy or
 gone), ``retry`` (this request failed on its pin), ``response`` (a Responses follow-up at its stored
 response's backend). A pin learnt from another process (``router.shared.store``) keeps that process's
@@ -35,7 +36,8 @@ class PinWriter(Protocol):
 
 #: the reason label's closed set (a peer's unknown reason is counted as "other")
 OFF_FIRST_REASONS = frozenset(
-    ("load", "wait", "kv_pressure", "evicted", "cached", "parent", "repin", "retry", "response", "unavailable", "other")
+    ("load", "balance", "wait", "kv_pressure", "evicted", "cached", "parent", "repin", "retry", "response",
+     "unavailable", "other")
 )
 _REPINS = frozenset((Outcome.REPIN_UNHEALTHY, Outcome.REPIN_REMOVED))
 

@@ -5,11 +5,13 @@ own ``/metrics`` and the sessions pinned there leave it; the fast backend's sess
 from __future__ import annotations
 
 import asyncio
+import random
 from pathlib import Path
 
 import aiohttp
 import pytest
 
+from router.placement import session_score
 from tests.support import kill_alive, start_backend, start_router
 
 SESSIONS = 12
@@ -78,3 +80,53 @@ async def test_sessions_leave_a_slow_backend_and_stay_on_a_fast_one(tmp_path: Pa
         assert 'session_router_placement_decisions_total{outcome="spill",policy="kv_aware",reason="wait"}' in metrics
     finally:
         kill_alive(*(p for p in (router, fast, slow) if p is not None))
+
+
+def hashed_to(urls: tuple[str, str], sid: str) -> str:
+    return max(urls, key=lambda url: (session_score(url, sid), url))
+
+
+@pytest.mark.slow
+async def test_an_uneven_hash_draw_of_new_sessions_is_evened_out(tmp_path: Path) -> None:
+    """100 sessions of which 66 hash to one of two real backends: the router (the default
+    ``session_balance``) pins at most 53 there, says ``balance`` for each one it passed on, and
+    keeps every session where it put it."""
+    one = start_backend(str(tmp_path))
+    two = start_backend(str(tmp_path))
+    router = None
+    try:
+        config = tmp_path / "router.toml"
+        config.write_text("[placement]\ndecision_header = true\n")
+        router = start_router(str(tmp_path), "--config", str(config), "--backend", one.url, "--backend", two.url)
+        urls = (one.url, two.url)
+        names = [f"conv-{i}" for i in range(2000)]
+        ids = ([s for s in names if hashed_to(urls, s) == one.url][:66]
+               + [s for s in names if hashed_to(urls, s) == two.url][:34])
+        random.Random(5).shuffle(ids)
+        timeout = aiohttp.ClientTimeout(total=30)
+        body = {"messages": [{"role": "user", "content": "Hello there."}], "max_tokens": 2}
+        async with aiohttp.ClientSession(timeout=timeout) as http:
+
+            async def turn(sid: str) -> tuple[str, str]:
+                async with http.post(router.url + "/v1/chat/completions", json=body,
+                                     headers={"X-Session-ID": sid}) as resp:
+                    assert resp.status == 200, await resp.text()
+                    decision = resp.headers["X-Session-Router-Decision"]
+                async with http.get(router.url + f"/v1/sessions/{sid}") as resp:
+                    return (await resp.json())["pins"]["default"], decision
+
+            first = {sid: await turn(sid) for sid in ids}
+            again = {sid: await turn(sid) for sid in ids}
+            async with http.get(router.url + "/metrics") as resp:
+                metrics = await resp.text()
+        on_one = [sid for sid, (pin, _) in first.items() if pin == one.url]
+        assert 47 <= len(on_one) <= 53, len(on_one)
+        passed_on = [sid for sid, (pin, decision) in first.items() if decision.endswith(";reason=balance")]
+        assert passed_on and all(first[sid][0] != hashed_to(urls, sid) for sid in passed_on)
+        assert all(pin == hashed_to(urls, sid) and d.startswith("new;") and d.endswith(";reason=hash")
+                   for sid, (pin, d) in first.items() if sid not in passed_on)
+        assert all(pin == first[sid][0] and d.startswith("sticky;") for sid, (pin, d) in again.items())
+        assert ('session_router_placement_decisions_total{outcome="new",policy="kv_aware",reason="balance"} '
+                f"{float(len(passed_on))}") in metrics
+    finally:
+        kill_alive(*(p for p in (router, one, two) if p is not None))
