@@ -177,6 +177,8 @@ SLOW_FACTOR = 3.0
 EVICTED_TOKENS = 256
 #: backends with an ``ahead`` entry before the entries whose work is done are dropped
 AHEAD_PRUNE_AT = 1024
+#: safety bounds remembered by (load total, candidates) before the memo starts over
+BOUNDS_KEPT = 4096
 
 _EMPTY: Mapping[str, int] = {}
 
@@ -230,9 +232,12 @@ class KVAwareSettings:
 
 
 class _PoolStats:
-    """Per candidate set: its load total and the cheapest constants among its available members."""
+    """Per candidate set: its load total and the cheapest constants among its available members; and, when
+    the pass that took them could, the pool's ``Ledger`` then, so that the next placements know the total
+    without a pass (``_pool_stats``)."""
 
-    __slots__ = ("version", "age", "total", "count", "min_step", "min_per_token")
+    __slots__ = ("version", "age", "total", "count", "min_step", "min_per_token", "ledger", "ledger_version",
+                 "base")
 
     def __init__(self) -> None:
         self.version = -1
@@ -241,6 +246,11 @@ class _PoolStats:
         self.count = 0
         self.min_step = 0.0
         self.min_per_token = 0.0
+        #: the pool's ledger at the pass (None: the pass cannot be carried forward by it)
+        self.ledger: Ledger | None = None
+        self.ledger_version = -1
+        #: the total at the pass less ``Ledger.added - Ledger.drops`` then (a whole number)
+        self.base = 0.0
 
     def record(self, total: float, count: int, min_step: float, min_per_token: float, version: int) -> None:
         """What one pass over the set found (``min_*`` are ``inf`` when ``count`` is 0); ``version``: the
@@ -251,6 +261,7 @@ class _PoolStats:
         self.min_per_token = min_per_token if count else 0.0
         self.version = version
         self.age = 0
+        self.ledger = None
 
 
 class _Settle:
@@ -331,6 +342,8 @@ class KVAwarePolicy:
         #: ``pool.key`` -> its members with their URL absorbed by blake2b (rendezvous ranking of new sessions)
         self._rings: dict[str, Ring] = {}
         self._stats: dict[str, _PoolStats] = {}
+        #: (load total, candidates) -> the safety bound (``_safety_bound``; a few hundred totals recur)
+        self._bounds: dict[tuple[float, int], int] = {}
         #: ``pool.key`` -> where the next no-session scan starts (ties go round-robin)
         self._cursor: dict[str, int] = {}
 
@@ -381,7 +394,14 @@ class KVAwarePolicy:
         with room for what it and the requests there will generate (``_growth``)."""
         if tokens <= 0:
             return True
-        return tokens + self._growth(backend) <= self._free_tokens(backend)
+        need = tokens + self._growth(backend)
+        # the free KV before the requests finished since the scrape give theirs back: a floor of
+        # ``_free_tokens``, enough when the prompt fits it (most turns of a backend with room)
+        sent = self._sent.get(backend)
+        charged = sent[2] if sent is not None and sent[0] == backend.load_scraped_at else 0.0
+        if need <= backend.kv_capacity_tokens * (1.0 - backend.kv_usage) - charged:
+            return True
+        return need <= self._free_tokens(backend)
 
     @staticmethod
     def _growth(backend: Backend) -> float:
@@ -559,8 +579,10 @@ class KVAwarePolicy:
 
     def _pinned(self, pool: BackendSet, session_id: str, pins: dict[str, str], pinned: Backend,
                 exclude: frozenset[str], hint: PlacementHint | None, prompt: int) -> Placement:
-        cached_map = self._cached_map(session_id, hint)
-        self._prompt = prompt = self._sized(prompt, cached_map, hint)
+        cached_map = None
+        if self.kv is not None:
+            cached_map = self._cached_map(session_id, hint)
+            self._prompt = prompt = self._sized(prompt, cached_map, hint)
         pin_cached = -1
         other_cached = 0
         if cached_map:
@@ -590,7 +612,7 @@ class KVAwarePolicy:
         # the sticky fast path: no other backend can be clearly faster, and the pin is within the bound
         floor = stats.min_step + (prompt - other_cached) * stats.min_per_token
         fits = pinned.kv_capacity_tokens <= 0 or self._fits(pinned, prompt)
-        if fits and not evicted and not self._clearly_faster(pin_ttft, floor) and (
+        if fits and not evicted and pin_ttft <= self._factor * floor + self._margin and (  # not clearly faster
                 pinned.in_flight + pinned.others_at_scrape + 1 <= self._safety_bound(stats.total, stats.count)):
             return Placement(pinned, Outcome.STICKY, "cached", pin_cached, pin_wait, pin_ttft)
         if not fits:
@@ -1174,15 +1196,31 @@ class KVAwarePolicy:
         return best, best_ttft, best_wait, best_cached
 
     def _safety_bound(self, total: float, count: int) -> int:
-        settings = self.settings
-        mean_bound = math.ceil((total + 1) / count - 1e-9)
-        return max(load_bound(settings.max_load_factor, total, count), mean_bound + settings.sticky_headroom)
+        key = (total, count)
+        bound = self._bounds.get(key)
+        if bound is None:
+            settings = self.settings
+            mean_bound = math.ceil((total + 1) / count - 1e-9)
+            bound = max(load_bound(settings.max_load_factor, total, count), mean_bound + settings.sticky_headroom)
+            if len(self._bounds) >= BOUNDS_KEPT:
+                self._bounds.clear()
+            self._bounds[key] = bound
+        return bound
 
     def _pool_stats(self, pool: BackendSet, exclude: frozenset[str]) -> _PoolStats:
-        """The set's stats, refreshed when stale (module docstring): exact for small pools and retries."""
+        """The set's stats, refreshed when stale (module docstring): exact for small pools and retries.
+        A small pool's stay exact without a pass while its ``Ledger`` shows nothing but in-flight counts
+        changed since the last one: that pass's stats, its total moved by the in-flight units added and
+        dropped since (whole numbers, so exactly the total a pass would find)."""
         stats = self._stats.get(pool.key)
-        if (stats is None or exclude or stats.version != pool.version or stats.age >= STATS_EVERY
-                or len(pool.members) <= SMALL_POOL):
+        small = len(pool.members) <= SMALL_POOL
+        if stats is not None and not exclude and small:
+            ledger = stats.ledger
+            if (ledger is not None and ledger.version == stats.ledger_version and stats.version == pool.version
+                    and not ledger.inexact):
+                stats.total = stats.base + (ledger.added - ledger.drops)
+                return stats
+        if stats is None or exclude or stats.version != pool.version or stats.age >= STATS_EVERY or small:
             return self._refresh(pool, exclude)
         stats.age += 1
         return stats
@@ -1216,4 +1254,9 @@ class KVAwarePolicy:
             if per_token < min_per_token:
                 min_per_token = per_token
         stats.record(total, count, min_step, min_per_token, -1 if exclude else pool.version)
+        ledger = pool.ledger
+        if ledger is not None and not exclude and not weight and not ledger.inexact:
+            stats.ledger = ledger
+            stats.ledger_version = ledger.version
+            stats.base = total - (ledger.added - ledger.drops)
         return stats
