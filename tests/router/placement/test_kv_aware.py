@@ -685,3 +685,36 @@ def test_the_safety_net_sheds_only_where_the_turn_fits() -> None:
     other.kv_usage = 0.5
     placement = policy.place(pool, "s", entry, hint=hint())
     assert (placement.backend, placement.outcome, placement.reason) == (other, Outcome.SPILL, "load")
+
+
+def test_a_small_pools_load_total_is_carried_forward_by_its_ledger_exactly() -> None:
+    """Between passes, a small pool's stats take their total from the pool's ``Ledger`` (no pass): always
+    the total a pass finds, through in-flight counts that rise and fall, other routers' requests at a
+    scrape, a backend going unhealthy and back, and counts written on unavailable members."""
+    rng = random.Random(11)
+    pool = make_pool(4)
+    policy = apart()
+    passes = 0
+    real_refresh = policy._refresh
+
+    def counting(*args: object) -> object:
+        nonlocal passes
+        passes += 1
+        return real_refresh(*args)  # type: ignore[arg-type]
+
+    policy._refresh = counting  # type: ignore[method-assign]
+    for step in range(2000):
+        backend = rng.choice(pool.members)
+        roll = rng.random()
+        if roll < 0.45:
+            backend.in_flight += 1
+        elif roll < 0.9:
+            backend.in_flight = max(0, backend.in_flight - 1)
+        elif roll < 0.95:
+            backend.healthy = not backend.healthy
+        else:
+            backend.others_at_scrape = float(rng.choice((0, 1, 3)))
+        stats = policy._pool_stats(pool, frozenset())
+        expected = sum(b.in_flight + b.others_at_scrape for b in pool.members if b.available)
+        assert (stats.total, stats.count) == (expected, sum(b.available for b in pool.members)), step
+    assert passes < 400  # most placements needed no pass (only the ~10% of steps that changed more)
