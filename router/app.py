@@ -95,8 +95,7 @@ def build_state(config: RouterConfig, registry: CollectorRegistry | None = None)
     state = RouterState(
         config=config,
         pools=pools,
-        policy=build_policy(config.placement, kv=kv, pin_counts=sessions.pin_counts,
-                            pins_shared=bool(config.shared_state.url)),
+        policy=build_policy(config.placement, kv=kv, pin_counts=sessions.pin_counts),
         sessions=sessions,
         responses=ResponseIndex(config.sessions.max_response_ids),
         metrics=metrics,

@@ -49,19 +49,19 @@ __all__ = [
 
 def make_policy(name: str, *, load_factor: float, reported_load_weight: float,
                 sticky_headroom: int = DEFAULT_STICKY_HEADROOM, kv_aware: KVAwareSettings | None = None,
-                kv: KVView | None = None, pin_counts: PinCounts | None = None, pins_shared: bool = False) -> Policy:
+                kv: KVView | None = None, pin_counts: PinCounts | None = None) -> Policy:
     """The policy called ``name`` (``kv_aware``, ``session``, ``round_robin`` or ``least_loaded``).
 
     ``kv_aware``: its settings (default ``KVAwareSettings`` with the load numbers given here), the
-    router's KV index (None: no KV events), the session table's pin counts (None: new sessions are
-    not balanced by them) and whether pins are shared between router processes. Raises ``ConfigError`` for an unknown name. The numbers'
+    router's KV index (None: no KV events) and the session table's pin counts (None: new sessions are
+    not balanced by them). Raises ``ConfigError`` for an unknown name. The numbers'
     ranges are the configuration schema's (``router.config.PlacementConfig``), checked once when the
     configuration loads.
     """
     if name == "kv_aware":
         settings = kv_aware if kv_aware is not None else KVAwareSettings(
             load_factor=load_factor, sticky_headroom=sticky_headroom, reported_load_weight=reported_load_weight)
-        return KVAwarePolicy(settings, kv=kv, pin_counts=pin_counts, pins_shared=pins_shared)
+        return KVAwarePolicy(settings, kv=kv, pin_counts=pin_counts)
     if name == "session":
         return SessionPolicy(load_factor=load_factor, reported_load_weight=reported_load_weight,
                              sticky_headroom=sticky_headroom)
@@ -83,11 +83,11 @@ def kv_aware_settings(placement: PlacementConfig) -> KVAwareSettings:
         session_balance=placement.session_balance)
 
 
-def build_policy(placement: PlacementConfig, *, kv: KVView | None = None, pin_counts: PinCounts | None = None,
-                 pins_shared: bool = False) -> Policy:
-    """The policy a ``[placement]`` section names, with its settings (and for kv_aware the KV index, the
-    session table's pin counts and whether pins are shared)."""
+def build_policy(placement: PlacementConfig, *, kv: KVView | None = None,
+                 pin_counts: PinCounts | None = None) -> Policy:
+    """The policy a ``[placement]`` section names, with its settings (and for kv_aware the KV index and
+    the session table's pin counts)."""
     return make_policy(placement.policy, load_factor=placement.load_factor,
                        reported_load_weight=placement.reported_load_weight,
                        sticky_headroom=placement.sticky_headroom, kv_aware=kv_aware_settings(placement), kv=kv,
-                       pin_counts=pin_counts, pins_shared=pins_shared)
+                       pin_counts=pin_counts)

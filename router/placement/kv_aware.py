@@ -297,16 +297,12 @@ class KVAwarePolicy:
     name = "kv_aware"
 
     def __init__(self, settings: KVAwareSettings = KVAwareSettings(), *, kv: KVView | None = None,
-                 pin_counts: PinCounts | None = None, pins_shared: bool = False,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 pin_counts: PinCounts | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.settings = settings
         self._clock = clock
         #: live sessions pinned per backend (the session table's), for ``session_balance``; None: new
         #: sessions go by the hash and the load bound only. Settable after construction.
         self.pin_counts = pin_counts
-        #: pins are shared between router processes (``[shared_state]``): the first pin of a session
-        #: wins for all, so the balance holds even while other routers' requests are seen at the engines
-        self.pins_shared = pins_shared
         self._balance = settings.session_balance
         #: backend URL -> when the prefill work this router sent there is done, by the prediction's own
         #: prefill cost (``ahead``); entries done are dropped once there are ``_prune_at`` (backends that
@@ -871,9 +867,8 @@ class KVAwarePolicy:
         more than ``balance_bound(f, T, n)`` - 1 of the ``T`` sessions pinned on the ``n`` candidates, the
         next candidate in rendezvous order within both bounds takes the session ("balance"; when none
         within the load bound has room, the hash choice does). Sessions stay where they are placed, so without
-        it a hash's uneven draw stays for their lives. Skipped when another router's requests were seen
-        at a candidate's last scrape and pins are not shared (``pins_shared``): replicas that keep their
-        own tables then place new sessions by the hash alone, alike."""
+        it a hash's uneven draw stays for their lives. The counts are this process's (``pin_counts``;
+        with ``[shared_state]`` every process reads a session's first pin before placing it)."""
         settings = self.settings
         bound = load_bound(settings.load_factor, stats.total, stats.count)
         headroom = settings.sticky_headroom
@@ -885,7 +880,6 @@ class KVAwarePolicy:
         counts = self.pin_counts.of(pool.name) if self.pin_counts is not None and self._balance else None
         within: list[tuple[tuple[int, str], Backend]] = []
         pinned = candidates = 0
-        others_seen = False
         best: Backend | None = None
         best_rank = (-1, "")
         least: Backend | None = None
@@ -904,7 +898,6 @@ class KVAwarePolicy:
             if counts is not None:
                 candidates += 1
                 pinned += counts.get(backend.url, 0)
-                others_seen = others_seen or others > 0
             if load + 1 - (others if others < headroom else headroom) <= bound:
                 if rank > best_rank:
                     best, best_rank = backend, rank
@@ -913,7 +906,7 @@ class KVAwarePolicy:
             elif best is None and (least is None or load < least_load or (load == least_load and rank > least_rank)):
                 least, least_load, least_rank = backend, load, rank
         if best is not None:
-            if counts is None or (others_seen and not self.pins_shared):
+            if counts is None:
                 return best, "hash"
             cap = balance_bound(self._balance, pinned, candidates)
             if counts.get(best.url, 0) < cap:
