@@ -103,6 +103,10 @@ class Variant(msgspec.Struct, frozen=True):
     repeat_of: str = ""
 
 
+#: the full run's backends: ``--speed 1`` (a small model on one GPU)
+FULL_SPEED = "1"
+
+
 class BenchConfig(msgspec.Struct, frozen=True, kw_only=True):
     variants: tuple[Variant, ...]
     policies: tuple[str, ...] = POLICIES
@@ -111,7 +115,7 @@ class BenchConfig(msgspec.Struct, frozen=True, kw_only=True):
     num_backends: int = 4
     num_blocks: int = 768
     block_size: int = 16
-    speed: str = "1"
+    speed: str = FULL_SPEED
     load_factor: float = 1.25
     #: seconds between load samples
     sample_s: float = 0.1
@@ -1046,7 +1050,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[BenchConfig, argparse.Namesp
         if "skewed" in names and repeats > 1:
             variants += skewed_repeats(table["skewed"], repeats)
         num_blocks = args.num_blocks or 768
-        speed = BenchConfig.speed
+        speed = FULL_SPEED
         peers = tuple(peer_mod.PEERS)
     if args.peers is not None:
         peers = () if args.peers == "none" else tuple(x for x in args.peers.split(",") if x)

@@ -198,6 +198,7 @@ def test_the_skewed_tail_is_judged_over_every_seed_of_the_run() -> None:
 
     config, _ = parse_args(["--variants", "uniform,skewed", "--peers", "none"])
     assert [v.name for v in config.variants] == ["uniform", "skewed", "skewed@seed2", "skewed@seed3", "skewed@seed4"]
+    assert (config.speed, parse_args(["--quick"])[0].speed) == ("1", "0.5")  # the backends' --speed
     repeat = config.variants[2]
     assert repeat.spec == msgspec.structs.replace(config.variants[1].spec, seed=2)
     assert set(repeat.skip_policies) == {"round_robin", "least_loaded"} and repeat.repeat_of == "skewed"
