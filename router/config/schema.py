@@ -123,7 +123,7 @@ class PlacementConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     reported_load_weight: Annotated[float, msgspec.Meta(ge=0)] = 0.0
     #: kv_aware: a new session skips a hash choice holding more than this x the mean pinned sessions (0 = off)
     session_balance: Annotated[float, msgspec.Meta(ge=0, extra={
-        HINT: "0 = off; else at least 1 (1.05 lets a backend hold 5% more sessions than the mean)"})] = 1.05
+        HINT: "0 = off (the default); else at least 1 (1.05 lets a backend hold 5% more sessions than the mean)"})] = 0.0
     # -- kv_aware (router.placement.kv_aware): the TTFT model's constants, configured or learned
     #: prompt tokens an engine prefills per second (learned per backend when learn = true)
     prefill_tokens_per_s: Annotated[float, msgspec.Meta(gt=0)] = 4000.0

@@ -228,7 +228,7 @@ class KVAwareSettings:
     sticky_headroom: int = 2
     reported_load_weight: float = 0.0
     #: new sessions skip a hash choice holding more than this x the mean pinned sessions (0: off)
-    session_balance: float = 1.05
+    session_balance: float = 0.0
 
 
 class _PoolStats:

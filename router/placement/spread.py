@@ -2,7 +2,7 @@
 
 A rendezvous hash spreads sessions evenly only on average: 100 sessions over 2 backends land 60/40 or worse
 about one draw in eighteen (the draw depends on the backends' URLs), and a policy that keeps every session where
-it was first placed keeps that split for the sessions' whole lives. ``kv_aware`` therefore skips a new
+it was first placed keeps that split for the sessions' whole lives. ``kv_aware`` with ``session_balance`` set skips a new
 session's hash choice when that backend already holds more than its share of the pinned sessions
 (``balance_bound``; consistent hashing with bounded loads, counted in sessions rather than requests).
 

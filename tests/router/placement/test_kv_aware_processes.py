@@ -88,15 +88,15 @@ def hashed_to(urls: tuple[str, str], sid: str) -> str:
 
 @pytest.mark.slow
 async def test_an_uneven_hash_draw_of_new_sessions_is_evened_out(tmp_path: Path) -> None:
-    """100 sessions of which 66 hash to one of two real backends: the router (the default
-    ``session_balance``) pins at most 53 there, says ``balance`` for each one it passed on, and
+    """100 sessions of which 66 hash to one of two real backends: the router (``session_balance =
+    1.05``) pins at most 53 there, says ``balance`` for each one it passed on, and
     keeps every session where it put it."""
     one = start_backend(str(tmp_path))
     two = start_backend(str(tmp_path))
     router = None
     try:
         config = tmp_path / "router.toml"
-        config.write_text("[placement]\ndecision_header = true\n")
+        config.write_text("[placement]\ndecision_header = true\nsession_balance = 1.05\n")
         router = start_router(str(tmp_path), "--config", str(config), "--backend", one.url, "--backend", two.url)
         urls = (one.url, two.url)
         names = [f"conv-{i}" for i in range(2000)]

@@ -135,7 +135,7 @@ def test_an_uneven_hash_draw_is_evened_out_and_every_session_stays_where_it_was_
     pool = BackendPool("default", [Backend(u) for u in URLS])
     ids = lopsided(URLS, 65, 100)
     table = SessionTable(1000, 3600)
-    policy = KVAwarePolicy(KVAwareSettings(), pin_counts=table.pin_counts)
+    policy = KVAwarePolicy(KVAwareSettings(session_balance=1.05), pin_counts=table.pin_counts)
     placed = place_all(policy, pool, table, ids)
     on = {url: sum(1 for u, _ in placed.values() if u == url) for url in URLS}
     assert max(on.values()) <= balance_bound(1.05, 99, 2) == 53, on
@@ -195,14 +195,18 @@ def test_other_routers_requests_at_the_engines_do_not_turn_it_off() -> None:
     for backend in pool.members:
         backend.others_at_scrape = 1
     table = SessionTable(1000, 3600)
-    placed = place_all(KVAwarePolicy(KVAwareSettings(), pin_counts=table.pin_counts), pool, table, ids)
+    placed = place_all(KVAwarePolicy(KVAwareSettings(session_balance=1.05), pin_counts=table.pin_counts),
+                       pool, table, ids)
     assert sum(1 for u, _ in placed.values() if u == URLS[0]) <= 53
 
 
-def test_without_pin_counts_new_sessions_go_by_the_hash() -> None:
+def test_without_pin_counts_or_by_default_new_sessions_go_by_the_hash() -> None:
     pool = BackendPool("default", [Backend(u) for u in URLS])
     ids = lopsided(URLS, 65, 100)
-    placed = place_all(KVAwarePolicy(KVAwareSettings()), pool, SessionTable(1000, 3600), ids)
+    placed = place_all(KVAwarePolicy(KVAwareSettings(session_balance=1.05)), pool, SessionTable(1000, 3600), ids)
+    assert sum(1 for u, _ in placed.values() if u == URLS[0]) == 65
+    table = SessionTable(1000, 3600)
+    placed = place_all(KVAwarePolicy(KVAwareSettings(), pin_counts=table.pin_counts), pool, table, ids)
     assert sum(1 for u, _ in placed.values() if u == URLS[0]) == 65
 
 
@@ -210,7 +214,7 @@ def test_without_pin_counts_new_sessions_go_by_the_hash() -> None:
 
 def test_the_setting_is_0_or_at_least_1(tmp_path: Path) -> None:
     backends = [{"url": "http://127.0.0.1:8100"}]
-    assert RouterConfig().placement.session_balance == 1.05
+    assert RouterConfig().placement.session_balance == 0
     config = validate_config(router_config(backends=backends, placement={"session_balance": 0}))
     assert config.placement.session_balance == 0
     with pytest.raises(ConfigError, match=r"placement\.session_balance: must be 0 \(off\) or at least 1"):
@@ -222,8 +226,9 @@ def test_the_setting_is_0_or_at_least_1(tmp_path: Path) -> None:
 
 
 def test_workers_without_shared_pins_place_new_sessions_by_the_hash_alone() -> None:
-    config = router_config(workers=4)
+    config = router_config(workers=4, placement={"session_balance": 1.05})
     assert config_of_worker(config, 8123).placement.session_balance == 0
     assert config_of_worker(config, 8123).workers == 1 and config_of_worker(config, 8123).port == 8123
-    shared = router_config(workers=4, shared_state={"url": "redis://127.0.0.1:6379/0"})
+    shared = router_config(workers=4, placement={"session_balance": 1.05},
+                           shared_state={"url": "redis://127.0.0.1:6379/0"})
     assert config_of_worker(shared, 8123).placement.session_balance == 1.05
