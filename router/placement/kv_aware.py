@@ -391,13 +391,12 @@ class KVAwarePolicy:
         if tokens <= 0:
             return True
         need = tokens + self._growth(backend)
+        count, charged = self._since_scrape(backend)
         # the free KV before the requests finished since the scrape give theirs back: a floor of
         # ``_free_tokens``, enough when the prompt fits it (most turns of a backend with room)
-        sent = self._sent.get(backend)
-        charged = sent[2] if sent is not None and sent[0] == backend.load_scraped_at else 0.0
         if need <= backend.kv_capacity_tokens * (1.0 - backend.kv_usage) - charged:
             return True
-        return need <= self._free_tokens(backend)
+        return need <= self._free_tokens(backend, count, charged)
 
     @staticmethod
     def _growth(backend: Backend) -> float:
@@ -409,13 +408,14 @@ class KVAwarePolicy:
             return 0.0
         return out * (1.0 + 0.5 * (backend.in_flight + backend.others_at_scrape))
 
-    def _free_tokens(self, backend: Backend) -> float:
+    @staticmethod
+    def _free_tokens(backend: Backend, count: int, charged: float) -> float:
         """``backend``'s free KV tokens now (its capacity, ``kv_capacity_tokens``, known: > 0), from the
-        scrape's: the free share then, less the prompts this router placed there since (``_sent``), with
-        the requests that finished since taken oldest first: those in flight at the scrape give their
-        share of the usage back (``usage_now``'s proportion), then those sent since their prompts."""
+        scrape's: the free share then, less the ``charged`` prompt tokens of the ``count`` requests this
+        router placed there since (``_since_scrape``), with the requests that finished since taken oldest
+        first: those in flight at the scrape give their share of the usage back (``usage_now``'s
+        proportion), then those sent since their prompts."""
         at = backend.in_flight_at_scrape
-        count, charged = self._since_scrape(backend)
         usage = backend.kv_usage
         finished = at + count - backend.in_flight
         if finished > 0:
