@@ -101,7 +101,8 @@ def build_state(config: RouterConfig, registry: CollectorRegistry | None = None)
         metrics=metrics,
         upstream=UpstreamPool(UpstreamTimeouts(config.upstream.connect_timeout_s, config.upstream.first_byte_timeout_s,
                                                config.upstream.total_timeout_s),
-                              UpstreamLimits(max_head_bytes=config.upstream.max_head_bytes,
+                              UpstreamLimits(max_idle_per_host=config.upstream.max_idle_per_host,
+                                             max_head_bytes=config.upstream.max_head_bytes,
                                              max_body_bytes=config.upstream.max_body_bytes)),
         health=health,
         changes=BackendChanges(pools, health, config.drain_timeout_s),
@@ -109,6 +110,8 @@ def build_state(config: RouterConfig, registry: CollectorRegistry | None = None)
         kv=kv,
     )
     metrics.attach_live(state.all_pools, sessions)
+    upstream = state.upstream
+    metrics.attach_upstream(lambda: upstream.connects, upstream.stats)
     return state
 
 

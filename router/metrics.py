@@ -21,7 +21,7 @@ pays only for the closed-label counters and histograms, whose label children are
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -216,6 +216,28 @@ class _LiveCollector(Collector):
         yield backend_info
 
 
+class _UpstreamCollector(Collector):
+    """The upstream pool's connections, read at scrape time: ``opened()`` = connections opened so far,
+    ``by_address()`` = per backend ``host:port``, its idle and busy connections now."""
+
+    def __init__(self, opened: Callable[[], int], by_address: Callable[[], Mapping[str, Mapping[str, int]]]) -> None:
+        self._opened = opened
+        self._by_address = by_address
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        yield CounterMetricFamily(
+            PREFIX + "upstream_connections_opened",
+            "TCP connections opened to backends; rising under steady load means [upstream] max_idle_per_host "
+            "is below the concurrency a backend sees",
+            value=self._opened())
+        now = GaugeMetricFamily(PREFIX + "upstream_connections", "Open connections to a backend, by state",
+                                labels=["address", "state"])
+        for address, counts in sorted(self._by_address().items()):
+            now.add_metric([address, "idle"], counts["idle"])
+            now.add_metric([address, "busy"], counts["busy"])
+        yield now
+
+
 class RouterMetrics:
     def __init__(self, registry: CollectorRegistry, *, top_k: int, session_label: str = "hash") -> None:
         """``session_label``: ``hash`` | ``id`` | ``none`` (see the module docstring)."""
@@ -263,6 +285,11 @@ class RouterMetrics:
     def attach_live(self, pools: Callable[[], Iterable["BackendPool"]], table: "SessionTable") -> None:
         self._table = table
         self.registry.register(_LiveCollector(pools, table, self.top_k, SESSION_LABELS[self.session_label]))
+
+    def attach_upstream(self, opened: Callable[[], int],
+                        by_address: Callable[[], Mapping[str, Mapping[str, int]]]) -> None:
+        """Export the upstream pool's connections (``_UpstreamCollector``)."""
+        self.registry.register(_UpstreamCollector(opened, by_address))
 
     # ------------------------------------------------------------------ request path
     def placement(self, policy: str, outcome: str, reason: str = "") -> None:

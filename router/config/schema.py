@@ -78,6 +78,10 @@ class UpstreamConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_head_bytes: UpstreamBytes = 64 * KiB
     #: a non-streamed backend answer (buffered whole) larger than this is a 502; streams are relayed unbuffered
     max_body_bytes: UpstreamBytes = 64 * MiB
+    #: keep-alive connections kept open per backend when idle; a request finding none opens one, and one
+    #: released while this many are idle is closed. Below a backend's usual concurrency, connections are
+    #: opened and closed all the time (a TCP handshake per request on both sides).
+    max_idle_per_host: Annotated[int, msgspec.Meta(ge=0, extra={HINT: "0 = no keep-alive"})] = 256
 
 
 class FrontConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -45,7 +45,7 @@ class UpstreamLimits(msgspec.Struct, frozen=True):
     bounded by it.
     """
 
-    max_idle_per_host: int = 64
+    max_idle_per_host: int = 256
     idle_timeout_s: float = 60.0
     read_high_water: int = 256 * KiB
     read_low_water: int = 64 * KiB

@@ -141,6 +141,7 @@ def test_missing_file_and_bad_toml(tmp_path: Path) -> None:
         ("eject_s = -1\n", "eject_s: must be >= 0 seconds"),
         ("drain_timeout_s = -1\n", "drain_timeout_s: must be >= 0 seconds"),
         ("retries = -1\n", "retries: must be >= 0 (0 = no retries), got -1"),
+        ("[upstream]\nmax_idle_per_host = -1\n", "upstream.max_idle_per_host: must be >= 0 (0 = no keep-alive), got -1"),
         ("max_sessions = 0\n", "max_sessions: must be at least 1, got 0"),
         ("max_body_bytes = 0\n", "max_body_bytes: must be at least 1, got 0"),
         ("eject_after_failures = 0\n", "eject_after_failures: must be at least 1"),

@@ -433,6 +433,43 @@ async def test_in_flight_and_health_gauges_are_live(router: Factory) -> None:
     assert transitions and transitions[0][1] >= 1
 
 
+@pytest.mark.parametrize("max_idle", [None, 2])
+async def test_upstream_connections_kept_up_to_max_idle_and_counted(router: Factory, max_idle: int | None) -> None:
+    """Six streams held open at once need six connections; once they end, the pool keeps
+    ``[upstream] max_idle_per_host`` of them (256 by default: all six), and a second wave of six
+    opens only the ones it did not keep. The metrics show both."""
+    overrides: dict[str, Any] = {} if max_idle is None else {"upstream": {"max_idle_per_host": max_idle}}
+    client, fakes = await router(n=1, **overrides)
+    kept = 6 if max_idle is None else max_idle
+    opened_total = "session_router_upstream_connections_opened_total"
+
+    async def wave(opened_before: int) -> None:
+        gate = fakes[0].gates[0] = asyncio.Event()
+        seen = len(fakes[0].seen)
+        resps = [await client.post("/v1/chat/completions", json=chat(f"keep-{i}", stream=True)) for i in range(6)]
+        await eventually(lambda: len(fakes[0].seen) == seen + 6, what="six streams at the backend")
+        exp = await scrape(client)
+        (address,) = {lab["address"] for lab, _ in exp.values("session_router_upstream_connections")}
+        assert exp.value("session_router_upstream_connections", address=address, state="busy") == 6
+        assert exp.value(opened_total) == opened_before + 6 - min(kept, opened_before)
+        gate.set()
+        for resp in resps:
+            assert resp.status == 200 and b"[DONE]" in await resp.read()
+
+        async def released() -> bool:
+            exp = await scrape(client)
+            return (exp.value("session_router_upstream_connections", address=address, state="busy") == 0
+                    and exp.value("session_router_upstream_connections", address=address, state="idle") == kept)
+
+        await eventually(released, what=f"{kept} idle connections kept")
+
+    await wave(0)
+    await wave(6)
+    exp = await scrape(client)
+    assert exp.types["session_router_upstream_connections_opened"] == "counter"
+    assert exp.value(opened_total) == 12 - kept
+
+
 async def test_top_k_zero_exports_no_session_series(router: Factory) -> None:
     client, _ = await router(session_metrics_top_k=0)
     for i in range(3):
