@@ -262,6 +262,28 @@ def test_a_taken_port_exits_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert events(tmp_path) == [f"{os.getpid()} startup", f"{os.getpid()} cleanup"]  # cleaned up anyway
 
 
+def test_a_worker_takes_its_start_up_heap_out_of_the_collector_before_it_is_ready() -> None:
+    """``settle_heap``: once the app is built and listening, what start-up made is frozen (out of
+    the garbage collector's passes) before the ready callback runs; the worker then serves and
+    stops on SIGTERM as before."""
+    import gc
+
+    config = build_config(["--port", "0", "--backend", "http://127.0.0.1:9"])
+    seen: list[tuple[int, int]] = []
+
+    def ready(port: int) -> None:
+        seen.append((port, gc.get_freeze_count()))
+        os.kill(os.getpid(), signal.SIGTERM)  # the worker's own handler stops it
+
+    before = gc.get_freeze_count()
+    try:
+        assert run_worker(config, on_ready=ready) == 0
+    finally:
+        gc.unfreeze()  # this test process must not keep the frozen heap
+    ((port, frozen),) = seen
+    assert port > 0 and frozen > before + 1000, (port, before, frozen)
+
+
 def test_a_factory_config_error_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     config = build_config(["--port", "0", "--backend", "http://127.0.0.1:9"])
     assert run_worker(config, app_factory="tests.router.test_config_cli:broken_app") == 2
