@@ -8,7 +8,7 @@ router, then runs ``--rounds`` rounds of ``--clients`` concurrent streaming chat
 on its own connection, ``--max-tokens`` tokens each; client i is session ``load-i`` in every
 round, so the session table stops growing after round 1. Every client reads its first event,
 waits until all clients have theirs (so all streams are open at once), then reads to the end.
-Round 1 warms up (it fills the router's keep-alive pools: 64 idle connections per backend);
+Round 1 warms up (it fills the router's keep-alive pools: ``IDLE_KEPT`` idle connections per backend);
 later rounds are measured against the state after round 1: the router's open file descriptors
 and RSS, the most requests it had in flight at once, errors, client-side latency.
 ``tests/system/test_load_1000.py`` runs this with assertions; the numbers go into ``bench/RESULTS.md``.
@@ -32,6 +32,9 @@ from bench.procs import Proc, start_backend, start_router, wait_until
 
 #: the router's admin token here (the admin API and the session listing need one on the data port)
 ADMIN_TOKEN = "bench-admin-token"
+#: the router's ``[upstream] max_idle_per_host`` here: below the ~250 streams each backend gets, so that every
+#: round ends with the same full idle pools (4 x this) and a leaked descriptor shows as growth
+IDLE_KEPT = 64
 
 
 def raise_fd_limit(need: int) -> int:
@@ -131,7 +134,11 @@ async def run(log_dir: str, *, clients: int = 1000, backends: int = 4, max_token
     results: list[dict[str, Any]] = []
     try:
         procs += [start_backend(log_dir, "--max-num-seqs", str(clients), speed=speed) for _ in range(backends)]
-        router = start_router(log_dir, "--admin-token", ADMIN_TOKEN, *[a for b in procs for a in ("--backend", b.url)])
+        config = os.path.join(log_dir, "router.toml")
+        with open(config, "w") as fh:
+            fh.write(f"[upstream]\nmax_idle_per_host = {IDLE_KEPT}\n")
+        router = start_router(log_dir, "--config", config, "--admin-token", ADMIN_TOKEN,
+                              *[a for b in procs for a in ("--backend", b.url)])
         procs.append(router)
         fds, rss = proc_usage(router.pid)
         fds_seen, rss_seen = [fds], [rss]

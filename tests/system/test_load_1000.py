@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.load1000 import run
+from bench.load1000 import IDLE_KEPT, run
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +34,7 @@ async def test_1000_concurrent_streams_leave_nothing_behind(tmp_path: Path) -> N
     # no descriptor growth after the warm-up round: a leak of 1 in 1,000 streams would add 1 per round;
     # the slack is for the router's own short-lived sockets (health checks, the test's admin probe)
     assert max(fds[2:]) <= fds[1] + FD_SLACK, fds
-    assert fds[1] - fds[0] <= 4 * 64 + 16, fds  # what round 1 kept: at most the idle keep-alive pools
+    assert fds[1] - fds[0] <= 4 * IDLE_KEPT + 16, fds  # what round 1 kept: at most the idle keep-alive pools
     rss = result["router_rss_kb"]
     assert max(rss[2:]) <= rss[1] + RSS_SLACK_KB, rss
     assert result["router_exit_code"] == 0

@@ -138,7 +138,7 @@ def test_bad_request_line_or_host_is_rejected(method: str, path: str, host: str)
 
 def test_config_structs_validate() -> None:
     assert UpstreamTimeouts().total_s == 600.0
-    assert UpstreamLimits().max_idle_per_host == 64
+    assert UpstreamLimits().max_idle_per_host == 256
     with pytest.raises(ConfigError):
         UpstreamTimeouts(connect_s=0)
     with pytest.raises(ConfigError):
