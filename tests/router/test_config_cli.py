@@ -9,6 +9,7 @@ loopback backend.
 from __future__ import annotations
 
 import asyncio
+import gc
 import http.client
 import os
 import re
@@ -266,8 +267,6 @@ def test_a_worker_takes_its_start_up_heap_out_of_the_collector_before_it_is_read
     """``settle_heap``: once the app is built and listening, what start-up made is frozen (out of
     the garbage collector's passes) before the ready callback runs; the worker then serves and
     stops on SIGTERM as before."""
-    import gc
-
     config = build_config(["--port", "0", "--backend", "http://127.0.0.1:9"])
     seen: list[tuple[int, int]] = []
 
