@@ -6,7 +6,9 @@ turn through router B, which has never seen it, lands where its KV is, with reas
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -59,6 +61,29 @@ async def pin_of(http: aiohttp.ClientSession, router: Proc, sid: str) -> str:
     return pin
 
 
+#: the routers' ``[kv_events] idle_read_interval_s`` here: with no placement, queued batches are applied this often
+IDLE_READ_S = 0.02
+
+
+async def quiet_counts(http: aiohttp.ClientSession, routers: list[Proc], engines: list[Proc]) -> dict[tuple[str, str], float]:
+    """Each router's applied-event count per engine once nothing is left to apply: unchanged over 10 of the
+    routers' idle reads in a row (the caller publishes nothing meanwhile), within a bound. The resets that
+    confirmed the subscriptions may still be queued at one router but applied at the other; counts taken
+    before they are all applied would make one router's later increase look larger than the other's."""
+    deadline = time.monotonic() + 10.0
+    last: dict[tuple[str, str], float] | None = None
+    same = 0
+    while True:
+        now = {(r.url, e.url): await events_seen(http, r, e.url) for r in routers for e in engines}
+        same = same + 1 if now == last else 0
+        if same >= 10:
+            return now
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the routers' KV-event counts did not settle within 10 s: {now}")
+        last = now
+        await asyncio.sleep(IDLE_READ_S)
+
+
 def reason_of(decision: str) -> str:
     return dict(part.split("=", 1) for part in decision.split(";")[1:]).get("reason", "")
 
@@ -69,7 +94,8 @@ async def test_a_replica_meeting_a_session_places_it_where_the_index_holds_its_k
     engines = [start_backend(str(tmp_path), "--kv-events-config", events_flag(tmp_path, f"e{i}")) for i in range(2)]
     procs += engines
     config = tmp_path / "router.toml"
-    config.write_text("[health]\ninterval_s = 0.2\n[placement]\ndecision_header = true\n[kv_events]\nenabled = true\n")
+    config.write_text("[health]\ninterval_s = 0.2\n[placement]\ndecision_header = true\n[kv_events]\nenabled = true\n"
+                      f"idle_read_interval_s = {IDLE_READ_S}\n")
     backend_args = [arg for engine in engines for arg in ("--backend", engine.url)]
     router_a = start_router(str(tmp_path), "--config", str(config), *backend_args)
     procs.append(router_a)
@@ -93,8 +119,9 @@ async def test_a_replica_meeting_a_session_places_it_where_the_index_holds_its_k
 
         # 1. first turn through A, second through B: B follows the KV to A's backend
         history = [QUESTION + "One."]
-        seen_a = {e.url: await events_seen(http, router_a, e.url) for e in engines}
-        seen_b = {e.url: await events_seen(http, router_b, e.url) for e in engines}
+        counts = await quiet_counts(http, [router_a, router_b], engines)
+        seen_a = {e.url: counts[(router_a.url, e.url)] for e in engines}
+        seen_b = {e.url: counts[(router_b.url, e.url)] for e in engines}
         await turn(http, router_a.url, "via-a", history)
         served = await pin_of(http, router_a, "via-a")
 
