@@ -576,49 +576,41 @@ class KVAwarePolicy:
     def _pinned(self, pool: BackendSet, session_id: str, pins: dict[str, str], pinned: Backend,
                 exclude: frozenset[str], hint: PlacementHint | None, prompt: int) -> Placement:
         cached_map = None
-        other_cached = 0
-        kv = self.kv
-        if kv is None:
-            # no index: the pin holds the session's last prompt + answer, and nothing is known evicted
-            pin_cached = hint.last_tokens if hint is not None else 0
-            evicted = False
-        else:
+        if self.kv is not None:
             cached_map = self._cached_map(session_id, hint)
             self._prompt = prompt = self._sized(prompt, cached_map, hint)
-            pin_cached = -1
-            if cached_map:
-                pin_cached = cached_map.get(pinned.url, -1)
-                for url, tokens in cached_map.items():
-                    if url != pinned.url and tokens > other_cached:
-                        other_cached = tokens
-            held = pin_cached if pin_cached > 0 else 0  # what the index holds of the session on its pin
-            last = hint.last_tokens if hint is not None else 0
-            lost = last - held >= EVICTED_TOKENS and held + held < last  # most of the last turn (*evicted*)
-            # whether the pin's KV events reach the index: asked only when the answer matters, once
-            events = (lost or pin_cached < 0) and kv.has_events(pinned.url)
-            evicted = lost and events
-            if pin_cached < 0:
-                # the index holds none of the session on its pin: none is there when the pin's KV events
-                # reach the index (evicted, or the engine restarted); the last prompt + answer otherwise
-                pin_cached = 0 if events or hint is None else last
-            if other_cached > prompt:
-                other_cached = prompt
+        pin_cached = -1
+        other_cached = 0
+        if cached_map:
+            pin_cached = cached_map.get(pinned.url, -1)
+            for url, tokens in cached_map.items():
+                if url != pinned.url and tokens > other_cached:
+                    other_cached = tokens
+        held = pin_cached if pin_cached > 0 else 0  # what the index holds of the session on its pin
+        last = hint.last_tokens if hint is not None else 0
+        lost = last - held >= EVICTED_TOKENS and held + held < last  # most of the last turn (*evicted*)
+        # whether the pin's KV events reach the index: asked only when the answer matters, once
+        kv = self.kv
+        events = (lost or pin_cached < 0) and kv is not None and kv.has_events(pinned.url)
+        evicted = lost and events
+        if pin_cached < 0:
+            # the index holds none of the session on its pin: none is there when the pin's KV events
+            # reach the index (evicted, or the engine restarted); the last prompt + answer otherwise
+            pin_cached = 0 if events or hint is None else last
         if pin_cached > prompt:
             pin_cached = prompt
+        if other_cached > prompt:
+            other_cached = prompt
         pin_ttft, pin_wait = self.predict(pinned, prompt, pin_cached)
         stats = self._pool_stats(pool, exclude)
         if stats.count == 0:
             raise no_available_backend(pool)
-        # the sticky fast path: no other backend can be clearly faster, the pin is within the bound, and
-        # the turn fits its free KV (asked last: the dearest test)
-        if (not evicted and pin_ttft <= self._factor * (stats.min_step + (prompt - other_cached) * stats.min_per_token)
-                + self._margin  # not clearly faster
-                and pinned.in_flight + pinned.others_at_scrape + 1 <= self._safety_bound(stats.total, stats.count)):
-            fits = pinned.kv_capacity_tokens <= 0 or self._fits(pinned, prompt)
-            if fits:
-                return Placement(pinned, Outcome.STICKY, "cached", pin_cached, pin_wait, pin_ttft)
-        else:
-            fits = pinned.kv_capacity_tokens <= 0 or self._fits(pinned, prompt)
+        # the sticky fast path: no other backend can be clearly faster, and the pin is within the bound
+        floor = stats.min_step + (prompt - other_cached) * stats.min_per_token
+        fits = pinned.kv_capacity_tokens <= 0 or self._fits(pinned, prompt)
+        if fits and not evicted and pin_ttft <= self._factor * floor + self._margin and (  # not clearly faster
+                pinned.in_flight + pinned.others_at_scrape + 1 <= self._safety_bound(stats.total, stats.count)):
+            return Placement(pinned, Outcome.STICKY, "cached", pin_cached, pin_wait, pin_ttft)
         if not fits:
             # the turn does not fit the pin's free KV (it would be preempted): the fastest backend it fits
             # unless its recompute there costs more than a preemption on the pin would (a heavy session)
