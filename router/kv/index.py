@@ -167,6 +167,9 @@ class KVIndex:
         self.block_size = block_size_hint
         self._block_size_learned = False
         self._backends: dict[str, _Backend] = {}
+        #: whether any backend's events reach the index (``has_events`` of one): while none does, it holds
+        #: no block and no session, and a reader may skip it (kept by ``_add_backend`` and ``remove_backend``)
+        self.any_events = False
         self._slots: list[_Backend | None] = []
         # blocks, by id; id 0 is the LRU list's sentinel (next: the oldest block, prev: the newest)
         self._key = array("q", [_NO_KEY])
@@ -390,6 +393,7 @@ class KVIndex:
         self._slots[backend.slot] = None
         while self._slots and self._slots[-1] is None:
             self._slots.pop()
+        self.any_events = bool(self._backends)
         self._version += 1
 
     def forget_session(self, session_id: str) -> None:
@@ -419,6 +423,7 @@ class KVIndex:
         else:
             slots[slot] = backend
         self._backends[url] = backend
+        self.any_events = True
         return backend
 
     def _serial(self, sid: str) -> int:

@@ -101,7 +101,7 @@ class KVEvents:
         self._sync_members()
         self._follow_task = asyncio.create_task(self._follow(), name="kv-events follow")
         self._idle_task = asyncio.create_task(self._read_idle(), name="kv-events idle reads")
-        self.index.set_catch_up(self.catch_up)
+        self._hook_catch_up()
 
     async def stop(self) -> None:
         self.index.set_catch_up(None)
@@ -162,6 +162,11 @@ class KVEvents:
         now = time.monotonic()
         if now - self._read_at >= self.settings.min_read_interval_s:
             self._read(now)
+
+    def _hook_catch_up(self) -> None:
+        """Have the index's readers drain the sockets (``catch_up``) while there are any: without, a
+        placement's ``KVIndex.catch_up`` costs nothing (no backend publishes, or none was found yet)."""
+        self.index.set_catch_up(self.catch_up if self._sockets and self._context is not None else None)
 
     def _read(self, now: float) -> None:
         self._read_at = now
@@ -340,6 +345,7 @@ class KVEvents:
             tracked.streams.append(stream)
             logger.info("KV events of %s: %s %s (topic %r, replay %s)", source.label,
                         "bound" if bind else "connected to", address, source.topic, stream.replay or "none")
+        self._hook_catch_up()
 
     def _unsubscribe(self, tracked: _Tracked) -> None:
         for stream in tracked.streams:
@@ -348,6 +354,7 @@ class KVEvents:
                     del self._sockets[key]
                     self._close_later(socket)
         tracked.streams = []
+        self._hook_catch_up()
 
     def _close_later(self, socket: SubSocket) -> None:
         task = asyncio.create_task(socket.close())

@@ -62,10 +62,13 @@ with a session staying where its KV is until moving is clearly cheaper (DESIGN.m
   backend's (the pool's smallest step and prefill cost, no wait, the most any other backend has
   cached), with the pool's load total refreshed every ``STATS_EVERY`` placements. When that does
   not settle it, the pass that refreshes the pool's stats also takes each candidate's *floor* (its
-  prediction with that fewest uncached count and without the KV-pressure and ``ahead`` terms, same operations,
-  so never above its prediction) and only the candidates whose floor is clearly faster than the pin
+  prediction with that fewest uncached count and without the KV-pressure term, same operations, so
+  never above its prediction) and only the candidates whose floor is clearly faster than the pin
   are predicted: the same choices as predicting all of them (the fastest matters only when it is
-  clearly faster, and then its floor is too), e.g. none when every engine queues alike.
+  clearly faster, and then its floor is too), e.g. none when every engine queues alike or has
+  prefill work ahead alike. Any pass over the pool (this one, ``_refresh``, ``_scan``) leaves its
+  load total to be carried forward by the pool's ``Ledger`` (below), so a small pool's next
+  placements need no pass for it.
 - *no pass* (``_settled``): when every engine queues alike the fast path's floor (no wait) is below
   the pin's prediction on every request, and that pass finds no rival each time. So the pass also
   leaves what it saw (``_Settle``): the available members' smallest queue ``Q`` (``waiting +
@@ -177,10 +180,12 @@ SLOW_FACTOR = 3.0
 EVICTED_TOKENS = 256
 #: backends with an ``ahead`` entry before the entries whose work is done are dropped
 AHEAD_PRUNE_AT = 1024
-#: safety bounds remembered by (load total, candidates) before the memo starts over
+#: safety bounds a pool's stats remember by load total before the memo starts over (a few hundred recur)
 BOUNDS_KEPT = 4096
 
 _EMPTY: Mapping[str, int] = {}
+#: an enum member read through its class costs a metaclass lookup: the hot path reads this global instead
+_STICKY = Outcome.STICKY
 
 
 def usage_now(backend: Backend, change: float | None = None) -> float:
@@ -205,6 +210,11 @@ class KVView(Protocol):
     """What the policy reads of the router's KV index (``router.kv.index.KVIndex``)."""
 
     def catch_up(self) -> None: ...
+
+    @property
+    def any_events(self) -> bool:
+        """Whether any backend's events reach the index (False: it holds nothing, and is not read)."""
+        ...
 
     def session_tokens(self, session_id: str) -> Mapping[str, int]: ...
 
@@ -237,7 +247,7 @@ class _PoolStats:
     without a pass (``_pool_stats``)."""
 
     __slots__ = ("version", "age", "total", "count", "min_step", "min_per_token", "ledger", "ledger_version",
-                 "base")
+                 "base", "bounds")
 
     def __init__(self) -> None:
         self.version = -1
@@ -251,17 +261,37 @@ class _PoolStats:
         self.ledger_version = -1
         #: the total at the pass less ``Ledger.added - Ledger.drops`` then (a whole number)
         self.base = 0.0
+        #: load total -> the safety bound for ``count`` candidates (``bound``; a few totals recur)
+        self.bounds: dict[float, int] = {}
 
-    def record(self, total: float, count: int, min_step: float, min_per_token: float, version: int) -> None:
-        """What one pass over the set found (``min_*`` are ``inf`` when ``count`` is 0); ``version``: the
-        set's, or -1 when backends were excluded (the stats then describe one request: the next refreshes)."""
+    def bound(self, safety_bound: Callable[[float, int], int]) -> int:
+        """The safety bound at the current total, remembered for ``count`` candidates."""
+        bound = self.bounds[self.total] = safety_bound(self.total, self.count)
+        if len(self.bounds) > BOUNDS_KEPT:
+            self.bounds = {self.total: bound}
+        return bound
+
+    def record(self, total: float, count: int, min_step: float, min_per_token: float, pool: BackendSet,
+               exclude: frozenset[str], whole: bool) -> None:
+        """What one pass over ``pool`` found (``min_*`` are ``inf`` when ``count`` is 0). With backends
+        excluded, the stats describe one request (the next placement refreshes them). Else, when ``total``
+        is a sum of whole numbers (``whole``: no ``reported_load`` weight, and no member's summed field
+        inexact), the pool's ``Ledger`` carries it forward (``_pool_stats``)."""
         self.total = total
+        if count != self.count:
+            self.bounds = {}
         self.count = count
         self.min_step = min_step if count else 0.0
         self.min_per_token = min_per_token if count else 0.0
-        self.version = version
+        self.version = -1 if exclude else pool.version
         self.age = 0
-        self.ledger = None
+        ledger = pool.ledger
+        if ledger is None or exclude or not whole or ledger.inexact:
+            self.ledger = None
+            return
+        self.ledger = ledger
+        self.ledger_version = ledger.version
+        self.base = total - (ledger.added - ledger.drops)
 
 
 class _Settle:
@@ -338,8 +368,6 @@ class KVAwarePolicy:
         #: ``pool.key`` -> its members with their URL absorbed by blake2b (rendezvous ranking of new sessions)
         self._rings: dict[str, Ring] = {}
         self._stats: dict[str, _PoolStats] = {}
-        #: (load total, candidates) -> the safety bound (``_safety_bound``; a few hundred totals recur)
-        self._bounds: dict[tuple[float, int], int] = {}
         #: ``pool.key`` -> where the next no-session scan starts (ties go round-robin)
         self._cursor: dict[str, int] = {}
 
@@ -530,67 +558,100 @@ class KVAwarePolicy:
         kv = self.kv
         if kv is not None:
             kv.catch_up()  # the events that arrived since the index was last read (router.kv.service)
-        placement = self._place(pool, session_id, entry, exclude, hint)
-        # the chosen backend's prefill of this request is ahead of the next ones sent there (``ahead``)
+        if session_id is not None and entry is not None:
+            pins = entry.pins
+            pin_url = pins.get(pool.name)
+            if pin_url is not None and not (exclude and pin_url in exclude):
+                pinned = pool.get(pin_url)
+                if pinned is not None and pinned.healthy and not pinned.draining:  # ``available``, inlined
+                    return self._pinned(pool, session_id, pins, pinned, exclude, hint, now)
+        return self._book(self._place(pool, session_id, entry, exclude, hint), now)
+
+    def _book(self, placement: Placement, now: float) -> Placement:
+        """What this router sent the chosen backend, for the next placements: the request's prefill is
+        ahead of the next ones sent there (``ahead``), its prompt taken from the free KV there until the
+        next scrape shows it (``_sent``). ``_pinned`` does the same for a sticky placement, inlined."""
         backend = placement.backend
         step = backend.step_s
         work = placement.predicted_ttft_s - placement.wait_s - (step if step >= 0 else self._step)
         if backend.kv_capacity_tokens > 0:
-            # the prompt's blocks are taken from the free KV there until the next scrape shows them
             sent = self._sent.get(backend)
             if sent is None or sent[0] != backend.load_scraped_at:
-                self._sent[backend] = [backend.load_scraped_at, 1.0, float(self._prompt)]
-                if len(self._sent) > self._sent_prune_at:
-                    self._sent = {b: entry for b, entry in self._sent.items() if b.ledger is not None}
-                    self._sent_prune_at = max(AHEAD_PRUNE_AT, 2 * len(self._sent))
+                self._sent_anew(backend, self._prompt)
             else:
                 sent[1] += 1
                 sent[2] += self._prompt
         if work > 0:
-            ahead = self._ahead.get(backend.url, 0.0)
-            self._ahead[backend.url] = (ahead if ahead > now and backend.in_flight > 0 else now) + work
-            if len(self._ahead) > self._prune_at:
-                self._ahead = {url: done for url, done in self._ahead.items() if done > now}
-                self._prune_at = max(AHEAD_PRUNE_AT, 2 * len(self._ahead))
+            self._push_ahead(backend.url, backend.in_flight, work, now)
         return placement
+
+    def _sent_anew(self, backend: Backend, prompt: int) -> None:
+        """The first request placed on ``backend`` since its last scrape (``_sent``)."""
+        self._sent[backend] = [backend.load_scraped_at, 1.0, float(prompt)]
+        if len(self._sent) > self._sent_prune_at:
+            self._sent = {b: entry for b, entry in self._sent.items() if b.ledger is not None}
+            self._sent_prune_at = max(AHEAD_PRUNE_AT, 2 * len(self._sent))
+
+    def _push_ahead(self, url: str, in_flight: int, work: float, now: float) -> None:
+        """``work`` seconds of prefill sent to the backend at ``url`` (``in_flight``: its requests now),
+        done after what is ahead there already, if any (``ahead``)."""
+        ahead = self._ahead.get(url, 0.0)
+        self._ahead[url] = (ahead if ahead > now and in_flight > 0 else now) + work
+        if len(self._ahead) > self._prune_at:
+            self._ahead = {url: done for url, done in self._ahead.items() if done > now}
+            self._prune_at = max(AHEAD_PRUNE_AT, 2 * len(self._ahead))
 
     def _place(self, pool: BackendSet, session_id: str | None, entry: SessionPins | None,
                exclude: frozenset[str], hint: PlacementHint | None) -> Placement:
+        """Every request ``place`` does not give ``_pinned``: without a session, a retry whose pin failed,
+        a session without an available pin."""
         self._prompt = prompt = hint.prompt_tokens_estimate if hint is not None else 0
         if session_id is None or entry is None:
             return self._no_session(pool, exclude, prompt, self._prefix_map(hint))
         pins = entry.pins
         pin_url = pins.get(pool.name)
         pinned = pool.get(pin_url) if pin_url is not None else None
-        if pinned is not None and pinned.available:
-            if exclude and pin_url in exclude:
-                cached_map = self._cached_map(session_id, hint)
-                self._prompt = prompt = self._sized(prompt, cached_map, hint)
-                target, ttft, wait, cached = self._fastest(pool, exclude, prompt, cached_map, None, 0, None)
-                return Placement(target, Outcome.SPILL, "retry", cached, wait, ttft)
-            return self._pinned(pool, session_id, pins, pinned, exclude, hint, prompt)
+        if pinned is not None and pinned.available:  # excluded (``place`` gave ``_pinned`` the others)
+            cached_map = self._cached_map(session_id, hint)
+            self._prompt = prompt = self._sized(prompt, cached_map, hint)
+            target, ttft, wait, cached = self._fastest(pool, exclude, prompt, cached_map, None, 0, None)
+            return Placement(target, Outcome.SPILL, "retry", cached, wait, ttft)
         outcome = Outcome.NEW if pin_url is None else (
             Outcome.REPIN_REMOVED if pinned is None else Outcome.REPIN_UNHEALTHY)
         return self._new(pool, session_id, pins, exclude, hint, prompt, outcome)
 
     def _pinned(self, pool: BackendSet, session_id: str, pins: dict[str, str], pinned: Backend,
-                exclude: frozenset[str], hint: PlacementHint | None, prompt: int) -> Placement:
+                exclude: frozenset[str], hint: PlacementHint | None, now: float) -> Placement:
+        """A pinned session's request, its pin available and not excluded, booked (``_book``): the sticky
+        check, inlined (``_cached_map``, ``_sized``, ``predict``, ``_pool_stats``, ``_fits``,
+        ``_safety_bound``, ``_book``, with their operations in their order), then ``_off_pin`` when it
+        does not settle the placement."""
+        prompt = hint.prompt_tokens_estimate if hint is not None else 0
+        kv = self.kv
+        if kv is not None and not kv.any_events:
+            kv = None  # no backend's events reach it: it holds nothing, and ``has_events`` is False for all
         cached_map = None
-        if self.kv is not None:
-            cached_map = self._cached_map(session_id, hint)
-            self._prompt = prompt = self._sized(prompt, cached_map, hint)
         pin_cached = -1
         other_cached = 0
-        if cached_map:
-            pin_cached = cached_map.get(pinned.url, -1)
-            for url, tokens in cached_map.items():
-                if url != pinned.url and tokens > other_cached:
-                    other_cached = tokens
+        if kv is not None:
+            found = kv.session_tokens(session_id)
+            if not found and hint is not None and hint.prompt_ids is not None:
+                found = kv.prefix_tokens(hint.prompt_ids)
+            if found:
+                cached_map = found
+                if hint is not None and hint.prompt_ids is None:
+                    top = max(found.values())
+                    if top > prompt:
+                        prompt = top
+                pin_url = pinned.url
+                pin_cached = found.get(pin_url, -1)
+                for url, tokens in found.items():
+                    if url != pin_url and tokens > other_cached:
+                        other_cached = tokens
         held = pin_cached if pin_cached > 0 else 0  # what the index holds of the session on its pin
         last = hint.last_tokens if hint is not None else 0
         lost = last - held >= EVICTED_TOKENS and held + held < last  # most of the last turn (*evicted*)
         # whether the pin's KV events reach the index: asked only when the answer matters, once
-        kv = self.kv
         events = (lost or pin_cached < 0) and kv is not None and kv.has_events(pinned.url)
         evicted = lost and events
         if pin_cached < 0:
@@ -601,16 +662,84 @@ class KVAwarePolicy:
             pin_cached = prompt
         if other_cached > prompt:
             other_cached = prompt
-        pin_ttft, pin_wait = self.predict(pinned, prompt, pin_cached)
-        stats = self._pool_stats(pool, exclude)
+        # predict(pinned, prompt, pin_cached)
+        per_token = pinned.prefill_s_per_token
+        if per_token < 0:
+            per_token = self._per_token
+        step = pinned.step_s
+        if step < 0:
+            step = self._step
+        in_flight = pinned.in_flight
+        pin_wait = 0.0
+        waiting = pinned.engine_waiting
+        if waiting > 0:
+            queue = waiting + in_flight - pinned.in_flight_at_scrape
+            if queue > 0:
+                queued = pinned.queued_request_s
+                pin_wait = queue * (queued if queued >= 0 else self._queued)
+        busy = pinned.busy_s_per_request
+        if busy > 0:
+            pin_wait += (in_flight + pinned.others_at_scrape) * busy
+        if pinned.kv_usage > self._kv_from:
+            pin_wait += self._pressure_s(pinned, prompt)
+        if in_flight > 0:
+            ahead = self._ahead.get(pinned.url, 0.0) - self._now
+            if ahead > 0:
+                pin_wait += ahead
+        uncached = prompt - pin_cached
+        pin_ttft = step + (uncached if uncached > 0 else 0) * per_token + pin_wait
+        # _pool_stats(pool, exclude), its ledger case inlined
+        stats = self._stats.get(pool.key)
+        ledger = stats.ledger if stats is not None and not exclude else None
+        if (ledger is not None and ledger.version == stats.ledger_version and stats.version == pool.version
+                and not ledger.inexact and len(pool.members) <= SMALL_POOL):
+            stats.total = stats.base + (ledger.added - ledger.drops)
+        else:
+            stats = self._pool_stats(pool, exclude)
         if stats.count == 0:
             raise no_available_backend(pool)
         # the sticky fast path: no other backend can be clearly faster, and the pin is within the bound
         floor = stats.min_step + (prompt - other_cached) * stats.min_per_token
-        fits = pinned.kv_capacity_tokens <= 0 or self._fits(pinned, prompt)
-        if fits and not evicted and pin_ttft <= self._factor * floor + self._margin and (  # not clearly faster
-                pinned.in_flight + pinned.others_at_scrape + 1 <= self._safety_bound(stats.total, stats.count)):
-            return Placement(pinned, Outcome.STICKY, "cached", pin_cached, pin_wait, pin_ttft)
+        capacity = pinned.kv_capacity_tokens
+        fits = True
+        sent = None  # what this router sent the pin since its last scrape (``_sent``; capacity known)
+        if capacity > 0:
+            sent = self._sent.get(pinned)
+            if sent is not None and sent[0] != pinned.load_scraped_at:
+                sent = None
+            if prompt > 0:  # _fits(pinned, prompt)
+                out = pinned.output_tokens
+                need = prompt + (out * (1.0 + 0.5 * (in_flight + pinned.others_at_scrape)) if out > 0 else 0.0)
+                if sent is None:
+                    count, charged = 0, 0.0
+                else:
+                    count, charged = int(sent[1]), sent[2]
+                if need > capacity * (1.0 - pinned.kv_usage) - charged:
+                    fits = need <= self._free_tokens(pinned, count, charged)
+        if fits and not evicted and pin_ttft <= self._factor * floor + self._margin:
+            bound = stats.bounds.get(stats.total)
+            if bound is None:
+                bound = stats.bound(self._safety_bound)
+            if in_flight + pinned.others_at_scrape + 1 <= bound:
+                # _book(placement, now)
+                if capacity > 0:
+                    if sent is None:
+                        self._sent_anew(pinned, prompt)
+                    else:
+                        sent[1] += 1
+                        sent[2] += prompt
+                work = pin_ttft - pin_wait - step
+                if work > 0:
+                    self._push_ahead(pinned.url, in_flight, work, now)
+                return Placement(pinned, _STICKY, "cached", pin_cached, pin_wait, pin_ttft)
+        self._prompt = prompt
+        return self._book(self._off_pin(pool, exclude, pins, pinned, prompt, cached_map, pin_cached, other_cached,
+                                        evicted, fits, pin_ttft, pin_wait, stats), now)
+
+    def _off_pin(self, pool: BackendSet, exclude: frozenset[str], pins: dict[str, str], pinned: Backend,
+                 prompt: int, cached_map: Mapping[str, int] | None, pin_cached: int, other_cached: int,
+                 evicted: bool, fits: bool, pin_ttft: float, pin_wait: float, stats: _PoolStats) -> Placement:
+        """The rest of ``_pinned`` when the sticky check did not settle it (module docstring, *Decisions*)."""
         if not fits:
             # the turn does not fit the pin's free KV (it would be preempted): the fastest backend it fits
             # unless its recompute there costs more than a preemption on the pin would (a heavy session)
@@ -924,9 +1053,11 @@ class KVAwarePolicy:
         """``_refresh``, and the candidates other than ``pinned`` whose *floor* is clearly faster than
         ``pin_ttft``, in member order. A candidate's floor is its prediction with ``uncached`` prompt
         tokens (the fewest any backend but the pin may have to prefill) and without its KV-pressure
-        and ``ahead`` terms, with ``predict``'s operations in ``predict``'s order: rounding is
-        monotonic, those two terms are not negative (prompt >= 0, ``_floor_ok``), so no floor exceeds
-        its prediction, and a candidate not in the list is not clearly faster than the pin. When
+        term, with ``predict``'s operations in ``predict``'s order: rounding is monotonic, that term is
+        not negative (prompt >= 0, ``_floor_ok``), so no floor exceeds its prediction, and a candidate
+        not in the list is not clearly faster than the pin. The ``ahead`` term is in the floor: a
+        backend this router just sent prefill work to is rarely a rival, so the pin's prediction meets
+        no other (``_fastest_rival`` is skipped) when every backend has work ahead alike. When
         ``_settled`` may use it, the pass also leaves what it saw for it (``_Settle``)."""
         stats = self._stats.get(pool.key)
         if stats is None:
@@ -943,6 +1074,8 @@ class KVAwarePolicy:
         min_per_token = math.inf
         # for ``_Settle``: the smallest queue, cost per queued request, load and busy
         min_queue = min_queued = min_load = min_busy = math.inf
+        ahead_of = self._ahead.get
+        now = self._now
         rivals: list[Backend] = []
         for backend in pool.members:
             if not backend.healthy or backend.draining or (exclude and backend.url in exclude):
@@ -985,9 +1118,15 @@ class KVAwarePolicy:
                     min_busy = busy
             else:
                 min_busy = 0.0
-            if backend is not pinned and pin_ttft > factor * (step + uncached * per_token + wait) + margin:
+            if backend is pinned:
+                continue
+            if in_flight > 0:  # ``ahead`` (``_settled``'s bound has no such term: it is not monotonic)
+                ahead = ahead_of(backend.url, 0.0) - now
+                if ahead > 0:
+                    wait += ahead
+            if pin_ttft > factor * (step + uncached * per_token + wait) + margin:
                 rivals.append(backend)
-        stats.record(total, count, min_step, min_per_token, -1 if exclude else pool.version)
+        stats.record(total, count, min_step, min_per_token, pool, exclude, not weight)
         ledger = pool.ledger
         # a load below 0 (an in-flight count below 0: a bug elsewhere) would make a busy term negative
         if ledger is not None and self._settle_ok and not exclude and count and min_load >= 0:
@@ -1033,7 +1172,7 @@ class KVAwarePolicy:
         if stats is None:
             stats = self._stats[pool.key] = _PoolStats()
         stats.record(settle.base + (ledger.added - ledger.drops), settle.count, settle.min_step, settle.min_per_token,
-                     pool.version)
+                     pool, exclude, True)
         return stats
 
     def _fastest_rival(self, rivals: list[Backend], prompt: int, cached_map: Mapping[str, int] | None,
@@ -1143,7 +1282,7 @@ class KVAwarePolicy:
             ttft = step + (uncached if uncached > 0 else 0) * per_token + wait
             if ttft < best_ttft or (ttft == best_ttft and backend is keep):
                 best, best_ttft, best_wait, best_cached, best_load = backend, ttft, wait, cached, load
-        stats.record(total, count, min_step, min_per_token, -1 if exclude else pool.version)
+        stats.record(total, count, min_step, min_per_token, pool, exclude, not weight)
         bound = self._safety_bound(total, count)
         if best is None or (best is not keep and bound and best_load + 1 > bound):
             return (bound, *self._fastest(pool, exclude, prompt, cached_map, keep, bound, None))
@@ -1189,16 +1328,11 @@ class KVAwarePolicy:
         return best, best_ttft, best_wait, best_cached
 
     def _safety_bound(self, total: float, count: int) -> int:
-        key = (total, count)
-        bound = self._bounds.get(key)
-        if bound is None:
-            settings = self.settings
-            mean_bound = math.ceil((total + 1) / count - 1e-9)
-            bound = max(load_bound(settings.max_load_factor, total, count), mean_bound + settings.sticky_headroom)
-            if len(self._bounds) >= BOUNDS_KEPT:
-                self._bounds.clear()
-            self._bounds[key] = bound
-        return bound
+        """The most load a backend may carry after taking one more session request (module docstring,
+        *Safety net*); the sticky fast path remembers it per pool and total (``_PoolStats.bound``)."""
+        settings = self.settings
+        mean_bound = math.ceil((total + 1) / count - 1e-9)
+        return max(load_bound(settings.max_load_factor, total, count), mean_bound + settings.sticky_headroom)
 
     def _pool_stats(self, pool: BackendSet, exclude: frozenset[str]) -> _PoolStats:
         """The set's stats, refreshed when stale (module docstring): exact for small pools and retries.
@@ -1246,10 +1380,5 @@ class KVAwarePolicy:
                 min_step = step
             if per_token < min_per_token:
                 min_per_token = per_token
-        stats.record(total, count, min_step, min_per_token, -1 if exclude else pool.version)
-        ledger = pool.ledger
-        if ledger is not None and not exclude and not weight and not ledger.inexact:
-            stats.ledger = ledger
-            stats.ledger_version = ledger.version
-            stats.base = total - (ledger.added - ledger.drops)
+        stats.record(total, count, min_step, min_per_token, pool, exclude, not weight)
         return stats

@@ -442,3 +442,50 @@ async def test_batches_wait_for_a_reader_of_the_index_or_the_idle_timer(
         assert time.monotonic() - read_a >= 0.29
     finally:
         await publisher.close()
+
+
+async def test_placement_asks_the_service_to_read_only_while_it_has_sockets(zctx: zmq.asyncio.Context,
+                                                                           tmp_path: Path) -> None:
+    """``KVIndex.catch_up`` (every placement) reaches the service only while some backend's events are
+    subscribed: a router whose backends publish none pays nothing for the index's upkeep."""
+    endpoint = f"ipc://{tmp_path}/kv.sock"
+    index = KVIndex(max_blocks=1000)
+    pool = BackendPool("default", [Backend(URL)])
+    service = KVEvents(index, KVEventsSettings(replay_timeout_s=2.0, min_read_interval_s=0.0), lambda: [pool],
+                       KVMetrics(index), configured={URL2: BackendConfig(URL2, kv_events=endpoint)},
+                       request_timeout_s=1.0)
+    asked = [0]
+    read = service.catch_up
+
+    def counted() -> None:
+        asked[0] += 1
+        read()
+
+    service.catch_up = counted  # type: ignore[method-assign]
+    http = aiohttp.ClientSession()
+    publisher = TestPublisher(zctx, endpoint)
+    try:
+        service.start(http)
+        index.catch_up()
+        assert asked[0] == 0  # no socket: nothing is configured for URL (and its sources are not read yet)
+        joiner = pool.add(Backend(URL2))
+        service.backend_added(joiner)
+        await publisher.subscribed()
+        index.catch_up()
+        assert asked[0] == 1
+        await publisher.send(stored(T1, "s1"))
+
+        def applied() -> bool:
+            index.catch_up()
+            return tokens_of(index, "s1") == {URL2: 16}
+
+        await eventually(applied, timeout=5, what="the batch read by catch_up")
+        pool.remove(URL2)
+        service.backend_removed(joiner)
+        before = asked[0]
+        index.catch_up()
+        assert asked[0] == before and not service.subscribed(URL2)
+    finally:
+        await publisher.close()
+        await service.stop()
+        await http.close()

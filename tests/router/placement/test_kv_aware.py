@@ -62,6 +62,11 @@ class FakeKV:
     def has_events(self, backend_url: str) -> bool:
         return backend_url in self.live
 
+    @property
+    def any_events(self) -> bool:
+        """As the index: False only while it holds nothing (then the policy does not read it)."""
+        return bool(self.live) or any(self.sessions.values()) or any(self.prefixes.values())
+
     def prefix_tokens(self, prompt_ids: Sequence[int]) -> Mapping[str, int]:
         self.prefix_calls += 1
         return self.prefixes.get(tuple(prompt_ids), {})
