@@ -623,9 +623,8 @@ class KVAwarePolicy:
     def _pinned(self, pool: BackendSet, session_id: str, pins: dict[str, str], pinned: Backend,
                 exclude: frozenset[str], hint: PlacementHint | None, now: float) -> Placement:
         """A pinned session's request, its pin available and not excluded, booked (``_book``): the sticky
-        check, inlined (``_cached_map``, ``_sized``, ``predict``, ``_pool_stats``, ``_fits``,
-        ``_safety_bound``, ``_book``, with their operations in their order), then ``_off_pin`` when it
-        does not settle the placement."""
+        check, with ``_cached_map``, ``_sized``, ``_pool_stats``' ledger case, ``_fits`` and ``_book``
+        inlined (their operations in their order), then ``_off_pin`` when it does not settle the placement."""
         prompt = hint.prompt_tokens_estimate if hint is not None else 0
         kv = self.kv
         if kv is not None and not kv.any_events:
@@ -662,32 +661,8 @@ class KVAwarePolicy:
             pin_cached = prompt
         if other_cached > prompt:
             other_cached = prompt
-        # predict(pinned, prompt, pin_cached)
-        per_token = pinned.prefill_s_per_token
-        if per_token < 0:
-            per_token = self._per_token
-        step = pinned.step_s
-        if step < 0:
-            step = self._step
+        pin_ttft, pin_wait = self.predict(pinned, prompt, pin_cached)
         in_flight = pinned.in_flight
-        pin_wait = 0.0
-        waiting = pinned.engine_waiting
-        if waiting > 0:
-            queue = waiting + in_flight - pinned.in_flight_at_scrape
-            if queue > 0:
-                queued = pinned.queued_request_s
-                pin_wait = queue * (queued if queued >= 0 else self._queued)
-        busy = pinned.busy_s_per_request
-        if busy > 0:
-            pin_wait += (in_flight + pinned.others_at_scrape) * busy
-        if pinned.kv_usage > self._kv_from:
-            pin_wait += self._pressure_s(pinned, prompt)
-        if in_flight > 0:
-            ahead = self._ahead.get(pinned.url, 0.0) - self._now
-            if ahead > 0:
-                pin_wait += ahead
-        uncached = prompt - pin_cached
-        pin_ttft = step + (uncached if uncached > 0 else 0) * per_token + pin_wait
         # _pool_stats(pool, exclude), its ledger case inlined
         stats = self._stats.get(pool.key)
         ledger = stats.ledger if stats is not None and not exclude else None
@@ -728,7 +703,8 @@ class KVAwarePolicy:
                     else:
                         sent[1] += 1
                         sent[2] += prompt
-                work = pin_ttft - pin_wait - step
+                step = pinned.step_s
+                work = pin_ttft - pin_wait - (step if step >= 0 else self._step)
                 if work > 0:
                     self._push_ahead(pinned.url, in_flight, work, now)
                 return Placement(pinned, _STICKY, "cached", pin_cached, pin_wait, pin_ttft)
