@@ -623,8 +623,8 @@ class KVAwarePolicy:
     def _pinned(self, pool: BackendSet, session_id: str, pins: dict[str, str], pinned: Backend,
                 exclude: frozenset[str], hint: PlacementHint | None, now: float) -> Placement:
         """A pinned session's request, its pin available and not excluded, booked (``_book``): the sticky
-        check, with ``_cached_map``, ``_sized``, ``_pool_stats``' ledger case, ``_fits`` and ``_book``
-        inlined (their operations in their order), then ``_off_pin`` when it does not settle the placement."""
+        check, with ``_fits`` and ``_book`` inlined (their operations in their order; they share one read of
+        ``_sent``), then ``_off_pin`` when it does not settle the placement."""
         prompt = hint.prompt_tokens_estimate if hint is not None else 0
         kv = self.kv
         if kv is not None and not kv.any_events:
@@ -633,19 +633,12 @@ class KVAwarePolicy:
         pin_cached = -1
         other_cached = 0
         if kv is not None:
-            found = kv.session_tokens(session_id)
-            if not found and hint is not None and hint.prompt_ids is not None:
-                found = kv.prefix_tokens(hint.prompt_ids)
-            if found:
-                cached_map = found
-                if hint is not None and hint.prompt_ids is None:
-                    top = max(found.values())
-                    if top > prompt:
-                        prompt = top
-                pin_url = pinned.url
-                pin_cached = found.get(pin_url, -1)
-                for url, tokens in found.items():
-                    if url != pin_url and tokens > other_cached:
+            cached_map = self._cached_map(session_id, hint)
+            prompt = self._sized(prompt, cached_map, hint)
+            if cached_map:
+                pin_cached = cached_map.get(pinned.url, -1)
+                for url, tokens in cached_map.items():
+                    if url != pinned.url and tokens > other_cached:
                         other_cached = tokens
         held = pin_cached if pin_cached > 0 else 0  # what the index holds of the session on its pin
         last = hint.last_tokens if hint is not None else 0
@@ -663,14 +656,7 @@ class KVAwarePolicy:
             other_cached = prompt
         pin_ttft, pin_wait = self.predict(pinned, prompt, pin_cached)
         in_flight = pinned.in_flight
-        # _pool_stats(pool, exclude), its ledger case inlined
-        stats = self._stats.get(pool.key)
-        ledger = stats.ledger if stats is not None and not exclude else None
-        if (ledger is not None and ledger.version == stats.ledger_version and stats.version == pool.version
-                and not ledger.inexact and len(pool.members) <= SMALL_POOL):
-            stats.total = stats.base + (ledger.added - ledger.drops)
-        else:
-            stats = self._pool_stats(pool, exclude)
+        stats = self._pool_stats(pool, exclude)
         if stats.count == 0:
             raise no_available_backend(pool)
         # the sticky fast path: no other backend can be clearly faster, and the pin is within the bound
