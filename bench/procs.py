@@ -124,28 +124,30 @@ def launch(name: str, cmd: Sequence[str], port: int, log_dir: str, *, ready_path
 
 
 def start_process(module: str, args: Sequence[str], port: int, log_dir: str, ready_path: str = "/health",
-                  timeout: float = 20.0, env: dict[str, str] | None = None) -> Proc:
-    """``python -m module args`` from the repository, ready when ``ready_path`` answers 200 or 503."""
+                  timeout: float = 20.0, env: dict[str, str] | None = None, cwd: str = REPO) -> Proc:
+    """``python -m module args`` from the repository (or the source tree ``cwd``: its packages come first
+    on the module path), ready when ``ready_path`` answers 200 or 503."""
     extra = dict(env or {})
     if "PYTHONUNBUFFERED" not in os.environ:
         extra.setdefault("PYTHONUNBUFFERED", "1")
     return launch(module, [sys.executable, "-m", module, *args], port, log_dir, ready_path=ready_path,
-                  timeout=timeout, env=extra, cwd=REPO)
+                  timeout=timeout, env=extra, cwd=cwd)
 
 
 #: tries with a fresh free port when the one picked was taken before the child could bind it
 PORT_TRIES = 3
 
 
-def _start_on(module: str, args: Callable[[int], list[str]], port: int | None, log_dir: str) -> Proc:
+def _start_on(module: str, args: Callable[[int], list[str]], port: int | None, log_dir: str,
+              cwd: str = REPO) -> Proc:
     """``start_process`` on ``port``; with none given, on a free port, picked again (up to
     ``PORT_TRIES`` times) when another process took it between ``free_port`` and the child's bind."""
     if port is not None:
-        return start_process(module, args(port), port, log_dir)
+        return start_process(module, args(port), port, log_dir, cwd=cwd)
     for attempt in range(PORT_TRIES):
         port = free_port()
         try:
-            return start_process(module, args(port), port, log_dir)
+            return start_process(module, args(port), port, log_dir, cwd=cwd)
         except AssertionError as exc:
             if "address already in use" not in str(exc) or attempt == PORT_TRIES - 1:
                 raise
@@ -157,5 +159,6 @@ def start_backend(log_dir: str, *extra: str, port: int | None = None, speed: str
                                             *extra], port, log_dir)
 
 
-def start_router(log_dir: str, *args: str, port: int | None = None) -> Proc:
-    return _start_on("router", lambda p: ["--host", LOOPBACK, "--port", str(p), *args], port, log_dir)
+def start_router(log_dir: str, *args: str, port: int | None = None, tree: str = REPO) -> Proc:
+    """The router on 127.0.0.1 with ``args``; ``tree``: the source tree it runs from (another revision's)."""
+    return _start_on("router", lambda p: ["--host", LOOPBACK, "--port", str(p), *args], port, log_dir, tree)

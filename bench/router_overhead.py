@@ -23,6 +23,11 @@ than wall-clock figures on a shared 2-core machine.
 writing to a file in the run's temporary directory), side by side with the plain router (access
 log off), and a check row with each format's CPU per request over the plain router's.
 
+``--baseline REV`` adds the router of another revision of this repository (``git archive`` of REV into the run's
+temporary directory, run from there with the session policy, no other option) as row ``router@REV``, and check
+rows with every other router row's CPU per request over it: "today's" router, when an issue was filed, side by
+side with the router as it is now, in the same run and on the same backends.
+
 ``--rate R`` runs every cell open loop at R requests/s instead (the same rate for every target: CPU per
 request of an asyncio server falls as its rate rises, so closed loop a target that serves fewer req/s looks
 dearer per request for the same work). ``--kv-events``: the backends publish vLLM's KV events and the
@@ -43,12 +48,14 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import io
 import os
 import platform
 import shlex
 import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -72,6 +79,8 @@ ACCESS_LOG_SECTION = "router_overhead_access_log"
 ACCESS_LOG_PREFIX = "router(log="
 POLICY_SECTION = "router_overhead_policy"
 POLICY_PREFIX = "router(policy="
+#: the row of the router of another revision (``--baseline``): ``router@<commit>``
+BASELINE_PREFIX = "router@"
 #: a policy row's router that does not subscribe to the backends' KV events (``--unsubscribed``)
 UNSUBSCRIBED = ", unsubscribed"
 
@@ -236,6 +245,11 @@ def render(cells: dict[tuple[str, int, str], Cell], targets: Sequence[Target], f
             events = "the backends publish no KV events here, so `kv_aware` has no index"
         workers_note += (f"**{', '.join(policies)}**: the same with `--policy POLICY` (**router** runs `--policy "
                          f"session`; {events}). ")
+    for name in names:
+        if name.startswith(BASELINE_PREFIX):
+            workers_note += (f"**{name}**: the router of commit `{name[len(BASELINE_PREFIX):]}` of this repository "
+                             "(`--baseline`: run from a `git archive` of it, `--policy session`, no other option), "
+                             "side by side with today's in the same run. ")
     nginx_note = ("**nginx**: plain reverse proxy, 1 worker, round-robin, keep-alive upstream, `proxy_buffering off`, "
                   "no access log. " if "nginx" in names else "**nginx**: not run. ")
     machine = (f"- Machine: {facts['nproc']} CPUs ({facts['cpu']}), {facts['kernel']}; load average at start "
@@ -350,6 +364,9 @@ def checks(cells: dict[tuple[str, int, str], Cell], targets: Sequence[Target], c
     logged = [name for name in routers if name.startswith(ACCESS_LOG_PREFIX)]
     out += _over_router(cells, routers, [name for name in routers if name.startswith(POLICY_PREFIX)], concurrencies,
                         "CPU/req {mode} c={c} over router (session policy)")
+    for baseline in (name for name in routers if name.startswith(BASELINE_PREFIX)):
+        out += _over_router(cells, routers, [name for name in routers if not name.startswith(BASELINE_PREFIX)],
+                            concurrencies, "CPU/req {mode} c={c} over " + baseline + " (session policy)", baseline)
     for mode in MODES:
         for c in concurrencies if logged else ():
             row = [f"access log cost, CPU/req {mode} c={c} (over router)"]
@@ -391,21 +408,27 @@ def checks(cells: dict[tuple[str, int, str], Cell], targets: Sequence[Target], c
 
 
 def _over_router(cells: dict[tuple[str, int, str], Cell], routers: Sequence[str], names: Sequence[str],
-                 concurrencies: Sequence[int], label: str) -> list[str]:
-    """Check rows (a column per router row): each of ``names``' best CPU per request over the plain
-    router's, in µs and %."""
+                 concurrencies: Sequence[int], label: str, reference: str = "router") -> list[str]:
+    """Check rows (a column per router row): each of ``names``' best CPU per request over the ``reference``
+    row's, in µs and %; with several rounds, also the median over rounds of the two rows' ratio within a
+    round (the rounds interleave the rows, so each pair ran under the same load of the machine)."""
     out = []
     for mode in MODES:
         for c in concurrencies if names else ():
             row = [label.format(mode=mode, c=c)]
-            plain = cells.get((mode, c, "router"))
+            plain = cells.get((mode, c, reference))
             for name in routers:
                 cell = cells.get((mode, c, name))
                 if name not in names or cell is None or plain is None or not cell.rounds or not plain.rounds:
                     row.append("—")
                     continue
                 extra = cell.best(_proxy_cpu) - plain.best(_proxy_cpu)
-                row.append(f"{extra:+.0f} µs ({extra / max(1e-9, plain.best(_proxy_cpu)):+.1%})")
+                text = f"{extra / max(1e-9, plain.best(_proxy_cpu)):+.1%}"
+                ratios = [_proxy_cpu(mine) / max(1e-9, _proxy_cpu(ref)) - 1
+                          for mine, ref in zip(cell.rounds, plain.rounds)]
+                if len(ratios) > 1:
+                    text += f"; median of rounds {statistics.median(ratios):+.1%}"
+                row.append(f"{extra:+.0f} µs ({text})")
             out.append("| " + " | ".join(row) + " |")
     return out
 
@@ -540,6 +563,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="with --kv-events: also run each --policies router with --kv-events off (rows "
                         "router(policy=POLICY, unsubscribed)), on the same event-publishing backends: the policy's "
                         "own cost apart from reading the events")
+    p.add_argument("--baseline", default=None, metavar="REV",
+                   help="also run the router of revision REV of this repository (a git archive of it, session policy) "
+                        "as row router@REV, with check rows of every other router row's CPU per request over it")
     p.add_argument("--section", default=None,
                    help=f"marked section of --out to write (default {SECTION}; {ACCESS_LOG_SECTION} with --access-log)")
     p.add_argument("--out", default=DEFAULT_OUT, help="markdown file to write the report into (default bench/RESULTS.md)")
@@ -560,6 +586,21 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.rounds < 1 or args.seconds <= 0 or args.warmup < 0 or min(args.concurrency) < 1 or args.sessions < 1:
         p.error("--rounds, --seconds, --concurrency and --sessions must be positive")
     return args
+
+
+def baseline_tree(rev: str, dest: str) -> str:
+    """Extract revision ``rev`` of this repository (``git archive``) into ``dest``; its short commit id."""
+    found = subprocess.run(["git", "-C", REPO, "rev-parse", "--verify", "--short", f"{rev}^{{commit}}"],
+                           check=False, capture_output=True, text=True)
+    if found.returncode != 0:
+        raise SystemExit(f"--baseline {rev}: not a commit of this repository ({found.stderr.strip()}); "
+                         "give a commit id, tag or branch that `git log` shows")
+    commit = found.stdout.strip()
+    archive = subprocess.run(["git", "-C", REPO, "archive", "--format=tar", commit], check=True, capture_output=True)
+    os.makedirs(dest, exist_ok=True)
+    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+        tar.extractall(dest, filter="data")
+    return commit
 
 
 def bench_backend(tmp: str, kv_events: bool, speed: float = 0.0) -> Proc:
@@ -613,6 +654,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 started.append(other)
                 targets.append(Target(f"{POLICY_PREFIX}{policy}{suffix})", [other.url],
                                       lambda p=other.pid: process_tree(p)))
+            if args.baseline is not None:
+                tree = os.path.join(tmp, "baseline")
+                commit = baseline_tree(args.baseline, tree)
+                facts["baseline"] = commit
+                old = start_router(tmp, *route_args, "--policy", "session", tree=tree)
+                started.append(old)
+                targets.append(Target(f"{BASELINE_PREFIX}{commit}", [old.url], lambda p=old.pid: process_tree(p)))
             for fmt in args.access_log:
                 logged = start_router(tmp, *session_args, "--policy", "session", "--access-log", fmt,
                                       "--access-log-file", os.path.join(tmp, f"access-{fmt}.log"))

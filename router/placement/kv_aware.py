@@ -83,10 +83,16 @@ with a session staying where its KV is until moving is clearly cheaper (DESIGN.m
   configured ``queued_request_s`` >= 0), so with ``predict``'s operations in its order (rounding is
   monotonic)::
 
-      min_step + uncached * min_per_token + (max(0, Q - D) * G + max(0, L - D) * B)
+      min_step + uncached * min_per_token + (max(0, Q - D) * G + max(0, L - D) * B + ahead)
 
   is at most every candidate's floor (the pin's included: a lower bound over more members is still
-  one). When the pin is not clearly slower than it, no candidate is a rival: the pass would find
+  one). ``ahead`` is ``max(0, A - now)`` with ``A`` the earliest end of the work ahead the pass saw
+  (``_ahead``) while every member had requests in flight (their smallest count ``F``), and only while
+  ``F > D``: a backend's end of work ahead only moves later while it has requests in flight (its
+  term is 0 without, and a placement sent where none is in flight starts its clock anew), and no
+  member's count can have reached 0 since. In a burst of turns whose prompts are not all cached,
+  every backend has work ahead, the pin's prediction is above the fast path's floor (which has no
+  wait), and without this term every such turn ran the pass again to find no rival. When the pin is not clearly slower than it, no candidate is a rival: the pass would find
   none, and its stats are known without it: the load total is the pass's moved by ``added -
   drops``, exact because every load is a whole number (``Ledger.inexact``: else no answer), the
   count and cheapest constants are the pass's. Loads are not negative (a pass that sees one below
@@ -299,7 +305,7 @@ class _Settle:
     valid while the pool's ``Ledger.version`` and ``version`` are those of the pass."""
 
     __slots__ = ("ledger", "version", "pool_version", "drops", "base", "count", "min_step", "min_per_token",
-                 "queue", "queued", "load", "busy")
+                 "queue", "queued", "load", "busy", "in_flight", "done")
 
     def __init__(self) -> None:
         self.ledger: Ledger | None = None
@@ -319,6 +325,10 @@ class _Settle:
         self.queued = 0.0
         self.load = 0.0
         self.busy = 0.0
+        #: the available members' smallest in-flight count, and earliest end of the prefill work this
+        #: router sent there (``_ahead``; -inf when one has no request in flight, so no ``ahead`` term)
+        self.in_flight = 0.0
+        self.done = -math.inf
 
 
 class KVAwarePolicy:
@@ -677,7 +687,18 @@ class KVAwarePolicy:
                     count, charged = int(sent[1]), sent[2]
                 if need > capacity * (1.0 - pinned.kv_usage) - charged:
                     fits = need <= self._free_tokens(pinned, count, charged)
-        if fits and not evicted and pin_ttft <= self._factor * floor + self._margin:
+        sticky = fits and not evicted
+        asked = False  # ``_settled`` was asked and had no answer (``_off_pin`` does not ask again)
+        if sticky and pin_ttft > self._factor * floor + self._margin:
+            sticky = False
+            if prompt >= 0 and self._settle_ok:
+                # the fast floor has no wait: the pool's floor since its last pass may still rule out a rival
+                settled = self._settled(pool, exclude, prompt - other_cached, pin_ttft)
+                if settled is not None:
+                    stats, sticky = settled, True
+                else:
+                    asked = True
+        if sticky:
             bound = stats.bounds.get(stats.total)
             if bound is None:
                 bound = stats.bound(self._safety_bound)
@@ -696,12 +717,14 @@ class KVAwarePolicy:
                 return Placement(pinned, _STICKY, "cached", pin_cached, pin_wait, pin_ttft)
         self._prompt = prompt
         return self._book(self._off_pin(pool, exclude, pins, pinned, prompt, cached_map, pin_cached, other_cached,
-                                        evicted, fits, pin_ttft, pin_wait, stats), now)
+                                        evicted, fits, pin_ttft, pin_wait, stats, asked), now)
 
     def _off_pin(self, pool: BackendSet, exclude: frozenset[str], pins: dict[str, str], pinned: Backend,
                  prompt: int, cached_map: Mapping[str, int] | None, pin_cached: int, other_cached: int,
-                 evicted: bool, fits: bool, pin_ttft: float, pin_wait: float, stats: _PoolStats) -> Placement:
-        """The rest of ``_pinned`` when the sticky check did not settle it (module docstring, *Decisions*)."""
+                 evicted: bool, fits: bool, pin_ttft: float, pin_wait: float, stats: _PoolStats,
+                 asked: bool) -> Placement:
+        """The rest of ``_pinned`` when the sticky check did not settle it (module docstring, *Decisions*);
+        ``asked``: ``_pinned`` asked ``_settled`` already, without an answer."""
         if not fits:
             # the turn does not fit the pin's free KV (it would be preempted): the fastest backend it fits
             # unless its recompute there costs more than a preemption on the pin would (a heavy session)
@@ -724,7 +747,8 @@ class KVAwarePolicy:
         elif prompt >= 0 and self._floor_ok:
             # predict only the candidates whose floor is clearly faster than the pin (``_rivals``): the
             # fastest within the bound is among them whenever it matters, i.e. when it is clearly faster
-            settled = self._settled(pool, exclude, prompt - other_cached, pin_ttft) if self._settle_ok else None
+            settled = (self._settled(pool, exclude, prompt - other_cached, pin_ttft)
+                       if self._settle_ok and not asked else None)
             if settled is not None:
                 stats, rivals = settled, []
             else:
@@ -1034,8 +1058,9 @@ class KVAwarePolicy:
         count = 0
         min_step = math.inf
         min_per_token = math.inf
-        # for ``_Settle``: the smallest queue, cost per queued request, load and busy
-        min_queue = min_queued = min_load = min_busy = math.inf
+        # for ``_Settle``: the smallest queue, cost per queued request, load, busy, in-flight count, end of
+        # the work ahead
+        min_queue = min_queued = min_load = min_busy = min_done = min_in_flight = math.inf
         ahead_of = self._ahead.get
         now = self._now
         rivals: list[Backend] = []
@@ -1080,10 +1105,15 @@ class KVAwarePolicy:
                     min_busy = busy
             else:
                 min_busy = 0.0
+            done = ahead_of(backend.url, 0.0) if in_flight > 0 else -math.inf
+            if done < min_done:
+                min_done = done
+            if in_flight < min_in_flight:
+                min_in_flight = in_flight
             if backend is pinned:
                 continue
-            if in_flight > 0:  # ``ahead`` (``_settled``'s bound has no such term: it is not monotonic)
-                ahead = ahead_of(backend.url, 0.0) - now
+            if in_flight > 0:  # ``ahead``
+                ahead = done - now
                 if ahead > 0:
                     wait += ahead
             if pin_ttft > factor * (step + uncached * per_token + wait) + margin:
@@ -1110,6 +1140,8 @@ class KVAwarePolicy:
                 settle.queued = min_queued
                 settle.load = min_load
                 settle.busy = min_busy
+                settle.in_flight = min_in_flight
+                settle.done = min_done
         return stats, rivals
 
     def _settled(self, pool: BackendSet, exclude: frozenset[str], uncached: int, pin_ttft: float
@@ -1128,6 +1160,10 @@ class KVAwarePolicy:
         busy = settle.busy
         if load > 0 and busy > 0:
             wait += load * busy
+        if settle.in_flight > drops:  # every member still has requests in flight, and work ahead as late
+            ahead = settle.done - self._now
+            if ahead > 0:
+                wait += ahead
         if pin_ttft > self._factor * (settle.min_step + uncached * settle.min_per_token + wait) + self._margin:
             return None  # some candidate's floor may be clearly faster than the pin
         stats = self._stats.get(pool.key)

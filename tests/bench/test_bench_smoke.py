@@ -19,8 +19,9 @@ from bench.loadgen import LoadSpec, percentile, run_load
 from bench.nginx import find_nginx, write_conf
 from bench.procs import REPO
 from bench.loadgen import LoadResult
-from bench.router_overhead import (BEGIN, END, Cell, Target, balance, bench_backend, busiest_share, checks, parse_args,
-                                   process_tree, render, served, write_section)
+from bench.procs import start_router
+from bench.router_overhead import (BEGIN, END, Cell, Target, balance, baseline_tree, bench_backend, busiest_share, checks,
+                                   parse_args, process_tree, render, served, write_section)
 
 SSE_EVENTS = 16
 
@@ -207,6 +208,50 @@ def test_unsubscribed_rows_need_kv_events_and_policies_and_are_compared_with_the
     assert "| CPU/req stream c=16 over router (session policy) | — | +20 µs (+25.0%) | +4 µs (+5.0%) |" in rows
     text = render(cells, targets, _FACTS, args)
     assert "the gap between the two rows is the subscription's cost" in text
+
+
+def test_rows_over_a_baseline_router_with_the_median_of_rounds() -> None:
+    """``--baseline REV``: every other router row gets a check row with its CPU per request over the router
+    of revision REV, best of rounds and, with several rounds, the median of the per-round ratios."""
+    assert parse_args(["--quick", "--baseline", "f4f1564"]).baseline == "f4f1564"
+    assert parse_args(["--quick"]).baseline is None
+    names = (("router", [80.0, 90.0, 70.0]), ("router(policy=kv_aware)", [88.0, 108.0, 84.0]),
+             ("router@abc1234", [75.0, 80.0, 70.0]))
+    targets = [Target(name, []) for name, _ in names]
+    cells = {(mode, 16, name): Cell(mode, 16, name, [_result(cpu) for cpu in cpus]) for mode in ("non-stream", "stream")
+             for name, cpus in names}
+    rows = checks(cells, targets, [16])
+    # over the session policy: best 84 over best 70; per round +10%, +20%, +20%
+    assert ("| CPU/req stream c=16 over router (session policy) | — | +14 µs (+20.0%; median of rounds +20.0%) | — |"
+            in rows)
+    # over the baseline: router 70 vs 70 (rounds +6.7%, +12.5%, 0%), kv_aware 84 vs 70 (+17.3%, +35%, +20%)
+    assert ("| CPU/req non-stream c=16 over router@abc1234 (session policy) | +0 µs (+0.0%; median of rounds +6.7%) "
+            "| +14 µs (+20.0%; median of rounds +20.0%) | — |") in rows
+    text = render(cells, targets, _FACTS, parse_args(["--quick", "--policies", "kv_aware", "--baseline", "abc1234"]))
+    assert "**router@abc1234**: the router of commit `abc1234`" in text
+
+
+def test_a_baseline_router_runs_from_its_own_tree(tmp_path: Any) -> None:
+    """``baseline_tree`` extracts a revision of this repository; a router started from it runs that tree's
+    code (its working directory, first on its module path) and proxies to a real backend. A revision that
+    is not a commit is refused with what to give instead."""
+    with pytest.raises(SystemExit, match="not a commit of this repository"):
+        baseline_tree("no-such-revision-here", str(tmp_path / "none"))
+    tree = str(tmp_path / "tree")
+    commit = baseline_tree("HEAD", tree)
+    head = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], check=True, capture_output=True, text=True)
+    assert commit == head.stdout.strip()
+    assert os.path.isfile(os.path.join(tree, "router", "__main__.py"))
+    backend = bench_backend(str(tmp_path), False)
+    try:
+        router = start_router(str(tmp_path), "--backend", backend.url, "--policy", "session", tree=tree)
+        try:
+            assert os.readlink(f"/proc/{router.pid}/cwd") == tree
+            assert _complete(router.url, 2)["usage"]["completion_tokens"] == 2
+        finally:
+            router.stop()
+    finally:
+        backend.stop()
 
 
 def test_kv_events_backends_publish_where_the_routers_find_them(tmp_path: Any) -> None:

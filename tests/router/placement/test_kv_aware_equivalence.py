@@ -282,3 +282,70 @@ def test_same_decisions_with_and_without_a_pass_as_in_flight_counts_move(seed: i
     assert compared == 80 * 60
     # the no-pass answer was used often, also after in-flight counts fell; and some sessions moved
     assert settled > 250 and after_drops > 60 and moved > 100, (settled, passes, after_drops, moved)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_same_decisions_without_a_pass_when_every_backend_has_work_ahead(seed: int) -> None:
+    """Bursts of turns whose prompts are not all cached, on engines that do not queue: every backend has
+    prefill work ahead (``ahead``), so the pin's prediction is above the sticky fast path's floor, and
+    the policy settles the placement without a pass from the earliest end of work ahead the last pass
+    saw, while no member's in-flight count can have reached 0 since (``_settled``). The reference
+    predicts every candidate each time: the decisions must be the same, also as counts fall to 0, the
+    clock moves on and one backend is made faster or slower."""
+    rng = random.Random(2000 + seed)
+    compared = with_ahead = passes = moved = 0
+    for trial in range(60):
+        size = rng.choice((2, 2, 3, 4))
+        pool = BackendPool("default", [Backend(f"http://10.2.0.{i + 1}:8000") for i in range(size)])
+        settings = KVAwareSettings(move_factor=rng.choice((1.0, 1.5)), move_margin_s=rng.choice((0.0, 0.005)))
+        now = [0.0]
+        reference = ReferenceKVAwarePolicy(settings, clock=lambda now=now: now[0])
+        current = KVAwarePolicy(settings, clock=lambda now=now: now[0])
+        real_settled = current._settled
+        counts = [0, 0]  # settled with the ``ahead`` term in its bound, a pass needed
+
+        def counting_settled(*args: object, real=real_settled, counts=counts, current=current,  # type: ignore[no-untyped-def]
+                             pool=pool, now=now) -> object:
+            found = real(*args)  # type: ignore[arg-type]
+            settle = current._settles.get(pool.key)
+            if found is None:
+                counts[1] += 1
+            elif settle is not None and settle.in_flight > pool.ledger.drops - settle.drops and settle.done > now[0]:
+                counts[0] += 1
+            return found
+
+        current._settled = counting_settled  # type: ignore[method-assign]
+        for backend in pool.members:
+            backend.in_flight = rng.choice((4, 16, 32, 64))
+            backend.in_flight_at_scrape = backend.in_flight
+            learned(rng, backend, rng.random() < 0.9)
+            backend.engine_waiting = 0.0
+        urls = [b.url for b in pool.members]
+        entries: dict[str, tuple[SessionEntry, SessionEntry]] = {}
+        for s in range(10):
+            pair = (SessionEntry(f"s{s}", 0.0, 0.0, 0.0), SessionEntry(f"s{s}", 0.0, 0.0, 0.0))
+            pair[0].pins["default"] = pair[1].pins["default"] = rng.choice(urls)
+            entries[f"s{s}"] = pair
+        for _ in range(80):
+            members = pool.members
+            for _ in range(rng.choice((0, 1, 1, 2, 3))):  # requests finished since (and one sent per placement)
+                backend = rng.choice(members)
+                if backend.in_flight > 0:
+                    backend.in_flight -= 1
+            if rng.random() < 0.05:
+                one_change(rng, rng.choice(members))
+            sid = rng.choice(list(entries))
+            prompt = rng.choice((200, 240, 240, 640))
+            last = rng.choice((prompt, prompt - 8, prompt - 40))
+            now[0] += rng.choice((0.0, 0.0001, 0.0005, 0.002))  # faster than the work sent: it piles up
+            results = [outcome(policy, pool, sid, entries[sid][which], frozenset(), PlacementHint(prompt, last_tokens=last))
+                       for policy, which in ((reference, 0), (current, 1))]
+            assert results[0] == results[1], (seed, trial, sid, results)
+            compared += 1
+            moved += results[0][1].name == "SPILL"
+            pool.get(str(results[0][0])).in_flight += 1  # the proxy sends it there  # type: ignore[union-attr]
+        with_ahead += counts[0]
+        passes += counts[1]
+    assert compared == 60 * 80
+    # the bound with work ahead answered often (the burst this term is for), passes still ran, sessions moved
+    assert with_ahead > 100 and passes > 500 and moved > 20, (with_ahead, passes, moved)

@@ -183,3 +183,40 @@ def test_no_answer_while_an_in_flight_count_is_negative() -> None:
     place(policy, pool)
     place(policy, pool)
     assert (policy.passes, policy.settled) == (4, 1)
+
+
+def test_work_ahead_everywhere_settles_until_a_backend_may_have_emptied() -> None:
+    """Engines that do not queue, each with prefill work this router sent ahead of a newcomer
+    (``ahead``): the pin's prediction is above the fast path's floor, which has no wait. The pass finds
+    no rival, and the next placements are settled from the earliest end of work ahead it saw, until as
+    many requests finished as the fewest a member had in flight (that member may be empty: its work
+    ahead no longer counts), when a pass runs again."""
+    now = [0.0]
+    pool = BackendPool("default", [Backend(f"http://127.0.0.1:{8100 + i}") for i in range(2)])
+    policy = Counted()
+    policy._clock = lambda: now[0]  # type: ignore[method-assign]
+    for backend in pool.members:
+        backend.in_flight = 3
+    pin = pool.members[0]
+
+    def turn(uncached: int) -> Outcome:
+        """A turn of 640 tokens, ``uncached`` of them new, pinned to the first backend; the proxy sends it."""
+        entry = SessionEntry("s", 0.0, 0.0, 0.0)
+        entry.pins["default"] = pin.url
+        placement = policy.place(pool, "s", entry, hint=PlacementHint(640, last_tokens=640 - uncached))
+        placement.backend.in_flight += 1
+        return placement.outcome
+
+    for backend in pool.members:  # 2 s of prefill work sent to each (8,000 new tokens at 4,000 tokens/s)
+        entry = SessionEntry("w", 0.0, 0.0, 0.0)
+        entry.pins["default"] = backend.url
+        policy.place(pool, "w", entry, hint=PlacementHint(8000, last_tokens=0))
+    assert policy.passes == 0  # each a sticky turn by the fast path: its whole prompt is new anywhere
+    assert turn(8) is Outcome.STICKY and (policy.passes, policy.settled) == (1, 0)  # both have work ahead alike
+    for _ in range(5):
+        now[0] += 0.01
+        assert turn(8) is Outcome.STICKY
+    assert (policy.passes, policy.settled) == (1, 5)
+    pool.members[1].in_flight -= 3  # as many finished as the fewest in flight at the pass: it may be empty
+    assert turn(8) is Outcome.STICKY
+    assert (policy.passes, policy.settled) == (2, 5)
