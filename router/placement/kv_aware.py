@@ -60,8 +60,11 @@ with a session staying where its KV is until moving is clearly cheaper (DESIGN.m
   safety bound (SPILL, "load"). A move takes the pin along: the new backend now holds the freshest
   prefix. The fast path is O(1): the pin's prediction against a lower bound of any other
   backend's (the pool's smallest step and prefill cost, no wait, the most any other backend has
-  cached), with the pool's load total refreshed every ``STATS_EVERY`` placements. When that does
-  not settle it, the pass that refreshes the pool's stats also takes each candidate's *floor* (its
+  cached), with the pool's load total refreshed every ``STATS_EVERY`` placements. In a small pool
+  (``SMALL_POOL``: its stats are exact) where no other backend holds more of the session, it also
+  settles when the pin's *settled* prediction (*hysteresis*, below) is not clearly slower than that
+  bound (``_never_settled_slower``): another backend may then predict faster, but no move to it
+  would pass the hysteresis. When none of that settles it (nor ``_settled``, *no pass*), the pass that refreshes the pool's stats also takes each candidate's *floor* (its
   prediction with that fewest uncached count and without the KV-pressure term, same operations, so
   never above its prediction) and only the candidates whose floor is clearly faster than the pin
   are predicted: the same choices as predicting all of them (the fastest matters only when it is
@@ -90,15 +93,17 @@ with a session staying where its KV is until moving is clearly cheaper (DESIGN.m
   (``_ahead``) while every member had requests in flight (their smallest count ``F``), and only while
   ``F > D``: a backend's end of work ahead only moves later while it has requests in flight (its
   term is 0 without, and a placement sent where none is in flight starts its clock anew), and no
-  member's count can have reached 0 since. In a burst of turns whose prompts are not all cached,
-  every backend has work ahead, the pin's prediction is above the fast path's floor (which has no
-  wait), and without this term every such turn ran the pass again to find no rival. When the pin is not clearly slower than it, no candidate is a rival: the pass would find
-  none, and its stats are known without it: the load total is the pass's moved by ``added -
-  drops``, exact because every load is a whole number (``Ledger.inexact``: else no answer), the
-  count and cheapest constants are the pass's. Loads are not negative (a pass that sees one below
-  0 leaves nothing; an in-flight count written below 0 bumps the version), so no busy term is. Not used with a ``reported_load_weight`` (its
-  products are not whole numbers), with excluded backends, or on a model's candidate set (no
-  ledger of its own). Requests finishing lower the bound: after about ``Q`` of them a pass runs
+  member's count can have reached 0 since. (In a burst of turns whose prompts are not all cached,
+  every backend has work ahead, the pin's prediction is above the fast path's floor, which has no
+  wait, and without this term every such turn ran the pass again to find no rival.) The fast path
+  asks this bound before it gives up. When the pin is not clearly slower than it, no candidate is
+  a rival: the pass would find none, and its stats are known without it: the load total is the
+  pass's moved by ``added - drops``, exact because every load is a whole number
+  (``Ledger.inexact``: else no answer), the count and cheapest constants are the pass's. Loads are
+  not negative (a pass that sees one below 0 leaves nothing; an in-flight count written below 0
+  bumps the version), so no busy term is. Not used with a ``reported_load_weight`` (its products
+  are not whole numbers), with excluded backends, or on a model's candidate set (no ledger of its
+  own). Requests finishing lower the bound: after about ``Q`` of them a pass runs
   again and takes a new snapshot.
 - *hysteresis*: a move off the pin for "wait" or "kv_pressure" also needs the pin's *settled*
   prediction (``_settled_ttft``: its learned constants, its KV pressure, and of its queue only what
@@ -184,6 +189,9 @@ SLOW_FACTOR = 3.0
 #: answer there (and at least half of them) recomputes them wherever it goes: it is placed where it is
 #: predicted fastest, without the move factor and hysteresis that guard a cached prefix
 EVICTED_TOKENS = 256
+#: seconds under ``_pinned``'s floor that ``_never_settled_slower`` compares with: far above the rounding of a
+#: prediction less its ``ahead`` term (about 2e-16 x their sum: 1e-6 s needs an ``ahead`` of a century)
+HYSTERESIS_SLACK_S = 1e-6
 #: backends with an ``ahead`` entry before the entries whose work is done are dropped
 AHEAD_PRUNE_AT = 1024
 #: safety bounds a pool's stats remember by load total before the memo starts over (a few hundred recur)
@@ -510,17 +518,13 @@ class KVAwarePolicy:
                 best, best_ttft, best_wait, best_cached = backend, ttft, wait, cached
         return None if best is None else (best, best_ttft, best_wait, best_cached)
 
-    def _settled_slower(self, backend: Backend, prompt: int, cached: int, fast: float, target: Backend) -> bool:
-        """Whether ``backend``'s prediction counting only what justifies leaving it (module docstring,
-        *hysteresis*) is clearly slower than ``fast``: its learned constants (medians over several
-        scrape intervals), its KV pressure, and its queue as it persisted over three scrapes
-        (``queued_floor``), lowered by what finished since
-        the scrape but never raised by what was sent since; never the in-flight ``busy`` term
-        (in-flight counts wander by chance) nor the prefill work sent there (``ahead``: gone within
-        a second or so). Without a queue or pressure, by ``SLOW_FACTOR``, and
-        only on learned constants: a backend with none learned yet (just started, or back after a
-        restart while the others learned theirs) is not judged slower by the configured ones, or it
-        would get no traffic to learn from and stay empty."""
+    def _settled_ttft(self, backend: Backend, prompt: int, cached: int) -> tuple[float, float]:
+        """(prediction, of which waiting) of ``backend`` counting only what justifies leaving it (module
+        docstring, *hysteresis*): its learned constants (medians over several scrape intervals), its KV
+        pressure, and its queue as it persisted over three scrapes (``queued_floor``), lowered by what
+        finished since the scrape but never raised by what was sent since; never the in-flight ``busy``
+        term (in-flight counts wander by chance) nor the prefill work sent there (``ahead``: gone within
+        a second or so)."""
         per_token = backend.prefill_s_per_token
         if per_token < 0:
             per_token = self._per_token
@@ -538,7 +542,15 @@ class KVAwarePolicy:
         if backend.kv_usage > self._kv_from:
             wait += self._pressure_s(backend, prompt)
         uncached = prompt - cached
-        ttft = step + (uncached if uncached > 0 else 0) * per_token + wait
+        return step + (uncached if uncached > 0 else 0) * per_token + wait, wait
+
+    def _settled_slower(self, backend: Backend, prompt: int, cached: int, fast: float, target: Backend) -> bool:
+        """Whether ``backend``'s settled prediction (``_settled_ttft``) is clearly slower than ``fast``,
+        ``target``'s prediction. Without a queue or pressure, by ``SLOW_FACTOR``, and only on learned
+        constants: a backend with none learned yet (just started, or back after a restart while the
+        others learned theirs) is not judged slower by the configured ones, or it would get no traffic
+        to learn from and stay empty."""
+        ttft, wait = self._settled_ttft(backend, prompt, cached)
         if wait <= 0 and backend.step_s < 0 and backend.prefill_s_per_token < 0:
             return False  # nothing measured there yet: the configured constants are no evidence it is slower
         if wait > 0:
@@ -546,6 +558,20 @@ class KVAwarePolicy:
         # a slow engine: against the target's prediction without the prefill work this router just
         # sent there (``ahead``, charged at a rate the target may not have learned yet)
         return ttft > max(self._factor, SLOW_FACTOR) * (fast - self._ahead_s(target)) + self._margin
+
+    def _never_settled_slower(self, backend: Backend, prompt: int, cached: int, floor: float) -> bool:
+        """Whether ``_settled_slower(backend, prompt, cached, fast, target)`` is False for every target
+        whose prediction ``fast`` is at least ``floor``, less its ``ahead`` too (``_pinned``'s floor: no
+        wait, the pool's cheapest constants, the most any other backend holds cached). Then no move off
+        ``backend`` for "wait" or "kv_pressure" passes the hysteresis, whatever the others predict.
+        ``fast - ahead`` is computed as ``(x + ahead) - ahead``: ``HYSTERESIS_SLACK_S`` covers its
+        rounding below ``x``."""
+        ttft, wait = self._settled_ttft(backend, prompt, cached)
+        if wait <= 0 and backend.step_s < 0 and backend.prefill_s_per_token < 0:
+            return True
+        if wait > 0:
+            return ttft <= self._factor * floor + self._margin
+        return ttft <= max(self._factor, SLOW_FACTOR) * (floor - HYSTERESIS_SLACK_S) + self._margin
 
     def _ahead_s(self, backend: Backend) -> float:
         """The ``ahead`` term of ``backend``'s prediction (module docstring): none while none of this
@@ -633,8 +659,8 @@ class KVAwarePolicy:
     def _pinned(self, pool: BackendSet, session_id: str, pins: dict[str, str], pinned: Backend,
                 exclude: frozenset[str], hint: PlacementHint | None, now: float) -> Placement:
         """A pinned session's request, its pin available and not excluded, booked (``_book``): the sticky
-        check, with ``_fits`` and ``_book`` inlined (their operations in their order; they share one read of
-        ``_sent``), then ``_off_pin`` when it does not settle the placement."""
+        check (the fast floor, else ``_settled``), with ``_fits`` and ``_book`` inlined (their operations in
+        their order; they share one read of ``_sent``), then ``_off_pin`` when it does not settle the placement."""
         prompt = hint.prompt_tokens_estimate if hint is not None else 0
         kv = self.kv
         if kv is not None and not kv.any_events:
@@ -690,8 +716,13 @@ class KVAwarePolicy:
         sticky = fits and not evicted
         asked = False  # ``_settled`` was asked and had no answer (``_off_pin`` does not ask again)
         if sticky and pin_ttft > self._factor * floor + self._margin:
-            sticky = False
-            if prompt >= 0 and self._settle_ok:
+            # another backend may be clearly faster, but it would take the session only for "wait" or
+            # "kv_pressure" (none holds more of it), which the hysteresis may refuse whatever it predicts
+            # (a small pool's stats are exact, ``_pool_stats``: the safety bound is a pass's)
+            sticky = (prompt >= 0 and self._floor_ok and other_cached <= pin_cached
+                      and len(pool.members) <= SMALL_POOL
+                      and self._never_settled_slower(pinned, prompt, pin_cached, floor))
+            if not sticky and prompt >= 0 and self._settle_ok:
                 # the fast floor has no wait: the pool's floor since its last pass may still rule out a rival
                 settled = self._settled(pool, exclude, prompt - other_cached, pin_ttft)
                 if settled is not None:

@@ -286,16 +286,17 @@ def test_same_decisions_with_and_without_a_pass_as_in_flight_counts_move(seed: i
 
 @pytest.mark.parametrize("seed", range(4))
 def test_same_decisions_without_a_pass_when_every_backend_has_work_ahead(seed: int) -> None:
-    """Bursts of turns whose prompts are not all cached, on engines that do not queue: every backend has
-    prefill work ahead (``ahead``), so the pin's prediction is above the sticky fast path's floor, and
-    the policy settles the placement without a pass from the earliest end of work ahead the last pass
-    saw, while no member's in-flight count can have reached 0 since (``_settled``). The reference
-    predicts every candidate each time: the decisions must be the same, also as counts fall to 0, the
-    clock moves on and one backend is made faster or slower."""
+    """Bursts of turns whose prompts are not all cached, on engines that queue alike (so the hysteresis
+    alone does not settle the pin): every backend has prefill work ahead (``ahead``), so the pin's
+    prediction is above the sticky fast path's floor, and the policy settles the placement without a
+    pass from the earliest end of work ahead the last pass saw, while no member's in-flight count can
+    have reached 0 since (``_settled``). The reference predicts every candidate each time: the
+    decisions must be the same, also as counts fall, the clock moves on and one backend changes."""
     rng = random.Random(2000 + seed)
     compared = with_ahead = passes = moved = 0
     for trial in range(60):
-        size = rng.choice((2, 2, 3, 4))
+        size = rng.choice((2, 2, 3, 4, 9))
+        waiting = rng.choice((1.0, 2.0))
         pool = BackendPool("default", [Backend(f"http://10.2.0.{i + 1}:8000") for i in range(size)])
         settings = KVAwareSettings(move_factor=rng.choice((1.0, 1.5)), move_margin_s=rng.choice((0.0, 0.005)))
         now = [0.0]
@@ -316,13 +317,14 @@ def test_same_decisions_without_a_pass_when_every_backend_has_work_ahead(seed: i
 
         current._settled = counting_settled  # type: ignore[method-assign]
         for backend in pool.members:
-            backend.in_flight = rng.choice((4, 16, 32, 64))
+            backend.in_flight = rng.choice((24, 32, 64))
             backend.in_flight_at_scrape = backend.in_flight
             learned(rng, backend, rng.random() < 0.9)
-            backend.engine_waiting = 0.0
+            queueing_alike(rng, backend, waiting, 0.0)  # a queue that persisted: the hysteresis alone does not settle
+            queueing_alike(rng, backend, waiting, 0.0)
         urls = [b.url for b in pool.members]
         entries: dict[str, tuple[SessionEntry, SessionEntry]] = {}
-        for s in range(10):
+        for s in range(4 * size):  # every backend pins some, so every backend gets work ahead
             pair = (SessionEntry(f"s{s}", 0.0, 0.0, 0.0), SessionEntry(f"s{s}", 0.0, 0.0, 0.0))
             pair[0].pins["default"] = pair[1].pins["default"] = rng.choice(urls)
             entries[f"s{s}"] = pair
@@ -348,4 +350,4 @@ def test_same_decisions_without_a_pass_when_every_backend_has_work_ahead(seed: i
         passes += counts[1]
     assert compared == 60 * 80
     # the bound with work ahead answered often (the burst this term is for), passes still ran, sessions moved
-    assert with_ahead > 100 and passes > 500 and moved > 20, (with_ahead, passes, moved)
+    assert with_ahead > 30 and passes > 500 and moved > 50, (with_ahead, passes, moved)

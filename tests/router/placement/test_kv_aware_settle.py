@@ -185,38 +185,67 @@ def test_no_answer_while_an_in_flight_count_is_negative() -> None:
     assert (policy.passes, policy.settled) == (4, 1)
 
 
-def test_work_ahead_everywhere_settles_until_a_backend_may_have_emptied() -> None:
-    """Engines that do not queue, each with prefill work this router sent ahead of a newcomer
-    (``ahead``): the pin's prediction is above the fast path's floor, which has no wait. The pass finds
-    no rival, and the next placements are settled from the earliest end of work ahead it saw, until as
-    many requests finished as the fewest a member had in flight (that member may be empty: its work
-    ahead no longer counts), when a pass runs again."""
+def two_backends_with_work_ahead(queued: float) -> tuple[BackendPool, Counted, list[float]]:
+    """Two engines with 3 requests in flight and ``queued`` waiting at the last scrape (persisted over
+    three), each sent 2 s of prefill work (8,000 new tokens at the configured 4,000 tokens/s), each
+    placement by the fast path (its whole prompt is new anywhere); and the policy's clock."""
     now = [0.0]
     pool = BackendPool("default", [Backend(f"http://127.0.0.1:{8100 + i}") for i in range(2)])
     policy = Counted()
     policy._clock = lambda: now[0]  # type: ignore[method-assign]
     for backend in pool.members:
-        backend.in_flight = 3
-    pin = pool.members[0]
-
-    def turn(uncached: int) -> Outcome:
-        """A turn of 640 tokens, ``uncached`` of them new, pinned to the first backend; the proxy sends it."""
-        entry = SessionEntry("s", 0.0, 0.0, 0.0)
-        entry.pins["default"] = pin.url
-        placement = policy.place(pool, "s", entry, hint=PlacementHint(640, last_tokens=640 - uncached))
-        placement.backend.in_flight += 1
-        return placement.outcome
-
-    for backend in pool.members:  # 2 s of prefill work sent to each (8,000 new tokens at 4,000 tokens/s)
+        backend.in_flight = backend.in_flight_at_scrape = 3
+        backend.engine_waiting = backend.queued_floor = queued
+    for backend in pool.members:
         entry = SessionEntry("w", 0.0, 0.0, 0.0)
         entry.pins["default"] = backend.url
-        policy.place(pool, "w", entry, hint=PlacementHint(8000, last_tokens=0))
-    assert policy.passes == 0  # each a sticky turn by the fast path: its whole prompt is new anywhere
-    assert turn(8) is Outcome.STICKY and (policy.passes, policy.settled) == (1, 0)  # both have work ahead alike
+        assert policy.place(pool, "w", entry, hint=PlacementHint(8000, last_tokens=0)).outcome is Outcome.STICKY
+    assert policy.passes == 0
+    return pool, policy, now
+
+
+def turn(policy: KVAwarePolicy, pool: BackendPool, uncached: int = 8) -> Outcome:
+    """A turn of 640 tokens, ``uncached`` of them new, pinned to the first backend; the proxy sends it."""
+    entry = SessionEntry("s", 0.0, 0.0, 0.0)
+    entry.pins["default"] = pool.members[0].url
+    placement = policy.place(pool, "s", entry, hint=PlacementHint(640, last_tokens=640 - uncached))
+    placement.backend.in_flight += 1
+    return placement.outcome
+
+
+def test_work_ahead_everywhere_settles_until_a_backend_may_have_emptied() -> None:
+    """Engines that queue alike (3 waiting, persisted: the hysteresis alone does not settle the pin),
+    each with prefill work this router sent ahead of a newcomer (``ahead``): the pin's prediction is
+    above the fast path's floor, which has no wait. The pass finds no rival, and the next placements are
+    settled from the earliest end of work ahead it saw, until as many requests finished as the fewest a
+    member had in flight: that member may be empty (its work ahead no longer counts), a pass runs, and
+    the emptied backend, clearly faster now, takes the session."""
+    pool, policy, now = two_backends_with_work_ahead(3.0)
+    assert turn(policy, pool) is Outcome.STICKY and (policy.passes, policy.settled) == (1, 0)
     for _ in range(5):
         now[0] += 0.01
-        assert turn(8) is Outcome.STICKY
+        assert turn(policy, pool) is Outcome.STICKY
     assert (policy.passes, policy.settled) == (1, 5)
-    pool.members[1].in_flight -= 3  # as many finished as the fewest in flight at the pass: it may be empty
-    assert turn(8) is Outcome.STICKY
+    pool.members[1].in_flight -= 3  # as many finished as the fewest in flight at the pass: it is empty
+    assert turn(policy, pool) is Outcome.SPILL
     assert (policy.passes, policy.settled) == (2, 5)
+
+
+def test_the_hysteresis_alone_keeps_a_pin_that_does_not_queue() -> None:
+    """A pin that does not queue, with more work ahead than the other backend: the other predicts
+    clearly faster, but it could take the session only for "wait", and the pin's settled prediction
+    (no ``ahead``, no queue) is not clearly slower than any backend's floor: sticky without a pass or
+    a no-pass answer (``_never_settled_slower``). Once the pin's queue persisted, the pass runs and the
+    session moves."""
+    pool, policy, now = two_backends_with_work_ahead(0.0)
+    pin, other = pool.members
+    other.in_flight = 0  # its work is done: nothing ahead there
+    for _ in range(5):
+        now[0] += 0.01
+        assert turn(policy, pool) is Outcome.STICKY
+    assert (policy.passes, policy.settled) == (0, 0)
+    pin.step_s = other.step_s = 0.01  # learned alike: the pin is no slower by its constants
+    assert turn(policy, pool) is Outcome.STICKY and policy.passes == 0
+    pin.engine_waiting = pin.queued_floor = 6.0  # a queue that persisted over three scrapes
+    assert turn(policy, pool) is Outcome.SPILL
+    assert policy.passes == 1
