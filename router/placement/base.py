@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Protocol
+
+import msgspec
 
 from router.membership import Backend, BackendSet
 
@@ -38,8 +39,10 @@ REASONS = (
 )
 
 
-@dataclass(slots=True)
-class Placement:
+class Placement(msgspec.Struct, gc=False):
+    """A policy's decision for one request (made per request: a Struct, built in C, and never tracked by the
+    cyclic GC, since nothing it holds refers back to it)."""
+
     backend: Backend
     outcome: Outcome
     #: why (one of ``REASONS``; "" from policies that do not say)
@@ -52,9 +55,9 @@ class Placement:
     predicted_ttft_s: float = 0.0
 
 
-@dataclass(slots=True)
-class PlacementHint:
-    """What the proxy knows about a request that a policy predicting its time to first token reads."""
+class PlacementHint(msgspec.Struct, gc=False):
+    """What the proxy knows about a request that a policy predicting its time to first token reads (made per
+    request, like ``Placement``)."""
 
     #: prompt tokens: exact in tokens mode, else estimated from the body's length
     prompt_tokens_estimate: int = 0

@@ -64,9 +64,10 @@ with a session staying where its KV is until moving is clearly cheaper (DESIGN.m
   (``SMALL_POOL``: its stats are exact) where no other backend holds more of the session, it also
   settles when the pin's *settled* prediction (*hysteresis*, below) is not clearly slower than that
   bound (``_never_settled_slower``): another backend may then predict faster, but no move to it
-  would pass the hysteresis. When none of that settles it (nor ``_settled``, *no pass*), the pass that refreshes the pool's stats also takes each candidate's *floor* (its
-  prediction with that fewest uncached count and without the KV-pressure term, same operations, so
-  never above its prediction) and only the candidates whose floor is clearly faster than the pin
+  would pass the hysteresis. When none of that settles it (nor ``_settled``, *no pass*), the pass
+  that refreshes the pool's stats also takes each candidate's *floor* (its prediction with that
+  fewest uncached count and without the KV-pressure term, same operations, so never above its
+  prediction) and only the candidates whose floor is clearly faster than the pin
   are predicted: the same choices as predicting all of them (the fastest matters only when it is
   clearly faster, and then its floor is too), e.g. none when every engine queues alike or has
   prefill work ahead alike. Any pass over the pool (this one, ``_refresh``, ``_scan``) leaves its
@@ -659,8 +660,9 @@ class KVAwarePolicy:
     def _pinned(self, pool: BackendSet, session_id: str, pins: dict[str, str], pinned: Backend,
                 exclude: frozenset[str], hint: PlacementHint | None, now: float) -> Placement:
         """A pinned session's request, its pin available and not excluded, booked (``_book``): the sticky
-        check (the fast floor, else ``_settled``), with ``_fits`` and ``_book`` inlined (their operations in
-        their order; they share one read of ``_sent``), then ``_off_pin`` when it does not settle the placement."""
+        check (the fast floor, else the hysteresis, ``_never_settled_slower``, else ``_settled``), with ``_fits``
+        and ``_book`` inlined (their operations in their order; they share one read of ``_sent``), then
+        ``_off_pin`` when it does not settle the placement."""
         prompt = hint.prompt_tokens_estimate if hint is not None else 0
         kv = self.kv
         if kv is not None and not kv.any_events:
