@@ -17,9 +17,8 @@ from aiohttp import web
 
 from bench.loadgen import LoadSpec, percentile, run_load
 from bench.nginx import find_nginx, write_conf
-from bench.procs import REPO
+from bench.procs import REPO, start_router
 from bench.loadgen import LoadResult
-from bench.procs import start_router
 from bench.router_overhead import (BEGIN, END, Cell, Target, balance, baseline_tree, bench_backend, busiest_share, checks,
                                    parse_args, process_tree, render, served, write_section)
 
