@@ -1158,14 +1158,14 @@ class KVAwarePolicy:
             settle = self._settles.get(pool.key)
             if settle is None:
                 settle = self._settles[pool.key] = _Settle()
-            if ledger.inexact:
+            if stats.ledger is None:  # the ledger does not carry the total (here: ``Ledger.inexact``)
                 settle.ledger = None  # some queue or load is not a whole number: no exact sums
             else:
                 settle.ledger = ledger
-                settle.version = ledger.version
+                settle.version = stats.ledger_version
                 settle.pool_version = pool.version
                 settle.drops = ledger.drops
-                settle.base = total - (ledger.added - ledger.drops)
+                settle.base = stats.base
                 settle.count = count
                 settle.min_step = stats.min_step
                 settle.min_per_token = stats.min_per_token
