@@ -139,15 +139,15 @@ PORT_TRIES = 3
 
 
 def _start_on(module: str, args: Callable[[int], list[str]], port: int | None, log_dir: str,
-              cwd: str = REPO) -> Proc:
+              cwd: str = REPO, env: dict[str, str] | None = None) -> Proc:
     """``start_process`` on ``port``; with none given, on a free port, picked again (up to
     ``PORT_TRIES`` times) when another process took it between ``free_port`` and the child's bind."""
     if port is not None:
-        return start_process(module, args(port), port, log_dir, cwd=cwd)
+        return start_process(module, args(port), port, log_dir, env=env, cwd=cwd)
     for attempt in range(PORT_TRIES):
         port = free_port()
         try:
-            return start_process(module, args(port), port, log_dir, cwd=cwd)
+            return start_process(module, args(port), port, log_dir, env=env, cwd=cwd)
         except AssertionError as exc:
             if "address already in use" not in str(exc) or attempt == PORT_TRIES - 1:
                 raise
@@ -159,6 +159,8 @@ def start_backend(log_dir: str, *extra: str, port: int | None = None, speed: str
                                             *extra], port, log_dir)
 
 
-def start_router(log_dir: str, *args: str, port: int | None = None, tree: str = REPO) -> Proc:
-    """The router on 127.0.0.1 with ``args``; ``tree``: the source tree it runs from (another revision's)."""
-    return _start_on("router", lambda p: ["--host", LOOPBACK, "--port", str(p), *args], port, log_dir, tree)
+def start_router(log_dir: str, *args: str, port: int | None = None, tree: str = REPO,
+                 env: dict[str, str] | None = None) -> Proc:
+    """The router on 127.0.0.1 with ``args``; ``tree``: the source tree it runs from (another revision's, e.g. a
+    ``git archive`` of it), ``env``: added to its environment."""
+    return _start_on("router", lambda p: ["--host", LOOPBACK, "--port", str(p), *args], port, log_dir, tree, env)

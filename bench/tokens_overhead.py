@@ -63,7 +63,7 @@ import msgspec
 
 from bench.chat_prompts import chat_bodies
 from bench.loadgen import LoadResult, LoadSpec
-from bench.procs import LOOPBACK, Proc, free_port, launch, start_process, start_router
+from bench.procs import LOOPBACK, Proc, free_port, start_process, start_router
 from bench.router_overhead import LoadGen, exit_status, machine_facts, process_tree, publish
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -91,17 +91,6 @@ def tokens_router_args(model_dir: str, *, render: Sequence[str] = (), prompt_cac
     if prompt_cache_bytes is not None:
         args += ["--prompt-cache-bytes", str(prompt_cache_bytes)]
     return args
-
-
-def start_router_in(tree: str, log_dir: str, *args: str, env: dict[str, str] | None = None) -> Proc:
-    """``python -m router args`` with ``tree`` as the working directory (its code first on sys.path),
-    ``env`` added to its environment."""
-    port = free_port()
-    env = dict(env or {})
-    if "PYTHONUNBUFFERED" not in os.environ:
-        env.setdefault("PYTHONUNBUFFERED", "1")
-    return launch("router-base", [sys.executable, "-m", "router", "--host", LOOPBACK, "--port", str(port), *args],
-                  port, log_dir, env=env, cwd=tree)
 
 
 #: (text target, tokens target) pairs the verdict compares: this tree's, and the base tree's (--base)
@@ -553,9 +542,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             targets += [Target("text", [text.url], groups(text)), Target("tokens", [tokens.url], groups(tokens))]
             if args.base:
                 base_env = dict(item.split("=", 1) for item in args.base_env)
-                text_base = start_router_in(args.base, tmp, *route, "--policy", "session", env=base_env)
-                tokens_base = start_router_in(args.base, tmp, *route, "--policy", "session",
-                                              *tokens_router_args(args.model_dir), env=base_env)
+                text_base = start_router(tmp, *route, "--policy", "session", tree=args.base, env=base_env)
+                tokens_base = start_router(tmp, *route, "--policy", "session", *tokens_router_args(args.model_dir),
+                                           tree=args.base, env=base_env)
                 started += [text_base, tokens_base]
                 targets += [Target("text(base)", [text_base.url], groups(text_base)),
                             Target("tokens(base)", [tokens_base.url], groups(tokens_base))]

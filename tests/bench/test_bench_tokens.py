@@ -19,7 +19,7 @@ import pytest
 from bench import render_server, tokens_overhead
 from bench.chat_prompts import chat_bodies, chat_messages
 from bench.loadgen import LoadResult, LoadSpec, build_requests
-from bench.procs import REPO
+from bench.procs import REPO, start_router
 
 
 def test_chat_bodies_have_the_asked_size_and_differ_per_session() -> None:
@@ -102,8 +102,9 @@ def test_tokens_report_judges_the_base_tree_beside_this_one() -> None:
     assert "| 200 [180–220] | ❌ 0/2 rounds; median 200 vs 120 |" in base  # 500-320, 520-300 over 120
 
 
-def test_start_router_in_runs_the_named_trees_code(tmp_path: Path) -> None:
-    """--base's routers import the base tree's code: the tree is their working directory."""
+def test_start_router_runs_the_named_trees_code(tmp_path: Path) -> None:
+    """--base's routers (``start_router(tree=...)``) import the base tree's code: the tree is their working
+    directory, and ``env`` reaches them."""
     tree = tmp_path / "tree"
     (tree / "router").mkdir(parents=True)
     (tree / "router" / "__init__.py").write_text("")
@@ -111,7 +112,7 @@ def test_start_router_in_runs_the_named_trees_code(tmp_path: Path) -> None:
         "import os, sys\nopen(os.environ['MARK'], 'w').write(__file__)\nsys.exit(3)\n")
     mark = tmp_path / "mark"
     with pytest.raises(AssertionError, match="exited with 3"):
-        tokens_overhead.start_router_in(str(tree), str(tmp_path), env={"MARK": str(mark)})
+        start_router(str(tmp_path), tree=str(tree), env={"MARK": str(mark)})
     assert mark.read_text() == str(tree / "router" / "__main__.py")
 
 
