@@ -83,7 +83,7 @@ class _HotCounters:
 
     def __init__(self) -> None:
         self.requests: dict[tuple[str, str, str], int] = {}
-        self.placements: dict[tuple[str, str], int] = {}
+        #: placements by (policy, outcome, reason); ``placements`` (by policy and outcome) sums them at scrape time
         self.decisions: dict[tuple[str, str, str], int] = {}
         self.tokens = [0, 0, 0]  # prompt, completion, cached
         self.latency: dict[str, _Histogram] = {}
@@ -92,8 +92,11 @@ class _HotCounters:
     def collect(self):  # type: ignore[no-untyped-def]
         yield labelled(CounterMetricFamily, PREFIX + "requests", "Client requests by route, final backend and status class",
                        ["route", "backend", "status_class"], self.requests.items())
+        placements: dict[tuple[str, str], int] = {}
+        for (policy, outcome, _reason), count in self.decisions.items():
+            placements[policy, outcome] = placements.get((policy, outcome), 0) + count
         yield labelled(CounterMetricFamily, PREFIX + "placements", "Placement decisions by policy and outcome",
-                       ["policy", "outcome"], self.placements.items())
+                       ["policy", "outcome"], placements.items())
         yield labelled(CounterMetricFamily, PREFIX + "placement_decisions",
                        "Placement decisions by policy, outcome and reason (why it went there)",
                        ["policy", "outcome", "reason"], self.decisions.items())
@@ -293,11 +296,7 @@ class RouterMetrics:
 
     # ------------------------------------------------------------------ request path
     def placement(self, policy: str, outcome: str, reason: str = "") -> None:
-        hot = self.hot
-        placements = hot.placements
-        key = (policy, outcome)
-        placements[key] = placements.get(key, 0) + 1
-        decisions = hot.decisions
+        decisions = self.hot.decisions
         why = (policy, outcome, reason or "none")
         decisions[why] = decisions.get(why, 0) + 1
 

@@ -318,7 +318,11 @@ class Proxy:
         before = entry.pins.get(pool.name) if agreement is not None and entry is not None else None
         placement = self.policy.place(pool, attempt.session_id, entry, exclude, hint)
         attempt.placement = placement
-        if agreement is not None and entry is not None and attempt.session_id is not None:
+        # ``Agreement.placed`` has nothing to do for a request placed on its unchanged pin, when the pin is
+        # its session's first choice and no shared state is kept (most requests): not called then
+        if agreement is not None and entry is not None and attempt.session_id is not None and (
+                placement.backend.url != before or entry.off_first or agreement.shared is not None
+                or entry.pins.get(pool.name) != before):
             agreement.placed(pool, attempt.session_id, entry, before, placement, attempt.started)
         # A retry's placement is counted only when it re-pinned the session (a pin found dead by a
         # failed connection is a repin_unhealthy, like one found by a health check); a retry that
@@ -528,8 +532,8 @@ class Proxy:
             attempt.usage = usage
             prompt, completion, cached = usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens
             self.metrics.usage(prompt, completion, cached)
-            kv = self.kv
-            if kv is not None and attempt.session_id is not None and attempt.backend is not None:
+            kv = self.kv  # an index no backend's events reach holds nothing to correct (``any_events``)
+            if kv is not None and kv.any_events and attempt.session_id is not None and attempt.backend is not None:
                 kv.observe_hit(attempt.session_id, attempt.backend.url, cached, prompt)
         if entry is not None:
             entry.record_usage(prompt, completion, cached)

@@ -213,12 +213,15 @@ class KVIndex:
         #: blocks dropped to stay within max_blocks (a counter, for metrics)
         self.evicted = 0
         self._catch_up: Callable[[], None] | None = None
+        #: whether ``catch_up`` has a feeder to run (``set_catch_up``): a placement skips the call when not
+        self.catch_up_hooked = False
 
     # ------------------------------------------------------------------ reads (placement)
 
     def set_catch_up(self, catch_up: Callable[[], None] | None) -> None:
         """What ``catch_up`` runs: the feeder's ``router.kv.service.KVEvents.catch_up`` (None: nothing)."""
         self._catch_up = catch_up
+        self.catch_up_hooked = catch_up is not None
 
     def catch_up(self) -> None:
         """Apply the events that reached the router since they were last read (when a read is due): a

@@ -226,6 +226,9 @@ class KVView(Protocol):
 
     def catch_up(self) -> None: ...
 
+    #: whether ``catch_up`` has anything to run (False: the placement does not call it)
+    catch_up_hooked: bool
+
     @property
     def any_events(self) -> bool:
         """Whether any backend's events reach the index (False: it holds nothing, and is not read)."""
@@ -593,7 +596,7 @@ class KVAwarePolicy:
     ) -> Placement:
         now = self._now = self._clock()
         kv = self.kv
-        if kv is not None:
+        if kv is not None and kv.catch_up_hooked:
             kv.catch_up()  # the events that arrived since the index was last read (router.kv.service)
         if session_id is not None and entry is not None:
             pins = entry.pins

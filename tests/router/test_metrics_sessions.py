@@ -401,6 +401,12 @@ async def test_every_router_metric_and_label_set(router: Factory) -> None:
                      reason="hash") == 5
     assert exp.value("session_router_placement_decisions_total", policy="kv_aware", outcome="sticky",
                      reason="cached") >= 1
+    # placements by policy and outcome are the decisions summed over their reasons
+    for labels, total in exp.values("session_router_placements_total"):
+        assert total == sum(v for _, v in exp.values("session_router_placement_decisions_total", **labels))
+    assert {frozenset(lab.items()) for lab, _ in exp.values("session_router_placements_total")} == {
+        frozenset((k, v) for k, v in lab.items() if k != "reason")
+        for lab, _ in exp.values("session_router_placement_decisions_total")}
     assert exp.value("session_router_retries_total", reason="status_503") == 2  # retries = 2 by default
     assert exp.value("session_router_sessions_active") == 4
     assert exp.value("session_router_session_evictions_total", reason="deleted") == 1

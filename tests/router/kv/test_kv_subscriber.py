@@ -468,11 +468,12 @@ async def test_placement_asks_the_service_to_read_only_while_it_has_sockets(zctx
         service.start(http)
         index.catch_up()
         assert asked[0] == 0  # no socket: nothing is configured for URL (and its sources are not read yet)
+        assert not index.catch_up_hooked  # so a placement does not even call it
         joiner = pool.add(Backend(URL2))
         service.backend_added(joiner)
         await publisher.subscribed()
         index.catch_up()
-        assert asked[0] == 1
+        assert asked[0] == 1 and index.catch_up_hooked
         await publisher.send(stored(T1, "s1"))
 
         def applied() -> bool:
@@ -484,7 +485,7 @@ async def test_placement_asks_the_service_to_read_only_while_it_has_sockets(zctx
         service.backend_removed(joiner)
         before = asked[0]
         index.catch_up()
-        assert asked[0] == before and not service.subscribed(URL2)
+        assert asked[0] == before and not service.subscribed(URL2) and not index.catch_up_hooked
     finally:
         await publisher.close()
         await service.stop()

@@ -39,6 +39,9 @@ def hint(prompt: int = PROMPT, last: int | None = None, **extra: object) -> Plac
 class FakeKV:
     """The two reads the policy makes of the KV index."""
 
+    #: a feeder is hooked: the policy calls ``catch_up`` before its reads
+    catch_up_hooked = True
+
     def __init__(self, sessions: dict[str, dict[str, int]] | None = None,
                  prefixes: dict[tuple[int, ...], dict[str, int]] | None = None) -> None:
         self.sessions = sessions or {}
@@ -254,6 +257,10 @@ def test_the_kv_index_says_what_is_cached_where() -> None:
     assert (placement.backend, placement.cached_tokens, index.prefix_calls) == (holder, PROMPT, 0)
     # each placement brings the index up to date once, before it reads it (router.kv.service)
     assert index.catch_ups == 1 and index.reads_since_catch_up is not None and index.reads_since_catch_up >= 1
+    # an index no feeder is hooked to (no backend's events subscribed) is not asked to catch up
+    index.catch_up_hooked = False
+    policy.place(pool, "s", entry, hint=PlacementHint(PROMPT, ids))
+    assert index.catch_ups == 1
 
 
 def test_the_safety_net_bounds_the_spread() -> None:

@@ -22,6 +22,9 @@ from .kv_aware_reference import ReferenceKVAwarePolicy
 
 
 class FakeKV:
+    #: a feeder is hooked: the policy calls ``catch_up`` before its reads
+    catch_up_hooked = True
+
     def __init__(self) -> None:
         self.sessions: dict[str, dict[str, int]] = {}
         self.prefixes: dict[tuple[int, ...], dict[str, int]] = {}

@@ -5,14 +5,17 @@ from __future__ import annotations
 
 from typing import Any
 
+import aiohttp
 import pytest
 
+from router.app import PROXY
 from router.membership import Backend, BackendPool
 from router.placement.base import Outcome, Placement
 from router.placement.session import SessionPolicy, session_score
 from router.sessions.table import SessionTable
 from router.shared import agreement as agreement_module
 from router.shared.agreement import Agreement, first_choice, off_first_reason
+from tests.conftest import MakeRouter
 
 
 class Writer:
@@ -134,3 +137,46 @@ def test_requests_away_from_their_pin_are_compared_with_the_first_choice() -> No
 ])
 def test_reasons(outcome: Outcome, reason: str, label: str) -> None:
     assert off_first_reason(Placement(Backend("http://127.0.0.1:1"), outcome, reason)) == label
+
+
+@pytest.mark.parametrize("policy", ["session", "kv_aware"])
+async def test_the_proxy_skips_only_placements_the_agreement_has_nothing_to_do_for(
+        make_router: MakeRouter, monkeypatch: pytest.MonkeyPatch, policy: str) -> None:
+    """Through a router: ``Agreement.placed`` is not called for a request on its unchanged pin when that
+    pin is the session's first choice and no shared state is kept; a session off its first choice is
+    counted on every request, and with a shared state a pin in use is refreshed there."""
+    calls: list[str] = []
+    real = Agreement.placed
+
+    def counted(self: Agreement, pool: Any, session_id: str, *args: Any) -> None:
+        calls.append(session_id)
+        real(self, pool, session_id, *args)
+
+    monkeypatch.setattr(Agreement, "placed", counted)
+    router = await make_router("raw", n=2, placement={"policy": policy})
+    agreement = router.app[PROXY].agreement
+    assert agreement is not None
+    async with aiohttp.ClientSession() as http:
+        async def turn() -> None:
+            async with http.post(f"{router.url}/v1/chat/completions", headers={"X-Session-ID": "s"},
+                                 json={"model": "m", "messages": [{"role": "user", "content": "hi"}]}) as resp:
+                assert resp.status == 200
+                await resp.read()
+
+        await turn()  # a new pin: compared with the first choice (it is the first choice: two idle backends)
+        assert calls == ["s"]
+        entry = router.state.sessions.get("s")
+        assert entry is not None and entry.off_first == ""
+        for _ in range(3):
+            await turn()
+        assert calls == ["s"] and agreement.counts == {}
+        entry.off_first = "load"  # as when a spill moved it off its first choice
+        for _ in range(2):
+            await turn()
+        assert len(calls) == 3 and agreement.counts == {"load": 2}
+        entry.off_first = ""
+        writer = Writer()
+        agreement.shared = writer
+        entry.shared_until = 0.0  # due for a refresh in the shared state
+        await turn()
+        assert len(calls) == 4 and writer.moves == [("s", "default", entry.pins["default"], "", False, False)]
