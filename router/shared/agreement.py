@@ -3,11 +3,13 @@ pin writes of the shared state.
 
 A session's *first choice* is the backend of the candidate set with the highest rendezvous score
 (``router.placement.session.session_score``) among the available ones: what every replica picks for it
-when nothing else matters. The proxy calls ``placed`` after every placement of a session with the pin
-it had before; only when the pin changed is the first choice computed (hashing the candidates once) and
-the answer kept on the entry (``SessionEntry.off_first``: the reason, "" when on it), so a sticky
-request costs two dict reads and a compare. A request that went elsewhere than its pin (a retry, a
-Responses follow-up at the backend that stored its response) is compared with the first choice then.
+when nothing else matters. The proxy calls ``placed`` after a placement of a session with the pin it
+had before, except when ``placed`` would do nothing: the request went to its unchanged pin, the session
+is on its first choice (``off_first`` empty) and no shared state is kept. Only when the pin changed is
+the first choice computed (hashing the candidates once) and the answer kept on the entry
+(``SessionEntry.off_first``: the reason, "" when on it). A request that went elsewhere than its pin (a
+retry, a Responses follow-up at the backend that stored its response) is compared with the first choice
+then.
 
 Reasons (``session_router_off_first_choice_total{reason}``): the placement's reason for new sessions
 and spills (``load``, ``wait``, ``kv_pressure``, ``cached``, ``parent``, ``balance``: a new session
