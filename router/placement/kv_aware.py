@@ -550,18 +550,8 @@ class KVAwarePolicy:
 
     def _settled_slower(self, backend: Backend, prompt: int, cached: int, fast: float, target: Backend) -> bool:
         """Whether ``backend``'s settled prediction (``_settled_ttft``) is clearly slower than ``fast``,
-        ``target``'s prediction. Without a queue or pressure, by ``SLOW_FACTOR``, and only on learned
-        constants: a backend with none learned yet (just started, or back after a restart while the
-        others learned theirs) is not judged slower by the configured ones, or it would get no traffic
-        to learn from and stay empty."""
-        ttft, wait = self._settled_ttft(backend, prompt, cached)
-        if wait <= 0 and backend.step_s < 0 and backend.prefill_s_per_token < 0:
-            return False  # nothing measured there yet: the configured constants are no evidence it is slower
-        if wait > 0:
-            return ttft > self._factor * fast + self._margin
-        # a slow engine: against the target's prediction without the prefill work this router just
-        # sent there (``ahead``, charged at a rate the target may not have learned yet)
-        return ttft > max(self._factor, SLOW_FACTOR) * (fast - self._ahead_s(target)) + self._margin
+        ``target``'s prediction (``_settled_slower_than``, with ``target``'s ``ahead`` term)."""
+        return self._settled_slower_than(backend, prompt, cached, fast, fast - self._ahead_s(target))
 
     def _never_settled_slower(self, backend: Backend, prompt: int, cached: int, floor: float) -> bool:
         """Whether ``_settled_slower(backend, prompt, cached, fast, target)`` is False for every target
@@ -570,12 +560,23 @@ class KVAwarePolicy:
         ``backend`` for "wait" or "kv_pressure" passes the hysteresis, whatever the others predict.
         ``fast - ahead`` is computed as ``(x + ahead) - ahead``: ``HYSTERESIS_SLACK_S`` covers its
         rounding below ``x``."""
+        return not self._settled_slower_than(backend, prompt, cached, floor, floor - HYSTERESIS_SLACK_S)
+
+    def _settled_slower_than(self, backend: Backend, prompt: int, cached: int, fast: float,
+                             fast_less_ahead: float) -> bool:
+        """Whether ``backend``'s settled prediction (``_settled_ttft``) is clearly slower than a target's
+        ``fast``, of which ``fast_less_ahead`` is not the prefill work this router sent there. Without a
+        queue or pressure, by ``SLOW_FACTOR``, and only on learned constants: a backend with none learned
+        yet (just started, or back after a restart while the others learned theirs) is not judged slower
+        by the configured ones, or it would get no traffic to learn from and stay empty."""
         ttft, wait = self._settled_ttft(backend, prompt, cached)
         if wait <= 0 and backend.step_s < 0 and backend.prefill_s_per_token < 0:
-            return True
+            return False  # nothing measured there yet: the configured constants are no evidence it is slower
         if wait > 0:
-            return ttft <= self._factor * floor + self._margin
-        return ttft <= max(self._factor, SLOW_FACTOR) * (floor - HYSTERESIS_SLACK_S) + self._margin
+            return ttft > self._factor * fast + self._margin
+        # a slow engine: against the target's prediction without the prefill work this router just
+        # sent there (``ahead``, charged at a rate the target may not have learned yet)
+        return ttft > max(self._factor, SLOW_FACTOR) * fast_less_ahead + self._margin
 
     def _ahead_s(self, backend: Backend) -> float:
         """The ``ahead`` term of ``backend``'s prediction (module docstring): none while none of this
