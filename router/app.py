@@ -35,7 +35,7 @@ from router.metrics import RouterMetrics
 from router.engine_load import EngineLoad
 from router.placement import build_policy
 from router.pd import PDHandoff
-from router.proxy import Proxy
+from router.proxy import Proxy, response_drops
 from router.routes import OTHER, ROUTES
 from router.sessions.responses import ResponseIndex
 from router.sessions.table import SessionTable
@@ -103,7 +103,8 @@ def build_state(config: RouterConfig, registry: CollectorRegistry | None = None)
                                                config.upstream.total_timeout_s),
                               UpstreamLimits(max_idle_per_host=config.upstream.max_idle_per_host,
                                              max_head_bytes=config.upstream.max_head_bytes,
-                                             max_body_bytes=config.upstream.max_body_bytes)),
+                                             max_body_bytes=config.upstream.max_body_bytes),
+                              drop_headers=response_drops(config.sessions.header)),
         health=health,
         changes=BackendChanges(pools, health, config.drain_timeout_s),
         access_log=AccessLog(config.front.access_log, config.front.access_log_file) if config.front.access_log != "off" else None,

@@ -42,7 +42,7 @@ class Ledger:
       not whole numbers (or are negative), so that sums of them are not exact in floats; and 1 more
       while a member also belongs to another pool's ledger.
 
-    The proxy's only cost is ``Backend.__setattr__`` on its two ``in_flight`` writes per request.
+    The proxy's only cost is on its two ``in_flight`` writes per request (``Backend.admit``, ``release``).
     """
 
     __slots__ = ("added", "drops", "version", "inexact")
@@ -63,6 +63,10 @@ WATCHED = frozenset((
 _SUMMED = frozenset(("engine_waiting", "others_at_scrape"))
 
 
+#: a field's write without ``Backend.__setattr__`` (``admit``, ``release``)
+_set_field = object.__setattr__
+
+
 def _inexact(value: float) -> int:
     """1 when ``value`` is not a whole number >= 0 (sums of it would not be exact in floats), else 0."""
     return 0 if value >= 0 and float(value).is_integer() else 1
@@ -72,7 +76,8 @@ def _inexact(value: float) -> int:
 class Backend:
     """One upstream server and the router's live knowledge of it."""
 
-    #: the pool's ``Ledger`` (None outside a pool): set by ``BackendPool.add``, kept by ``__setattr__``;
+    #: the pool's ``Ledger`` (None outside a pool): set by ``BackendPool.add``, kept by ``__setattr__`` (and
+    #: ``admit``/``release``);
     #: the first field, so that ``__init__`` sets it before the others (``__setattr__`` reads it)
     ledger: Ledger | None = field(default=None, init=False, repr=False)
     url: str
@@ -144,6 +149,25 @@ class Backend:
     def available(self) -> bool:
         """May receive new requests."""
         return self.healthy and not self.draining
+
+    def admit(self) -> None:
+        """One more of this router's requests in flight here (``in_flight += 1`` as ``__setattr__`` keeps
+        the ledger, without its dispatch: the data path's writes)."""
+        in_flight = self.in_flight + 1
+        _set_field(self, "in_flight", in_flight)
+        ledger = self.ledger
+        if ledger is not None and self.healthy and not self.draining:
+            ledger.added += 1
+
+    def release(self) -> None:
+        """One of this router's requests here ended (``in_flight -= 1``, as ``admit``)."""
+        in_flight = self.in_flight - 1
+        _set_field(self, "in_flight", in_flight)
+        ledger = self.ledger
+        if ledger is not None and self.healthy and not self.draining:
+            ledger.drops += 1
+            if in_flight < 0:
+                ledger.version += 1
 
     def __setattr__(self, name: str, value: Any, _set: Any = object.__setattr__) -> None:
         """Set a field, keeping the pool's ``Ledger`` (its docstring): in-flight units added and

@@ -200,7 +200,7 @@ class PDHandoff:
         backend = placement.backend
         payload = prefill_body(route.kind, request)
         head = request_head("POST", path, f"{backend.host}:{backend.port}", headers, len(payload))
-        backend.in_flight += 1
+        backend.admit()
         upstream = None
         try:
             upstream = await self.upstream.request(backend.host, backend.port, head, payload)
@@ -211,7 +211,7 @@ class PDHandoff:
             self.health.record_failure(backend, connect_error=isinstance(exc, UpstreamConnectError))
             raise PrefillFailed(reason, exc) from None
         finally:
-            backend.in_flight -= 1
+            backend.release()
             if upstream is not None:
                 upstream.close()
         if upstream.status >= 500:

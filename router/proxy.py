@@ -69,7 +69,7 @@ from router.sessions.derive import derive_chat_session, derive_responses_session
 from router.sessions.responses import ResponseIndex
 from router.sessions.table import SessionTable
 from router.shared import Agreement, SharedState
-from router.upstream import UpstreamPool, UpstreamResponse, UpstreamTimeouts, render_headers, request_head
+from router.upstream import UpstreamPool, UpstreamResponse, UpstreamTimeouts, render_values, request_head
 from router.usage import Usage, response_id_from_sse, usage_from_json, usage_from_sse_tail
 
 log = logging.getLogger(__name__)
@@ -83,7 +83,7 @@ _RESPONSES_PREFIX = "/v1/responses/"
 
 # Request headers never forwarded as received: router.exchange.DROP_REQUEST.
 # Response headers the router (or its front) sets itself instead of relaying (and the configured
-# session_header, see Proxy).
+# session_header: ``response_drops``).
 _DROP_RESPONSE = frozenset(
     h.lower()
     for h in (
@@ -91,6 +91,12 @@ _DROP_RESPONSE = frozenset(
         "Date", "Server", SESSION_HEADER, REQUEST_ID_HEADER, DECISION_HEADER,
     )
 )
+
+
+def response_drops(session_header: str) -> frozenset[str]:
+    """The backends' response headers the proxy never relays (it sets them itself), lower-case: the
+    upstream pool's ``drop_headers`` (``router.app``), so that it leaves them out as it parses."""
+    return _DROP_RESPONSE | {session_header.lower()}
 
 
 class RouteHandler(Protocol):
@@ -129,7 +135,9 @@ class Proxy:
         #: the client-side session header (read and echoed under this name; upstream it is always
         #: SESSION_HEADER, the name vLLM reads)
         self.session_header = config.sessions.header
-        self._drop_response = _DROP_RESPONSE | {self.session_header.lower()}
+        self._drop_response = response_drops(self.session_header)
+        #: the upstream pool leaves those headers out itself (``drop_headers``): no pass over each answer's
+        self._dropped_upstream = self._drop_response <= upstream.drop_headers
         #: the policy predicts from a hint (prompt size, parent session): built per placement only then
         self._hinted = policy.name == "kv_aware"
         self._bytes_per_token = config.placement.bytes_per_token
@@ -376,7 +384,7 @@ class Proxy:
                 await self._relay(writer, route, fields, upstream, backend, attempt)
             finally:
                 upstream.close()
-                backend.in_flight -= 1
+                backend.release()
             completed = 200 <= attempt.status < 300
         finally:
             if handoff is not None and not completed and self.pd is not None:
@@ -388,14 +396,14 @@ class Proxy:
         own = [(REQUEST_ID_HEADER, attempt.request_id)]
         if attempt.session_id is not None:
             own.append((SESSION_HEADER, attempt.session_id))
-        return request.forward_headers() + render_headers(own)
+        return request.forward_headers() + render_values(own)
 
     async def send(self, pool: BackendSet, route: Route, method: str, path: str, headers: str,
                    body: bytes, fields: OpenFields | None, attempt: Attempt,
                    first: Placement | None = None) -> tuple[UpstreamResponse, Backend]:
         """Send to a placed backend, retrying on the next candidate before any byte reached the client.
 
-        Returns with ``backend.in_flight`` incremented; the caller decrements it when done.
+        Returns with the backend's ``in_flight`` incremented (``admit``); the caller ``release``s it when done.
         """
         loop = asyncio.get_running_loop()
         exclude: set[str] = set()
@@ -413,17 +421,17 @@ class Proxy:
             if attempt.entry is not None:
                 attempt.entry.last_backend = backend.name
             head = request_head(method, path, f"{backend.host}:{backend.port}", headers, len(body))
-            backend.in_flight += 1
+            backend.admit()
             try:
                 upstream = await self.upstream.request(backend.host, backend.port, head, body, timeouts=timeouts)
             except UpstreamError as exc:
-                backend.in_flight -= 1
+                backend.release()
                 reason = exc.reason
                 self.record_failure(backend, reason, connect_error=isinstance(exc, UpstreamConnectError))
                 if retries_left <= 0 or not exc.retryable or loop.time() >= deadline:
                     raise
             except BaseException:  # cancelled (client gone): the pool closed the connection
-                backend.in_flight -= 1
+                backend.release()
                 raise
             else:
                 if upstream.status not in RETRY_STATUSES or retries_left <= 0 or loop.time() >= deadline:
@@ -433,7 +441,7 @@ class Proxy:
                     self.metrics.first_byte(route.name, ttfb)
                     return upstream, backend
                 upstream.close()
-                backend.in_flight -= 1
+                backend.release()
                 reason = f"status_{upstream.status}"
                 self.record_failure(backend, reason, connect_error=False)
             retries_left -= 1
@@ -483,9 +491,9 @@ class Proxy:
         want_id = route.kind == "responses"
         last: deque[bytes] = deque(maxlen=3)
         tail = b"\n\n"  # the last chunk relayed: where the relayed bytes end
+        final = b""  # the body's last piece when it came with the body's end: sent with the stream's end
         try:
             async for chunk in upstream:
-                await writer.write(chunk)
                 tail = chunk
                 if track_usage:
                     last.append(chunk)
@@ -494,6 +502,10 @@ class Proxy:
                     if response_id is not None:
                         self.responses.remember(response_id, backend.url, attempt.session_id)
                         want_id = False
+                if upstream.complete and not upstream.buffered:
+                    final = chunk  # one send for the last piece and the end, not two
+                    break
+                await writer.write(chunk)
         except UpstreamError as exc:
             # bytes already reached the client: end the stream with an error event, never hang; the
             # event starts on an event boundary even when the backend broke off mid-event
@@ -512,12 +524,15 @@ class Proxy:
             self.account(attempt, usage_from_sse_tail(b"".join(last)))
         else:
             self.account(attempt, None)
-        await writer.end()
+        await writer.end(final)
 
     def _response_headers(self, upstream: UpstreamResponse, attempt: Attempt) -> list[tuple[str, str]]:
-        drop = self._drop_response
-        headers = [h for h in upstream.headers if h[0].lower() not in drop]
-        headers.append((REQUEST_ID_HEADER, attempt.request_id))
+        if self._dropped_upstream:
+            headers = upstream.headers + [(REQUEST_ID_HEADER, attempt.request_id)]
+        else:
+            drop = self._drop_response
+            headers = [h for h in upstream.headers if h[0].lower() not in drop]
+            headers.append((REQUEST_ID_HEADER, attempt.request_id))
         if attempt.session_id is not None:
             headers.append((self.session_header, attempt.session_id))
         if self.decision_header and attempt.placement is not None:

@@ -39,7 +39,7 @@ class Relay:
         #: the app reads the client's session header under this name (its ``session_header``)
         self.session_header = session_header
         self._host_header = f"{host}:{port}"
-        self.pool = UpstreamPool(RELAY_TIMEOUTS, UpstreamLimits(max_idle_per_host=8))
+        self.pool = UpstreamPool(RELAY_TIMEOUTS, UpstreamLimits(max_idle_per_host=8), drop_headers=_DROP_RESPONSE)
 
     async def forward(self, ex: "Exchange") -> None:
         request_id = ex.request_id or self.ids.next()
@@ -54,7 +54,7 @@ class Relay:
             ex.respond(exc.status, error_headers(request_id), exc.body())
             return
         try:
-            headers = [h for h in upstream.headers if h[0].lower() not in _DROP_RESPONSE]
+            headers = list(upstream.headers)  # without _DROP_RESPONSE (the pool's drop_headers)
             if not any(name.lower() == _REQUEST_ID_LOWER for name, _ in headers):
                 headers.append((REQUEST_ID_HEADER, request_id))
             if upstream.content_length is not None or upstream.complete:  # 204s too

@@ -78,8 +78,8 @@ with a session staying where its KV is until moving is clearly cheaper (DESIGN.m
   leaves what it saw (``_Settle``): the available members' smallest queue ``Q`` (``waiting +
   in_flight - in_flight_at_scrape``, 0 when one does not queue), cost per queued request ``G``,
   load ``L`` (``in_flight + others_at_scrape``) and busy cost ``B`` (0 when one has none), and its
-  load total. The pool's ``Ledger`` (``router.membership``, kept by ``Backend.__setattr__``, so by
-  every writer) counts the in-flight units added to and dropped from available members since, and
+  load total. The pool's ``Ledger`` (``router.membership``, kept by ``Backend.__setattr__`` and
+  ``admit``/``release``, so by every writer) counts the in-flight units added to and dropped from available members since, and
   bumps a version on any other change a pass reads (availability, the scrape's fields, learned
   constants, membership, an in-flight count below 0). While the version is the pass's, with ``D``
   units dropped since, no member's in-flight count fell by more than ``D``, and each term of a
@@ -669,12 +669,14 @@ class KVAwarePolicy:
         ``_off_pin`` when it does not settle the placement."""
         prompt = hint.prompt_tokens_estimate if hint is not None else 0
         kv = self.kv
-        if kv is not None and not kv.any_events:
-            kv = None  # no backend's events reach it: it holds nothing, and ``has_events`` is False for all
         cached_map = None
-        pin_cached = -1
         other_cached = 0
-        if kv is not None:
+        evicted = False
+        if kv is None or not kv.any_events:
+            # no index, or no backend's events reach it (it holds nothing): the pin has the last prompt + answer
+            pin_cached = hint.last_tokens if hint is not None else 0
+        else:
+            pin_cached = -1
             cached_map = self._cached_map(session_id, hint)
             prompt = self._sized(prompt, cached_map, hint)
             if cached_map:
@@ -682,16 +684,16 @@ class KVAwarePolicy:
                 for url, tokens in cached_map.items():
                     if url != pinned.url and tokens > other_cached:
                         other_cached = tokens
-        held = pin_cached if pin_cached > 0 else 0  # what the index holds of the session on its pin
-        last = hint.last_tokens if hint is not None else 0
-        lost = last - held >= EVICTED_TOKENS and held + held < last  # most of the last turn (*evicted*)
-        # whether the pin's KV events reach the index: asked only when the answer matters, once
-        events = (lost or pin_cached < 0) and kv is not None and kv.has_events(pinned.url)
-        evicted = lost and events
-        if pin_cached < 0:
-            # the index holds none of the session on its pin: none is there when the pin's KV events
-            # reach the index (evicted, or the engine restarted); the last prompt + answer otherwise
-            pin_cached = 0 if events or hint is None else last
+            held = pin_cached if pin_cached > 0 else 0  # what the index holds of the session on its pin
+            last = hint.last_tokens if hint is not None else 0
+            lost = last - held >= EVICTED_TOKENS and held + held < last  # most of the last turn (*evicted*)
+            # whether the pin's KV events reach the index: asked only when the answer matters, once
+            events = (lost or pin_cached < 0) and kv.has_events(pinned.url)
+            evicted = lost and events
+            if pin_cached < 0:
+                # the index holds none of the session on its pin: none is there when the pin's KV events
+                # reach the index (evicted, or the engine restarted); the last prompt + answer otherwise
+                pin_cached = 0 if events or hint is None else last
         if pin_cached > prompt:
             pin_cached = prompt
         if other_cached > prompt:

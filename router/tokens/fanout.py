@@ -109,7 +109,7 @@ class FanOutCall(EngineCall):
                 if not leg.over:
                     self.aborts.abort(leg.backend, [engine_request_id(leg.request_id)], leg.headers)
                 leg.upstream.close()
-                leg.backend.in_flight -= 1
+                leg.backend.release()
             elif leg.placed is not None and not answered:  # sent, no answer yet (cancelled, or another failed)
                 self.aborts.abort(leg.placed, [engine_request_id(leg.request_id)], leg.headers)
             if leg.handoff is not None and not answered and proxy.pd is not None:

@@ -155,7 +155,7 @@ class EngineCall:
                     await self._stream(upstream, backend)
             finally:
                 upstream.close()
-                backend.in_flight -= 1
+                backend.release()
             completed = 200 <= attempt.status < 300
         finally:
             if handoff is not None and not completed and proxy.pd is not None:

@@ -162,7 +162,7 @@ class RemoteRenderer:
             tried.add(server.url)
             head = request_head("POST", path, f"{server.host}:{server.port}", headers, len(body))
             sent = loop.time()
-            server.in_flight += 1
+            server.admit()
             try:
                 upstream = await self.upstream.request(server.host, server.port, head, body, timeouts=timeouts)
                 try:
@@ -184,7 +184,7 @@ class RemoteRenderer:
                 failures.append(f"{server.name}: answered {status}")
                 last_5xx = RenderServerError(status, answer, server.name)
             finally:
-                server.in_flight -= 1
+                server.release()
             if len(tried) > self.retries:
                 break
             remaining = deadline - loop.time()

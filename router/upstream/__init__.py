@@ -9,7 +9,7 @@ The hot path of the proxy (DESIGN.md §9)::
 """
 
 from router.upstream.config import UpstreamLimits, UpstreamTimeouts
-from router.upstream.head import HOP_BY_HOP, build_request_head, render_headers, request_head
+from router.upstream.head import HOP_BY_HOP, build_request_head, render_headers, render_values, request_head
 from router.upstream.pool import UpstreamPool
 from router.upstream.response import UpstreamResponse
 
@@ -21,5 +21,6 @@ __all__ = [
     "UpstreamTimeouts",
     "build_request_head",
     "render_headers",
+    "render_values",
     "request_head",
 ]

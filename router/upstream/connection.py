@@ -58,6 +58,7 @@ class UpstreamConnection(asyncio.Protocol):
         "_low",
         "_head_waiter",
         "_raw",
+        "_drop",
         "_resp",
         "_got_data",
         "_complete",
@@ -76,7 +77,9 @@ class UpstreamConnection(asyncio.Protocol):
 
     def __init__(self, key: tuple[str, int], loop: asyncio.AbstractEventLoop, limits: UpstreamLimits,
                  on_release: Callable[["UpstreamConnection"], None],
-                 on_lost: Callable[["UpstreamConnection"], None]) -> None:
+                 on_lost: Callable[["UpstreamConnection"], None], drop: frozenset[bytes] = frozenset()) -> None:
+        """``drop``: lower-case names of response headers left out of ``UpstreamResponse.headers``
+        besides the hop-by-hop ones (the pool's ``drop_headers``)."""
         self.on_release = on_release
         self.on_lost = on_lost
         #: a response body read whole may not exceed this (``max_upstream_body_bytes``)
@@ -96,6 +99,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._low = limits.read_low_water
         self._head_waiter: asyncio.Future[UpstreamResponse] | None = None
         self._raw: list[tuple[bytes, bytes]] = []
+        self._drop = drop
         self._resp: UpstreamResponse | None = None
         self._got_data = False
         self._complete = False
@@ -359,6 +363,7 @@ class UpstreamConnection(asyncio.Protocol):
         content_length: int | None = None
         chunked = False
         named: list[bytes] | None = None
+        drop = self._drop
         for name, value in self._raw:
             lname = name.lower()
             if lname in _HOP_BY_HOP_B:
@@ -375,6 +380,8 @@ class UpstreamConnection(asyncio.Protocol):
                 continue
             if lname == b"content-type":
                 content_type = value.decode("latin-1")
+            if lname in drop:
+                continue
             headers.append((name.decode("latin-1"), value.decode("utf-8", "surrogateescape")))
         if named:
             drop = {n.decode("latin-1") for n in named}

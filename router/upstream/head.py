@@ -32,7 +32,8 @@ _DROP = HOP_BY_HOP | {"host", "content-length"}
 _PLAIN_CONNECTION_TOKENS = frozenset({"keep-alive", "close", ""}) | _DROP
 
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
-_BAD_IN_VALUE = re.compile(r"[\r\n\x00]")
+#: methods known to be tokens (others are checked against ``_TOKEN``)
+_METHODS = frozenset(("GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"))
 #: request-target in origin form: starts with "/", no whitespace or control characters
 _TARGET = re.compile(r"/[^\x00-\x20\x7f]*")
 
@@ -93,23 +94,38 @@ def render_headers(headers: Iterable[tuple[str, str]]) -> str:
             continue
         if _TOKEN.fullmatch(name) is None:
             raise BadRequestError(f"invalid header name {name!r}: remove it or use letters, digits and '-' only")
-        if _BAD_IN_VALUE.search(value) is not None:
-            raise BadRequestError(f"header {name} contains CR, LF or NUL: remove those characters")
+        if "\r" in value or "\n" in value or "\x00" in value:
+            raise _bad_value(name)
         parts.append(f"{name}: {value}\r\n")
     rendered = "".join(parts)
     # rare: the client's Connection header names end-to-end headers as hop-by-hop
     return drop_connection_options(rendered, connection) if connection else rendered
 
 
+def render_values(headers: Iterable[tuple[str, str]]) -> str:
+    """``render_headers`` for headers whose names the caller vouches for (its own constants: tokens, and
+    none the pool sets or drops): only the values are checked (a proxy's own headers on every request)."""
+    parts: list[str] = []
+    for name, value in headers:
+        if "\r" in value or "\n" in value or "\x00" in value:
+            raise _bad_value(name)
+        parts.append(f"{name}: {value}\r\n")
+    return "".join(parts)
+
+
+def _bad_value(name: str) -> BadRequestError:
+    return BadRequestError(f"header {name} contains CR, LF or NUL: remove those characters")
+
+
 def request_head(method: str, path: str, host_header: str, rendered: str, content_length: int) -> bytes:
     """The request head from header lines made by ``render_headers``."""
-    if _TOKEN.fullmatch(method) is None:
+    if method not in _METHODS and _TOKEN.fullmatch(method) is None:
         raise BadRequestError(f"invalid HTTP method {method!r}: use a token such as POST or GET")
     if _TARGET.fullmatch(path) is None:
         raise BadRequestError(
             f"invalid request path {path!r}: it must start with '/' and contain no spaces or control characters"
         )
-    if _BAD_IN_VALUE.search(host_header) is not None:
+    if "\r" in host_header or "\n" in host_header or "\x00" in host_header:
         raise BadRequestError("invalid Host value: it contains CR, LF or NUL")
     if content_length or method not in ("GET", "HEAD"):
         if content_length < 0:

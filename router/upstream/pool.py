@@ -7,6 +7,7 @@ import asyncio
 import errno
 import logging
 import os
+from collections.abc import Iterable
 
 from contract.errors import UpstreamConnectError
 from router.upstream.config import UpstreamLimits, UpstreamTimeouts
@@ -27,9 +28,16 @@ class UpstreamPool:
     every connection each ``limits.sweep_interval_s``. Use it from one event loop.
     """
 
-    def __init__(self, timeouts: UpstreamTimeouts, limits: UpstreamLimits = UpstreamLimits()) -> None:
+    def __init__(self, timeouts: UpstreamTimeouts, limits: UpstreamLimits = UpstreamLimits(), *,
+                 drop_headers: Iterable[str] = ()) -> None:
+        """``drop_headers``: response headers (names, any case) left out of every response's ``headers``
+        besides the hop-by-hop ones: those the consumer sets itself, dropped as the head is parsed
+        instead of by a pass of its own over every response."""
         self.timeouts = timeouts
         self.limits = limits
+        #: the lower-case names of ``drop_headers``
+        self.drop_headers = frozenset(name.lower() for name in drop_headers)
+        self._drop_b = frozenset(name.encode("latin-1") for name in self.drop_headers)
         self._idle: dict[tuple[str, int], list[UpstreamConnection]] = {}
         self._conns: set[UpstreamConnection] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -130,7 +138,8 @@ class UpstreamPool:
         try:
             async with asyncio.timeout(connect_s):
                 _, conn = await loop.create_connection(
-                    lambda: UpstreamConnection(key, loop, self.limits, self._on_release, self._on_lost), host, port)
+                    lambda: UpstreamConnection(key, loop, self.limits, self._on_release, self._on_lost, self._drop_b),
+                    host, port)
         except TimeoutError:
             raise UpstreamConnectError(
                 f"cannot connect to backend {host}:{port}: no answer within {connect_s:g} s"

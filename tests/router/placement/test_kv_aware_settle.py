@@ -5,6 +5,8 @@ makes the next placement pass again, and that in-flight counts are counted as th
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from router.membership import WATCHED, Backend, BackendPool
@@ -155,6 +157,36 @@ def test_the_ledger_counts_what_the_proxy_writes() -> None:
     a.in_flight = -1  # below zero (a bug elsewhere): no bound holds, the next placement passes
     assert ledger.version == version + 1
     assert Backend("http://127.0.0.1:9999").ledger is None  # outside a pool: nothing kept
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_admit_and_release_keep_the_ledger_as_the_writes_do(seed: int) -> None:
+    """``Backend.admit`` / ``release`` (the data path's) leave the counts and the ledger exactly as
+    ``in_flight += 1`` / ``-= 1`` do, availability changes and counts below zero included."""
+    def run(by_method: bool) -> tuple[object, ...]:
+        rng = random.Random(seed)
+        pool = queueing_pool(3)
+        ledger = pool.ledger
+        assert ledger is not None
+        for _ in range(200):
+            member = rng.choice(pool.members)
+            step = rng.random()
+            if step < 0.45:
+                member.admit() if by_method else setattr(member, "in_flight", member.in_flight + 1)
+            elif step < 0.9:
+                member.release() if by_method else setattr(member, "in_flight", member.in_flight - 1)
+            elif step < 0.95:
+                member.healthy = not member.healthy
+            else:
+                member.draining = not member.draining
+        return ledger.added, ledger.drops, ledger.version, [m.in_flight for m in pool.members]
+
+    assert run(True) == run(False)
+    alone = Backend("http://127.0.0.1:9999")  # outside a pool: counted, no ledger
+    alone.admit()
+    alone.admit()
+    alone.release()
+    assert (alone.in_flight, alone.ledger) == (1, None)
 
 
 def test_inexact_counts_fractional_and_negative_sums_and_shared_members() -> None:

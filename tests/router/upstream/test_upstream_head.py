@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from contract.errors import BadRequestError, ConfigError
-from router.upstream import UpstreamLimits, UpstreamTimeouts, build_request_head
+from router.upstream import UpstreamLimits, UpstreamTimeouts, build_request_head, render_values, request_head
 
 
 class _Parsed:
@@ -119,6 +119,21 @@ def test_header_injection_is_rejected(name: str, value: str) -> None:
     assert "header" in info.value.message
 
 
+@pytest.mark.parametrize("value", ["abc\r\nX-Injected: 1", "abc\nGET / HTTP/1.1", "abc\rdef", "abc\x00def"])
+def test_the_proxys_own_header_values_are_checked_too(value: str) -> None:
+    """``render_values`` (names the caller's constants) checks values as ``render_headers`` does."""
+    assert render_values([("X-Request-ID", "r-1"), ("X-Session-ID", "s-1")]) == "X-Request-ID: r-1\r\nX-Session-ID: s-1\r\n"
+    with pytest.raises(BadRequestError) as info:
+        render_values([("X-Request-ID", "r-1"), ("X-Session-ID", value)])
+    assert info.value.status == 400 and "X-Session-ID" in info.value.message
+
+
+@pytest.mark.parametrize("method", ["GET", "POST", "PROPFIND", "M-SEARCH"])
+def test_any_token_method_is_sent(method: str) -> None:
+    head = request_head(method, "/x", "h:1", "", 2)
+    assert head.startswith(f"{method} /x HTTP/1.1\r\nHost: h:1\r\n".encode())
+
+
 @pytest.mark.parametrize(
     "method,path,host",
     [
@@ -129,6 +144,9 @@ def test_header_injection_is_rejected(name: str, value: str) -> None:
         ("PO ST", "/x", "h:1"),
         ("POST\r\n", "/x", "h:1"),
         ("POST", "/x", "h:1\r\nX-Injected: 1"),
+        ("POST", "/x", "h:1\nX: 1"),
+        ("POST", "/x", "h:1\x00"),
+        ("GET POST", "/x", "h:1"),
     ],
 )
 def test_bad_request_line_or_host_is_rejected(method: str, path: str, host: str) -> None:

@@ -125,11 +125,12 @@ def _app() -> web.Application:
 
 
 @asynccontextmanager
-async def _server_and_pool(limits: UpstreamLimits = LIMITS) -> AsyncIterator[tuple[TestServer, ServerState, UpstreamPool]]:
+async def _server_and_pool(limits: UpstreamLimits = LIMITS, drop_headers: tuple[str, ...] = ()
+                           ) -> AsyncIterator[tuple[TestServer, ServerState, UpstreamPool]]:
     app = _app()
     server = TestServer(app, host="127.0.0.1")
     await server.start_server()
-    pool = UpstreamPool(TIMEOUTS, limits)
+    pool = UpstreamPool(TIMEOUTS, limits, drop_headers=drop_headers)
     try:
         yield server, app[STATE], pool
     finally:
@@ -172,6 +173,24 @@ async def scenario_json_round_trip() -> None:
         assert "te" not in sent and "connection" not in sent
         # "Connection: close" from the client is hop-by-hop: the upstream connection stays pooled
         assert pool.stats()[f"127.0.0.1:{server.port}"] == {"open": 1, "idle": 1, "busy": 0}
+
+
+async def scenario_drop_headers_are_left_out_as_the_head_is_parsed() -> None:
+    async with _server_and_pool(drop_headers=("DATE", "server", "X-Request-Id", "Content-Type")) as (server, _, pool):
+        body = b'{"n": 1}'
+        head = _head("POST", "/echo", server, body, [("X-Request-Id", "r-2")])
+        resp = await pool.request("127.0.0.1", server.port, head, body)
+        names = [k.lower() for k, _ in resp.headers]
+        assert names == []  # the rest of its head is hop-by-hop (Connection, the header it names) or framing
+        assert resp.content_type.startswith("application/json")  # read even though it is left out
+        assert resp.header("x-request-id") is None and "x-private" not in names  # Connection-named: hop-by-hop
+        assert json.loads(await resp.read())["body"] == body.decode()
+        assert pool.drop_headers == frozenset({"date", "server", "x-request-id", "content-type"})
+    async with _server_and_pool() as (server, _, pool):  # none dropped besides hop-by-hop ones
+        resp = await pool.request("127.0.0.1", server.port, _head("POST", "/echo", server, b"{}"), b"{}")
+        names = {k.lower() for k, _ in resp.headers}
+        assert {"date", "server", "x-request-id", "content-type"} <= names
+        await resp.read()
 
 
 async def scenario_sse_stream_then_reuse() -> None:
@@ -340,6 +359,7 @@ async def scenario_read_after_partial_iteration_of_paused_body() -> None:
 
 SCENARIOS = [
     scenario_json_round_trip,
+    scenario_drop_headers_are_left_out_as_the_head_is_parsed,
     scenario_concurrent_requests_get_their_own_responses,
     scenario_read_after_partial_iteration_of_paused_body,
     scenario_sse_stream_then_reuse,
