@@ -212,6 +212,8 @@ MALFORMED = {
     "control_char": post("/v1/completions", extra="X-Session-ID: ab\x01cd\r\n"),
     "bare_lf": post("/v1/completions", extra="X-Custom: abc\nX-Injected: 1\r\n"),
     "bare_cr": post("/v1/completions", extra="X-Custom: abc\rX-Injected: 1\r\n"),
+    "nul": post("/v1/completions", extra="X-Custom: ab\x00cd\r\n"),
+    "del": post("/v1/completions", extra="X-Custom: ab\x7fcd\r\n"),
     "obs_fold": post("/v1/completions", extra="X-Custom: abc\r\n folded\r\n"),
     "space_in_name": post("/v1/completions", extra="X Custom: 1\r\n"),
     "bad_method": b"P@ST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Length: 2\r\n\r\n{}",
@@ -247,6 +249,20 @@ async def test_malformed_requests_get_a_400_in_openai_shape_and_the_front_keeps_
     assert not router.fakes[0].seen  # nothing reached a backend
     assert (await router.once(post("/v1/completions"))).status == 200
     assert in_flight(router.state) == 0
+
+
+async def test_a_bad_host_after_a_good_one_on_the_same_connection_is_a_400(served: Factory) -> None:
+    """The parser remembers the last Host value found valid on a connection (keep-alive clients repeat
+    it): another value is checked again."""
+    router = await served()
+    conn = await router.conn()
+    for _ in range(2):
+        assert (await conn.ask(post("/v1/completions"))).status == 200
+    bad = post("/v1/completions").replace(b"Host: router\r\n", b"Host: a/b\r\n")
+    answer = await conn.ask(bad)
+    assert answer.status == 400 and "Host" in answer.error()["message"]
+    assert await conn.closed_by_peer()
+    assert len(router.fakes[0].seen) == 2
 
 
 async def test_a_chunked_body_that_breaks_mid_way_is_a_400(served: Factory) -> None:
