@@ -79,8 +79,8 @@ with a session staying where its KV is until moving is clearly cheaper (DESIGN.m
   in_flight - in_flight_at_scrape``, 0 when one does not queue), cost per queued request ``G``,
   load ``L`` (``in_flight + others_at_scrape``) and busy cost ``B`` (0 when one has none), and its
   load total. The pool's ``Ledger`` (``router.membership``, kept by ``Backend.__setattr__`` and
-  ``admit``/``release``, so by every writer) counts the in-flight units added to and dropped from available members since, and
-  bumps a version on any other change a pass reads (availability, the scrape's fields, learned
+  ``admit``/``release``, so by every writer) counts the in-flight units added to and dropped from
+  available members since, and bumps a version on any other change a pass reads (availability, the scrape's fields, learned
   constants, membership, an in-flight count below 0). While the version is the pass's, with ``D``
   units dropped since, no member's in-flight count fell by more than ``D``, and each term of a
   candidate's floor is monotonic in its in-flight count and in each constant (none negative; the

@@ -384,8 +384,8 @@ class UpstreamConnection(asyncio.Protocol):
                 continue
             headers.append((name.decode("latin-1"), value.decode("utf-8", "surrogateescape")))
         if named:
-            drop = {n.decode("latin-1") for n in named}
-            headers = [h for h in headers if h[0].lower() not in drop]
+            listed = {n.decode("latin-1") for n in named}
+            headers = [h for h in headers if h[0].lower() not in listed]
         self._raw = []
         waiter = self._head_waiter
         if waiter is None or waiter.done():  # the caller was cancelled meanwhile: drop the exchange

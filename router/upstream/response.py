@@ -44,9 +44,9 @@ class UpstreamResponse:
     """A response whose head has been parsed; the body arrives through ``read`` or iteration.
 
     ``headers`` are as received minus hop-by-hop headers, ``Content-Length`` (framing is in
-    ``content_length`` / ``chunked``; the proxy frames its own response) and the pool's ``drop_headers``. Names and values are
-    decoded as UTF-8 with ``surrogateescape``: encoding them back the same way gives the exact bytes
-    the backend sent (non-ASCII and non-UTF-8 bytes included).
+    ``content_length`` / ``chunked``; the proxy frames its own response) and the pool's
+    ``drop_headers``. Names and values are decoded as UTF-8 with ``surrogateescape``: encoding them
+    back the same way gives the exact bytes the backend sent (non-ASCII and non-UTF-8 bytes included).
     """
 
     __slots__ = (

@@ -122,7 +122,8 @@ def test_header_injection_is_rejected(name: str, value: str) -> None:
 @pytest.mark.parametrize("value", ["abc\r\nX-Injected: 1", "abc\nGET / HTTP/1.1", "abc\rdef", "abc\x00def"])
 def test_the_proxys_own_header_values_are_checked_too(value: str) -> None:
     """``render_values`` (names the caller's constants) checks values as ``render_headers`` does."""
-    assert render_values([("X-Request-ID", "r-1"), ("X-Session-ID", "s-1")]) == "X-Request-ID: r-1\r\nX-Session-ID: s-1\r\n"
+    rendered = render_values([("X-Request-ID", "r-1"), ("X-Session-ID", "s-1")])
+    assert rendered == "X-Request-ID: r-1\r\nX-Session-ID: s-1\r\n"
     with pytest.raises(BadRequestError) as info:
         render_values([("X-Request-ID", "r-1"), ("X-Session-ID", value)])
     assert info.value.status == 400 and "X-Session-ID" in info.value.message
