@@ -46,6 +46,7 @@ from router.bodies import (
 from router.config import RouterConfig
 from contract.errors import (
     BadRequestError,
+    ConfigError,
     NotFoundError,
     PayloadTooLargeError,
     SessionRouterError,
@@ -135,9 +136,12 @@ class Proxy:
         #: the client-side session header (read and echoed under this name; upstream it is always
         #: SESSION_HEADER, the name vLLM reads)
         self.session_header = config.sessions.header
-        self._drop_response = response_drops(self.session_header)
-        #: the upstream pool leaves those headers out itself (``drop_headers``): no pass over each answer's
-        self._dropped_upstream = self._drop_response <= upstream.drop_headers
+        # the headers it sets itself are left out of every answer by the pool, as it parses the head
+        if not response_drops(self.session_header) <= upstream.drop_headers:
+            raise ConfigError(
+                "the proxy's upstream pool relays the headers the proxy sets itself: build it with "
+                "UpstreamPool(..., drop_headers=router.proxy.response_drops(session_header))"
+            )
         #: the policy predicts from a hint (prompt size, parent session): built per placement only then
         self._hinted = policy.name == "kv_aware"
         self._bytes_per_token = config.placement.bytes_per_token
@@ -502,7 +506,7 @@ class Proxy:
                     if response_id is not None:
                         self.responses.remember(response_id, backend.url, attempt.session_id)
                         want_id = False
-                if upstream.complete and not upstream.buffered:
+                if upstream.complete:  # this piece took everything buffered: it is the body's last
                     final = chunk  # one send for the last piece and the end, not two
                     break
                 await writer.write(chunk)
@@ -527,12 +531,7 @@ class Proxy:
         await writer.end(final)
 
     def _response_headers(self, upstream: UpstreamResponse, attempt: Attempt) -> list[tuple[str, str]]:
-        if self._dropped_upstream:
-            headers = upstream.headers + [(REQUEST_ID_HEADER, attempt.request_id)]
-        else:
-            drop = self._drop_response
-            headers = [h for h in upstream.headers if h[0].lower() not in drop]
-            headers.append((REQUEST_ID_HEADER, attempt.request_id))
+        headers = upstream.headers + [(REQUEST_ID_HEADER, attempt.request_id)]  # the pool left out response_drops
         if attempt.session_id is not None:
             headers.append((self.session_header, attempt.session_id))
         if self.decision_header and attempt.placement is not None:

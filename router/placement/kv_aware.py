@@ -80,10 +80,10 @@ with a session staying where its KV is until moving is clearly cheaper (DESIGN.m
   load ``L`` (``in_flight + others_at_scrape``) and busy cost ``B`` (0 when one has none), and its
   load total. The pool's ``Ledger`` (``router.membership``, kept by ``Backend.__setattr__`` and
   ``admit``/``release``, so by every writer) counts the in-flight units added to and dropped from
-  available members since, and bumps a version on any other change a pass reads (availability, the scrape's fields, learned
-  constants, membership, an in-flight count below 0). While the version is the pass's, with ``D``
-  units dropped since, no member's in-flight count fell by more than ``D``, and each term of a
-  candidate's floor is monotonic in its in-flight count and in each constant (none negative; the
+  available members since, and bumps a version on any other change a pass reads (availability, the
+  scrape's fields, learned constants, membership, an in-flight count below 0). While the version is
+  the pass's, with ``D`` units dropped since, no member's in-flight count fell by more than ``D``,
+  and each term of a candidate's floor is monotonic in its in-flight count and in each constant (none negative; the
   configured ``queued_request_s`` >= 0), so with ``predict``'s operations in its order (rounding is
   monotonic)::
 

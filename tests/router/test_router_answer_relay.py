@@ -12,8 +12,13 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from contract.errors import ConfigError
+from router import app as app_module
+from router.app import create_app
+from router.config import BackendConfig
 from router.front.raw_exchange import Exchange
 from tests.conftest import MakeRouter
+from tests.support import router_config
 
 FIRST = b'data: {"i": 0}\n\n'
 DONE = b"data: [DONE]\n\n"
@@ -108,3 +113,12 @@ async def test_a_streams_last_piece_goes_with_its_end_when_they_came_together(
         assert ends[0].endswith(DONE) and all(DONE not in data for data in writes)
     else:  # the end came later: the piece went out as it came, the end on its own
         assert ends == [b""] and writes[-1].endswith(DONE)
+
+
+def test_the_proxy_refuses_a_pool_that_would_relay_its_own_headers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The proxy relays a backend's headers as the pool parsed them: a pool that keeps the ones the proxy
+    sets itself (``response_drops``) is a wiring error, refused at start-up."""
+    monkeypatch.setattr(app_module, "response_drops", lambda session_header: frozenset({"date"}))
+    with pytest.raises(ConfigError) as info:
+        create_app(router_config(backends=[BackendConfig("http://127.0.0.9:9")]))
+    assert "drop_headers" in info.value.message
