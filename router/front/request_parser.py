@@ -188,7 +188,8 @@ class RequestParser:
         if head > self._max_head:
             raise Rejected(head_too_large(self._max_head))
         # llhttp (strict) refuses CR, LF and NUL in a value, so none reaches a backend (the bad-input
-        # corpus, tests/contract/corpus/headers.json, pins it); it leaves trailing whitespace in
+        # corpus, tests/contract/corpus/headers.json, pins it); it does leave trailing spaces and tabs in
+        # the value, stripped here
         value = value.strip(b" \t")
         lname = name.lower()
         if lname not in self._watch_b:
